@@ -1,0 +1,30 @@
+# Quick start: `make demo` (set up, then simulate GPT-3 175B on 1536 A100s) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/plait simulate --model gpt3-175b --cluster 192x8xA100-80GB --seq-len 2048 \
+	  --strategy "tp=8,pp=8,dp=24,mbs=2,gbs=2304,recompute=full,vpp=2" --timeline out/gpt3-175b.png
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/published_runs.py
+	$(BIN)/python benchmarks/simulator_speed.py
+
+clean:
+	rm -rf $(VENV) out

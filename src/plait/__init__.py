@@ -1,0 +1,1 @@
+"""plait: predict iteration time and memory of hybrid-parallel LLM training."""

@@ -1,0 +1,195 @@
+"""The `plait` command: list presets and simulate plans (DESIGN.md's public interface).
+
+Bad input ends with one line on stderr (what is wrong and what fixes it) and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from plait.errors import PlaitError
+from plait.plan import Plan, load_plan, uniform_plan, validate_plan
+from plait.simulate import Report, simulate
+from plait.spec.cluster import GIB, GPUS, Cluster, load_cluster
+from plait.spec.model import PRESETS, ModelSpec, load_model
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Find, predict and run the fastest hybrid-parallel layout for training a transformer.")
+out = Console(width=None if sys.stdout.isatty() else 120)  # files and pipes get full-width tables
+err = Console(stderr=True, width=10_000)  # one-line errors are never wrapped
+
+
+def fail(message: str) -> None:
+    """Print a one-line error and exit with 2."""
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def parse_slow(text: str | None) -> dict[int, float]:
+    """`RANK:FACTOR[,RANK:FACTOR...]` -> {rank: factor}."""
+    slow: dict[int, float] = {}
+    for item in filter(None, (p.strip() for p in (text or "").split(","))):
+        rank, colon, factor = item.partition(":")
+        try:
+            slow[int(rank)] = float(factor)
+        except ValueError:
+            raise PlaitError(f"--slow: cannot read {item!r}; use RANK:FACTOR such as 3:2.5") from None
+        if not colon:
+            raise PlaitError(f"--slow: cannot read {item!r}; use RANK:FACTOR such as 3:2.5")
+    return slow
+
+
+def load_inputs(model: str, cluster: str, memory_gib: float | None, slow: str | None) -> tuple[ModelSpec, Cluster]:
+    m = load_model(model)
+    c = load_cluster(cluster)
+    if memory_gib is not None:
+        if memory_gib <= 0:
+            raise PlaitError(f"--memory-gib must be positive, got {memory_gib}")
+        c = c.with_memory(memory_gib)
+    if slow:
+        c = c.with_slow(parse_slow(slow))
+    return m, c
+
+
+@app.command()
+def models() -> None:
+    """List model presets."""
+    table = Table(title="model presets (or a config.json path, or gpt:/llama: inline specs)")
+    for col in ("name", "family", "params", "layers", "hidden", "heads", "kv", "ffn", "vocab", "seq"):
+        table.add_column(col, justify="left" if col in ("name", "family") else "right")
+    for name, m in PRESETS.items():
+        table.add_row(name, m.family, f"{m.params / 1e9:.2f}B" if m.params > 1e8 else f"{m.params / 1e6:.2f}M",
+                      str(m.layers), str(m.hidden), str(m.heads), str(m.kv_heads), str(m.ffn), str(m.vocab),
+                      str(m.max_seq_len))
+    out.print(table)
+
+
+@app.command()
+def clusters() -> None:
+    """List GPU types (use NODESxGPUSxTYPE, e.g. 2x8xH100-80GB, or a YAML file)."""
+    from plait.spec.cluster import DGX_LINKS
+
+    table = Table(title="GPU types (clusters: NODESxGPUSxTYPE such as 192x8xA100-80GB, or a YAML file)")
+    for col in ("type", "bf16 TFLOP/s", "memory GiB", "HBM GB/s", "NVLink GB/s", "network GB/s per GPU"):
+        table.add_column(col, justify="left" if col == "type" else "right")
+    for name, g in GPUS.items():
+        intra, inter = DGX_LINKS[name]
+        table.add_row(name, f"{g.peak_flops / 1e12:.0f}", f"{g.memory_bytes / GIB:.1f}",
+                      f"{g.hbm_bandwidth / 1e9:.0f}", f"{intra.bandwidth / 1e9:.0f}", f"{inter.bandwidth / 1e9:.0f}")
+    out.print(table)
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.3f} s"
+
+
+def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
+    """Rich tables: headline numbers, time breakdown, memory per device group."""
+    pipe = plan.pipelines[0]
+    strategies = sorted({s.short() for st in pipe.stages for s in st.strategies})
+    out.print(f"[bold]{model.name}[/] ({model.params / 1e9:.2f}B params) on [bold]{cluster.name}[/], "
+              f"seq {plan.seq_len}, global batch {plan.global_batch}, {plan.precision}")
+    out.print(f"plan: {len(plan.pipelines)} pipeline(s), pp={plan.pp}, chunks={plan.chunks}, "
+              f"schedule={plan.schedule}, micro-batches={pipe.micro_batches} x {pipe.micro_batch_size} seqs; "
+              f"layers: {'; '.join(strategies)}")
+    head = Table(title="prediction", show_header=False)
+    head.add_column("metric")
+    head.add_column("value", justify="right")
+    fits = "[green]yes[/]" if report.fits else f"[red]no: {report.over_memory_gib:.1f} GiB over[/]"
+    for name, value in (
+        ("iteration time", _fmt_s(report.iteration_time_s)),
+        ("throughput", f"{report.tokens_per_s:,.0f} tokens/s"),
+        ("model TFLOP/s per GPU", f"{report.model_tflops_per_gpu:.1f} (MFU {report.mfu:.1%})"),
+        ("hardware TFLOP/s per GPU", f"{report.hardware_tflops_per_gpu:.1f} (HFU {report.hfu:.1%})"),
+        ("peak memory", f"{report.peak_memory_gib:.1f} of {report.memory_capacity_gib:.1f} GiB"),
+        ("fits", fits),
+    ):
+        head.add_row(name, value)
+    out.print(head)
+    bd = Table(title="time of the slowest device by cause", box=box.SIMPLE_HEAD)
+    bd.add_column("cause")
+    bd.add_column("time", justify="right")
+    bd.add_column("share", justify="right")
+    for key, value in report.breakdown.items():
+        if value > 0:
+            bd.add_row(key, _fmt_s(value), f"{value / report.iteration_time_s:.1%}")
+    out.print(bd)
+    mem = Table(title="memory per device (GiB)", box=box.SIMPLE_HEAD)
+    multi = len(plan.pipelines) > 1
+    for col in ("pipe",) * multi + ("stage", "ranks", "layers", "weights", "grads", "optim", "activ", "buf",
+                                    "reserve", "total"):
+        mem.add_column(col, justify="right", no_wrap=True)
+    for d in report.devices[:16]:
+        t = d.memory
+        total = f"{t.total / GIB:.1f}" if t.total <= cluster.gpu.memory_bytes else f"[red]{t.total / GIB:.1f}[/]"
+        mem.add_row(*(str(d.pipeline),) * multi, str(d.index), f"{d.ranks[0]}-{d.ranks[-1]}",
+                    ",".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in d.layers),
+                    *(f"{v / GIB:.1f}" for v in (t.weights, t.gradients, t.optimizer, t.activations, t.buffers,
+                                                  t.reserve)), total)
+    if len(report.devices) > 16:
+        mem.caption = f"first 16 of {len(report.devices)} device groups"
+    out.print(mem)
+
+
+@app.command(name="simulate")
+def simulate_cmd(
+    model: str = typer.Option(..., "--model", "-m", help="preset, config.json path, or inline gpt:/llama: spec"),
+    cluster: str = typer.Option(..., "--cluster", "-c", help="NODESxGPUSxTYPE (e.g. 2x8xH100-80GB) or YAML"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", "-s", help="tokens per sequence (plan's if omitted)"),
+    plan: Optional[Path] = typer.Option(None, "--plan", help="plan JSON/YAML"),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help='e.g. "tp=8,pp=8,dp=16,mbs=1,gbs=1536"'),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object and nothing else"),
+    timeline: Optional[Path] = typer.Option(None, "--timeline", help="write a pipeline timeline + memory chart"),
+    slow: Optional[str] = typer.Option(None, "--slow", help="straggling devices RANK:FACTOR[,...]"),
+    memory_gib: Optional[float] = typer.Option(None, "--memory-gib", help="override device memory (GiB)"),
+) -> None:
+    """Predict iteration time, throughput, MFU and memory of one plan."""
+    try:
+        m, c = load_inputs(model, cluster, memory_gib, slow)
+        if (plan is None) == (strategy is None):
+            raise PlaitError("give exactly one of --plan FILE or --strategy \"tp=..,pp=..,dp=..\"")
+        if plan is not None:
+            p = load_plan(plan)
+            if seq_len is not None and seq_len != p.seq_len:
+                p = p.model_copy(update={"seq_len": seq_len})
+        else:
+            if seq_len is None:
+                seq_len = m.max_seq_len
+            if seq_len <= 0:
+                raise PlaitError(f"--seq-len must be positive, got {seq_len}")
+            p = uniform_plan(strategy or "", m, c, seq_len)
+        validate_plan(p, m, c)
+        report = simulate(p, m, c, record=timeline is not None)
+        if timeline is not None:
+            from plait.viz import combined
+
+            memory = [(f"p{d.pipeline}s{d.index}", {k: v for k, v in d.memory.as_dict().items()})
+                      for d in report.devices]
+            combined(report.pipelines[0], memory, c.gpu.memory_bytes, str(timeline),
+                     f"{m.name} on {c.name}: {report.iteration_time_s:.3f} s/iteration, MFU {report.mfu:.1%}")
+    except PlaitError as exc:
+        fail(str(exc))
+        return
+    if as_json:
+        sys.stdout.write(json.dumps(report.to_dict()) + "\n")
+        return
+    print_report(report, p, m, c)
+    if timeline is not None:
+        out.print(f"timeline and memory chart: {timeline}")
+
+
+def main() -> None:
+    """Entry point of the `plait` console script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

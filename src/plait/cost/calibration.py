@@ -1,0 +1,49 @@
+"""Calibration: the achievable fractions of datasheet peaks that the analytic cost model uses.
+
+Each field is a dimensionless fraction or a time, with where its default comes from. A profile measured
+on real hardware (`plait profile`) replaces these defaults for the GPU type it was measured on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Achievable efficiencies of one GPU type and its links."""
+
+    gemm_efficiency: float = 0.78
+    """Fraction of the 16-bit tensor-core peak that a large, well-shaped cuBLAS GEMM sustains inside a
+    training step (A100: 230-250 of 312 TFLOP/s measured for 8K x 6K x 2K fp16 GEMMs)."""
+    gemm_k_overhead: float = 64.0
+    """Elements of the reduction dimension k whose worth of time each output tile spends in prologue and
+    epilogue: a GEMM's efficiency is scaled by k / (k + gemm_k_overhead). Small-k GEMMs (attention with
+    head_dim 64-128) run at 50-70% of large ones on A100/H100."""
+    gemm_tile: int = 128
+    """Output tile edge (elements) for tile and wave quantisation (cuBLAS/CUTLASS 128x128 or 128x256
+    tiles on Ampere/Hopper)."""
+    flash_fwd_efficiency: float = 0.62
+    """Fraction of peak that FlashAttention-2 forward reaches (A100, head_dim 128, 2K tokens: ~190 of 312
+    TFLOP/s, Dao 2023, Fig. 4)."""
+    flash_bwd_efficiency: float = 0.50
+    """Fraction of peak that FlashAttention-2 backward reaches (~150-170 of 312 TFLOP/s on A100)."""
+    causal_work_fraction: float = 0.5
+    """Fraction of the s x s attention scores that a causal flash kernel computes (it skips masked
+    blocks); eager attention computes all of them."""
+    memory_efficiency: float = 0.8
+    """Fraction of datasheet HBM bandwidth that fused elementwise kernels (norms, activations, softmax,
+    optimizer) reach (STREAM-like copies reach 85-90% on A100/H100)."""
+    kernel_overhead_s: float = 4e-6
+    """Launch/idle time per kernel between back-to-back kernels in a step (eager PyTorch/Megatron ~3-5 us)."""
+    nvlink_efficiency: float = 0.80
+    """NCCL all-reduce bus bandwidth / NVLink per-direction peak inside a node (nccl-tests on DGX A100:
+    ~230-240 of 300 GB/s)."""
+    network_efficiency: float = 0.90
+    """NCCL bus bandwidth / NIC line rate between nodes (DGX A100 8x HDR: ~180-190 of 200 GB/s)."""
+    overlap_efficiency: float = 0.9
+    """Fraction of an overlap window that background communication can actually use (SM and memory
+    contention with the compute it hides behind)."""
+
+
+DEFAULT_CALIBRATION = Calibration()

@@ -1,0 +1,98 @@
+"""Collective and point-to-point communication time on a two-level (NVLink + network) topology.
+
+A group is described by its shape: `size` ranks spread over `nodes` nodes with at most `per_node` of them
+on one node. Inside one node collectives run at NVLink bus bandwidth. Across nodes every member drives its
+own NIC, so NCCL's rings run `per_node` channels through `per_node` NICs of each node: the inter-node bus
+bandwidth is per_node x NIC bandwidth, capped by NVLink. Latency: a ring inside the node plus a tree
+across nodes. Sizes are bytes of the full (unsharded) buffer; times are seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+from plait.cost.calibration import Calibration
+from plait.spec.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """How a process group sits on the cluster."""
+
+    size: int
+    nodes: int
+    per_node: int
+
+    @staticmethod
+    def of(ranks: Sequence[int], gpus_per_node: int) -> GroupShape:
+        counts: dict[int, int] = {}
+        for r in ranks:
+            node = r // gpus_per_node
+            counts[node] = counts.get(node, 0) + 1
+        return GroupShape(len(ranks), len(counts), max(counts.values()))
+
+
+SINGLE = GroupShape(1, 1, 1)
+
+
+@lru_cache(maxsize=4096)
+def bus_bandwidth(group: GroupShape, cluster: Cluster, cal: Calibration) -> float:
+    """Achievable bus bandwidth (bytes/s) of a collective over `group`."""
+    intra = cluster.intra.bandwidth * cal.nvlink_efficiency
+    if group.nodes == 1:
+        return intra
+    return min(intra, group.per_node * cluster.inter.bandwidth * cal.network_efficiency)
+
+
+def _latency(group: GroupShape, cluster: Cluster) -> float:
+    """One pass of a ring inside the node plus a tree across nodes, seconds."""
+    inter = math.ceil(math.log2(group.nodes)) * cluster.inter.latency if group.nodes > 1 else 0.0
+    return (group.per_node - 1) * cluster.intra.latency + inter
+
+
+def all_reduce(nbytes: float, group: GroupShape, cluster: Cluster, cal: Calibration) -> float:
+    """Seconds to all-reduce `nbytes` over `group` (ring: 2 (n-1)/n of the data through each rank)."""
+    n = group.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bus_bandwidth(group, cluster, cal) + 2 * _latency(group, cluster)
+
+
+def all_gather(nbytes: float, group: GroupShape, cluster: Cluster, cal: Calibration) -> float:
+    """Seconds to all-gather a buffer of `nbytes` in all ((n-1)/n of it into each rank)."""
+    n = group.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / bus_bandwidth(group, cluster, cal) + _latency(group, cluster)
+
+
+reduce_scatter = all_gather
+"""Reduce-scatter moves the same bytes as all-gather, in the other direction."""
+
+
+def all_to_all(nbytes: float, group: GroupShape, cluster: Cluster, cal: Calibration) -> float:
+    """Seconds for an all-to-all where each rank holds `nbytes` and keeps 1/n of it.
+
+    Traffic that stays in the node runs on NVLink; traffic leaving it goes through the rank's own NIC.
+    """
+    n = group.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    local = (group.per_node - 1) / n * nbytes / (cluster.intra.bandwidth * cal.nvlink_efficiency)
+    remote = 0.0
+    if group.nodes > 1:
+        remote = (n - group.per_node) / n * nbytes / (cluster.inter.bandwidth * cal.network_efficiency)
+    latency = cluster.inter.latency if group.nodes > 1 else cluster.intra.latency
+    return max(local, remote) + latency
+
+
+def p2p(nbytes: float, cross_node: bool, cluster: Cluster, cal: Calibration) -> float:
+    """Seconds to send `nbytes` from one rank to another."""
+    if nbytes <= 0:
+        return 0.0
+    if cross_node:
+        return nbytes / (cluster.inter.bandwidth * cal.network_efficiency) + cluster.inter.latency
+    return nbytes / (cluster.intra.bandwidth * cal.nvlink_efficiency) + cluster.intra.latency

@@ -1,0 +1,63 @@
+"""Compute time of kernels on one GPU: GEMMs, attention, and memory-bound elementwise work.
+
+A GEMM's time is its FLOPs at an efficiency that falls for small matrices (tile and wave quantisation over
+the GPU's SMs, and a fixed per-tile overhead along k), bounded below by the time to move its operands
+through HBM. Elementwise kernels are bytes / achievable HBM bandwidth. Times are seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from plait.cost.calibration import Calibration
+from plait.spec.cluster import GPU
+
+
+@lru_cache(maxsize=65536)
+def gemm_time(m: int, n: int, k: int, gpu: GPU, cal: Calibration, peak_flops: float, elem_bytes: int,
+              batch: int = 1) -> float:
+    """Seconds for `batch` products [m, k] @ [k, n] (one kernel) with `elem_bytes`-byte operands on
+    `gpu` at `peak_flops`."""
+    if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+        return 0.0
+    tile = cal.gemm_tile
+    tiles = batch * math.ceil(m / tile) * math.ceil(n / tile)
+    waves = math.ceil(tiles / gpu.sm_count)
+    # Useful fraction of the tile work actually launched (partial tiles and the last partial wave).
+    quantisation = batch * m * n / (waves * gpu.sm_count * tile * tile)
+    efficiency = cal.gemm_efficiency * min(1.0, quantisation) * k / (k + cal.gemm_k_overhead)
+    flop_time = 2.0 * batch * m * n * k / (peak_flops * efficiency)
+    memory_time = batch * elem_bytes * (m * k + k * n + m * n) / (gpu.hbm_bandwidth * cal.memory_efficiency)
+    return max(flop_time, memory_time) + cal.kernel_overhead_s
+
+
+def elementwise_time(bytes_moved: float, gpu: GPU, cal: Calibration, kernels: int = 1) -> float:
+    """Seconds for memory-bound kernels that read and write `bytes_moved` bytes in all."""
+    return bytes_moved / (gpu.hbm_bandwidth * cal.memory_efficiency) + kernels * cal.kernel_overhead_s
+
+
+def flash_attention_time(batch_heads: int, seq_q: int, seq_kv: int, head_dim: int, causal: bool,
+                         gpu: GPU, cal: Calibration, peak_flops: float) -> tuple[float, float]:
+    """(forward, backward) seconds of a fused attention kernel over `batch_heads` (sequence, head) pairs."""
+    work = cal.causal_work_fraction if causal else 1.0
+    flops = 4.0 * batch_heads * seq_q * seq_kv * head_dim * work  # QK^T and PV
+    fwd = flops / (peak_flops * cal.flash_fwd_efficiency) + cal.kernel_overhead_s
+    bwd = 2.5 * flops / (peak_flops * cal.flash_bwd_efficiency) + cal.kernel_overhead_s  # 5 GEMMs vs 2
+    return fwd, bwd
+
+
+def eager_attention_time(batch_heads: int, seq: int, head_dim: int, dropout: bool, gpu: GPU,
+                         cal: Calibration, peak_flops: float, elem_bytes: int) -> tuple[float, float]:
+    """(forward, backward) seconds of unfused attention: batched QK^T, masked softmax, dropout, PV.
+
+    Forward moves per score: softmax read+write (2 x elem), dropout read+write + 1-byte mask; backward
+    about twice that. GEMMs backward are two GEMMs per forward GEMM.
+    """
+    qk = gemm_time(seq, seq, head_dim, gpu, cal, peak_flops, elem_bytes, batch_heads)
+    pv = gemm_time(seq, head_dim, seq, gpu, cal, peak_flops, elem_bytes, batch_heads)
+    scores = batch_heads * seq * seq
+    per_score = 2 * elem_bytes + ((2 * elem_bytes + 1) if dropout else 0)
+    fwd_elem = elementwise_time(scores * per_score, gpu, cal, kernels=2)
+    bwd_elem = elementwise_time(scores * (2 * per_score + elem_bytes), gpu, cal, kernels=2)
+    return qk + pv + fwd_elem, 2 * (qk + pv) + bwd_elem

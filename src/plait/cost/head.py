@@ -1,0 +1,61 @@
+"""Time and memory of the embedding (first stage) and the LM head with its loss (last stage).
+
+Both are vocabulary-parallel over the tensor-parallel group (Megatron's VocabParallelEmbedding and
+parallel cross-entropy). Seconds and bytes for one micro-batch on one device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.cost import comm
+from plait.cost.compute import elementwise_time, gemm_time
+from plait.cost.layer import BlockContext
+from plait.plan import Strategy
+
+LOGIT_BYTES = 4
+"""Bytes per logit: the loss is computed on fp32 logits (Megatron casts before cross-entropy)."""
+LOSS_PASSES = 4
+"""Full passes over the fp32 logits by the cross-entropy forward and backward (max, exp-sum, softmax-grad
+write, cast); each pass reads or writes every logit once."""
+
+
+@dataclass(frozen=True)
+class EdgeTime:
+    """Seconds of the embedding or head for one micro-batch on one device."""
+
+    forward: float
+    backward: float
+    tp_comm: float  # all passes
+
+
+def head_time(s: Strategy, ctx: BlockContext) -> EdgeTime:
+    """Final norm, vocabulary-parallel LM projection and cross-entropy."""
+    m, gpu, cal, eb = ctx.model, ctx.cluster.gpu, ctx.cal, ctx.prec.activation
+    peak = ctx.prec.peak_flops(gpu)
+    tokens = ctx.seqs * ctx.seq_len // s.cp
+    v = m.vocab // s.tp
+    fwd = gemm_time(tokens, v, m.hidden, gpu, cal, peak, eb)
+    bwd = gemm_time(tokens, m.hidden, v, gpu, cal, peak, eb) + gemm_time(m.hidden, v, tokens, gpu, cal, peak, eb)
+    logits = tokens * v * LOGIT_BYTES
+    loss = elementwise_time(LOSS_PASSES * logits, gpu, cal, kernels=4)
+    norm = elementwise_time(2 * tokens * m.hidden * eb / (s.tp if s.sp else 1), gpu, cal)
+    # Gathering the hidden state (sp) and reducing input gradients, plus the loss's max/sum all-reduces.
+    tp = 2 * comm.all_reduce(tokens * m.hidden * eb, ctx.tp_group, ctx.cluster, cal)
+    tp += 2 * comm.all_reduce(tokens * 4, ctx.tp_group, ctx.cluster, cal)
+    return EdgeTime(forward=fwd + loss / 2 + norm, backward=bwd + loss / 2 + 2 * norm, tp_comm=tp)
+
+
+def embedding_time(s: Strategy, ctx: BlockContext) -> EdgeTime:
+    """Vocabulary-parallel embedding lookup (memory-bound) and its all-reduce across the tp group."""
+    m, gpu, cal, eb = ctx.model, ctx.cluster.gpu, ctx.cal, ctx.prec.activation
+    tokens = ctx.seqs * ctx.seq_len // s.cp
+    lookup = elementwise_time(2 * tokens * m.hidden * eb, gpu, cal, kernels=2)
+    tp = comm.all_reduce(tokens * m.hidden * eb, ctx.tp_group, ctx.cluster, cal)
+    return EdgeTime(forward=lookup, backward=2 * lookup, tp_comm=tp)
+
+
+def head_activation_bytes(s: Strategy, ctx: BlockContext) -> float:
+    """Peak transient bytes of the loss for one micro-batch: fp32 logits and their gradient."""
+    tokens = ctx.seqs * ctx.seq_len / s.cp
+    return 2 * tokens * (ctx.model.vocab / s.tp) * LOGIT_BYTES

@@ -1,0 +1,159 @@
+"""Time and activation memory of one transformer block for one micro-batch on one device.
+
+Each term has a name. Compute: the block's GEMMs (column/row split by tensor parallelism, tokens split by
+data and context parallelism), the attention core (flash or eager), and memory-bound elementwise work
+(norms, residual adds, dropout, activation functions, RoPE), whose replicated part is divided by the
+tensor-parallel degree only under sequence parallelism. Communication: Megatron tensor-parallel
+collectives (2 forward, 2 backward; repeated by full recompute), Ulysses all-to-alls or ring K/V passes for
+context parallelism, and ZeRO-2/3 per-micro-batch gathers and reduce-scatters that overlap with compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from plait.cost import comm
+from plait.cost.calibration import Calibration
+from plait.cost.comm import GroupShape
+from plait.cost.compute import eager_attention_time, elementwise_time, flash_attention_time, gemm_time
+from plait.cost.precision import PrecisionBytes
+from plait.plan import Strategy
+from plait.spec.cluster import Cluster
+from plait.spec.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class BlockTime:
+    """Seconds for one block and one micro-batch on one device, by cause."""
+
+    forward: float  # compute of the forward pass
+    backward: float  # compute of the backward pass (without recompute)
+    recompute: float  # compute repeated in backward by activation recomputation
+    tp_comm: float  # tensor-parallel collectives, all passes (never overlapped)
+    cp_comm: float  # exposed context-parallel communication, all passes
+    zero_comm: float  # exposed ZeRO-2/3 parameter gathers and gradient reduce-scatters
+    forward_comm: float  # the part of tp/cp/zero communication that lies in the forward pass
+
+    @property
+    def forward_total(self) -> float:
+        return self.forward + self.forward_comm
+
+    @property
+    def backward_total(self) -> float:
+        return self.backward + self.recompute + self.tp_comm + self.cp_comm + self.zero_comm - self.forward_comm
+
+    @property
+    def flops_time(self) -> float:
+        return self.forward + self.backward + self.recompute
+
+
+@dataclass(frozen=True)
+class BlockContext:
+    """Everything besides the strategy that a block's cost depends on (hashable, for caching)."""
+
+    model: ModelSpec
+    cluster: Cluster
+    cal: Calibration
+    prec: PrecisionBytes
+    seq_len: int
+    seqs: int  # sequences per data-parallel replica per micro-batch
+    tp_group: GroupShape
+    cp_group: GroupShape
+    dp_group: GroupShape
+
+
+def _elementwise_bytes_per_token(model: ModelSpec, s: Strategy, eb: int) -> float:
+    """Forward bytes moved per token by the block's memory-bound kernels on one device."""
+    h = model.hidden
+    # Two norms (read + write), two residual adds (read 2, write 1), each on the full hidden state.
+    replicated = (2 * 2 * h + 2 * 3 * h) * eb
+    if model.dropout:
+        replicated += 2 * (2 * h * eb + h)  # dropout read+write and 1-byte mask, after attention and MLP
+    if model.gated_mlp:
+        sharded = 3 * model.ffn * eb  # SwiGLU reads gate and up, writes the product
+    else:
+        sharded = 2 * model.ffn * eb  # GeLU reads and writes
+    if not model.learned_positions:
+        sharded += 2 * (model.q_dim + model.kv_dim) * eb  # RoPE on q and k
+    return replicated / (s.tp if s.sp else 1) + sharded / s.tp
+
+
+@lru_cache(maxsize=16384)
+def block_time(s: Strategy, ctx: BlockContext) -> BlockTime:
+    """Time of one block for one micro-batch of `ctx.seqs` sequences on one device of strategy `s`."""
+    m, gpu, cal, eb = ctx.model, ctx.cluster.gpu, ctx.cal, ctx.prec.activation
+    peak = ctx.prec.peak_flops(gpu)
+    tokens = ctx.seqs * ctx.seq_len // s.cp  # tokens this device holds outside attention
+
+    # GEMMs: forward [tokens, k] @ [k, n]; backward computes dgrad and wgrad of the same size.
+    fwd_gemm = bwd_gemm = 0.0
+    for g in m.gemms:
+        k, n = (g.k, g.n // s.tp) if g.split == "col" else (g.k // s.tp, g.n)
+        fwd_gemm += gemm_time(tokens, n, k, gpu, cal, peak, eb)
+        bwd_gemm += gemm_time(tokens, k, n, gpu, cal, peak, eb) + gemm_time(k, n, tokens, gpu, cal, peak, eb)
+
+    # Attention core: Ulysses gives each device all tokens of heads/(tp*cp) heads; ring gives it a 1/cp
+    # slice of queries against all keys: the same work either way.
+    heads = m.heads // s.tp
+    if m.attention == "flash":
+        attn_f, attn_b = flash_attention_time(ctx.seqs * heads, ctx.seq_len // s.cp, ctx.seq_len, m.head_dim,
+                                              True, gpu, cal, peak)
+    else:
+        attn_f, attn_b = eager_attention_time(ctx.seqs * heads // s.cp, ctx.seq_len, m.head_dim, m.dropout,
+                                              gpu, cal, peak, eb)
+
+    elem_f = elementwise_time(tokens * _elementwise_bytes_per_token(m, s, eb), gpu, cal, kernels=8)
+    forward = fwd_gemm + attn_f + elem_f
+    backward = bwd_gemm + attn_b + 2 * elem_f
+    recompute = {"none": 0.0, "selective": attn_f, "full": forward}[s.recompute]
+
+    # Tensor parallelism: per pass two all-reduces (or, with sp, an all-gather and a reduce-scatter of the
+    # same total traffic) of the full hidden state of the device's tokens.
+    act_bytes = tokens * m.tp_comm_elements_per_token * eb
+    tp_one = comm.all_reduce(act_bytes, ctx.tp_group, ctx.cluster, cal)
+    tp_fwd = 2 * tp_one
+    tp_passes = 3 if s.recompute == "full" else 2
+
+    # Context parallelism.
+    cp_fwd = cp_bwd = 0.0
+    if s.cp > 1:
+        if s.cp_mode == "ulysses":
+            a2a = comm.all_to_all(tokens * m.ulysses_elements_per_token // s.tp * eb, ctx.cp_group, ctx.cluster, cal)
+            cp_fwd, cp_bwd = a2a, a2a
+        else:  # ring: cp-1 K/V block passes hidden behind the block attention they feed
+            kv = ctx.seqs * (ctx.seq_len // s.cp) * m.ring_kv_elements_per_token // s.tp * eb
+            cross = ctx.cp_group.nodes > 1
+            step = comm.p2p(kv, cross, ctx.cluster, cal)
+            cp_fwd = max(0.0, (s.cp - 1) * step - attn_f * cal.overlap_efficiency)
+            cp_bwd = max(0.0, 2 * (s.cp - 1) * step - attn_b * cal.overlap_efficiency)
+    cp_recompute = cp_fwd if s.recompute == "full" else 0.0
+
+    # ZeRO-3 gathers parameters before forward and backward and reduce-scatters gradients each micro-batch;
+    # ZeRO-2 reduce-scatters gradients each micro-batch. Prefetching hides them behind the block's compute.
+    zero_fwd = zero_bwd = 0.0
+    params = m.block_params // s.tp
+    if s.dp > 1 and s.zero >= 2:
+        rs = comm.reduce_scatter(params * ctx.prec.grad, ctx.dp_group, ctx.cluster, cal)
+        gather = comm.all_gather(params * ctx.prec.param, ctx.dp_group, ctx.cluster, cal) if s.zero == 3 else 0.0
+        zero_fwd = max(0.0, gather - forward * cal.overlap_efficiency)
+        zero_bwd = max(0.0, gather + rs - (backward + recompute) * cal.overlap_efficiency)
+
+    return BlockTime(
+        forward=forward, backward=backward, recompute=recompute,
+        tp_comm=tp_passes * tp_fwd, cp_comm=cp_fwd + cp_bwd + cp_recompute, zero_comm=zero_fwd + zero_bwd,
+        forward_comm=tp_fwd + cp_fwd + zero_fwd,
+    )
+
+
+def block_activation_bytes(s: Strategy, ctx: BlockContext, recompute: str | None = None) -> float:
+    """Bytes one block keeps for backward for one micro-batch on one device (Korthikanti's terms)."""
+    m, eb = ctx.model, ctx.prec.activation
+    a = m.activation_bytes(recompute or s.recompute)  # type: ignore[arg-type]
+    tokens = ctx.seqs * ctx.seq_len / s.cp
+    replicated_div = s.tp if s.sp else 1
+    scale = eb / 2  # the formulas count 16-bit activations
+    per_token = ((a.replicated * scale + a.replicated_masks) / replicated_div
+                 + a.sharded * scale / s.tp
+                 + (a.quadratic_per_seq_token * scale + a.sharded_quadratic_masks) * ctx.seq_len / s.tp)
+    return tokens * per_token

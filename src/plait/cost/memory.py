@@ -1,0 +1,55 @@
+"""Memory of one device: model states by ZeRO stage and precision, activations, buffers and reserve.
+
+Bytes. Model states follow Rajbhandari et al. 2020 (ZeRO): weights, gradients and optimizer state are each
+divided by the data-parallel degree from ZeRO stage 3, 2 and 1 on. Activations are the per-layer saved
+tensors (cost/layer.py) times the micro-batches in flight at the device's pipeline position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from plait.cost.precision import PrecisionBytes
+
+CUDA_CONTEXT_BYTES = 0.75 * 1024**3
+"""Device memory the CUDA context, cuBLAS/NCCL workspaces and kernels take outside PyTorch's allocator
+(measured 0.5-1 GiB on A100/H100 with PyTorch 2.x and NCCL)."""
+FRAGMENTATION_FRACTION = 0.05
+"""Share of allocated bytes lost to allocator fragmentation and rounding (PyTorch's caching allocator with
+expandable segments: reserved/allocated of 1.03-1.10 in long training runs)."""
+GRAD_BUCKET_BYTES = 25 * 1024**2
+"""Gradient bucket of data-parallel reduction (PyTorch DDP's default bucket_cap_mb = 25)."""
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """Bytes on one device, by cause."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float
+    reserve: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers + self.reserve
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def model_state_bytes(params: float, dp: int, zero: int, prec: PrecisionBytes) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of `params` parameters replicated over `dp` devices."""
+    weights = params * prec.param / (dp if zero >= 3 else 1)
+    grads = params * prec.grad / (dp if zero >= 2 else 1)
+    optimizer = params * prec.optimizer / (dp if zero >= 1 else 1)
+    return weights, grads, optimizer
+
+
+def with_reserve(weights: float, grads: float, optimizer: float, activations: float, buffers: float) -> MemoryTerms:
+    """MemoryTerms with the allocator's fragmentation and the CUDA context added as `reserve`."""
+    allocated = weights + grads + optimizer + activations + buffers
+    return MemoryTerms(weights, grads, optimizer, activations, buffers,
+                       CUDA_CONTEXT_BYTES + FRAGMENTATION_FRACTION * allocated)

@@ -1,0 +1,36 @@
+"""Bytes per element and per parameter under each training precision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.spec.cluster import GPU
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Storage of one training precision.
+
+    Mixed precision (Micikevicius et al. 2018; Megatron; FSDP2 MixedPrecisionPolicy): 16-bit weights and
+    activations, fp32 main gradients, fp32 master weights and Adam moments (4 + 4 + 4 bytes).
+    """
+
+    activation: int  # bytes per activation element
+    param: int  # bytes per parameter of the compute copy of the weights
+    grad: int  # bytes per parameter of the accumulated gradient
+    optimizer: int  # bytes per parameter of optimizer state (master copy + Adam moments)
+    optimizer_traffic: int  # bytes moved through HBM per parameter by one fused Adam step
+
+    def peak_flops(self, gpu: GPU) -> float:
+        """Tensor-core peak FLOP/s at this precision (fp32 runs on TF32 tensor cores)."""
+        return gpu.peak_flops if self.activation == 2 else gpu.peak_tf32_flops
+
+
+# Adam traffic per parameter, mixed: read grad 4, read+write master 8, m 8, v 8, write 16-bit copy 2.
+PRECISIONS: dict[str, PrecisionBytes] = {
+    "bf16": PrecisionBytes(activation=2, param=2, grad=4, optimizer=12, optimizer_traffic=30),
+    # Megatron keeps fp16 gradients in 16 bits unless told otherwise (accumulate_allreduce_grads_in_fp32).
+    "fp16": PrecisionBytes(activation=2, param=2, grad=2, optimizer=12, optimizer_traffic=28),
+    # fp32: weights are the master copy; Adam reads grad 4, read+write param 8, m 8, v 8.
+    "fp32": PrecisionBytes(activation=4, param=4, grad=4, optimizer=8, optimizer_traffic=28),
+}

@@ -1,0 +1,373 @@
+"""Plan: how every layer of a model is parallelised, cut into pipeline stages and scheduled.
+
+The plan is the contract between planners and the runtime. It is general enough for per-layer
+(Galvatron) plans, non-uniform pipelines (Malleus) and hand-written Megatron layouts:
+
+* A Plan holds one or more Pipelines. Pipelines are data-parallel replicas of the whole model; they may
+  differ in stage cuts, devices and micro-batch counts. Layer l's gradients are reduced over every device
+  that holds layer l, across and within pipelines.
+* A Pipeline holds Stages (model chunks) in model order. With `chunks` > 1 (interleaved 1F1B, Megatron's
+  virtual pipeline) chunk j runs on the devices of chunk j % pp, where pp = len(stages) // chunks.
+* A Stage lists its layers [start, end), its ranks explicitly, and one Strategy per layer (or a single one
+  for all of them). Ranks are laid out tp-fastest: list index i has tensor coordinate i % tp, context
+  coordinate (i // tp) % cp and data coordinate i // (tp * cp), Megatron's order.
+* Layers are the transformer blocks 0..L-1; the embedding runs with the first stage's first layer's
+  strategy and the head with the last stage's last layer's strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from plait.errors import PlaitError
+from plait.spec.cluster import Cluster
+from plait.spec.model import ModelSpec, Recompute
+
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Precision = Literal["bf16", "fp16", "fp32"]
+PLAN_VERSION = 1
+
+
+class Strategy(BaseModel):
+    """How one layer is parallelised over its stage's devices (dp * tp * cp = devices of the stage)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dp: int = Field(1, ge=1, description="data-parallel degree inside the stage")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree (Megatron column/row split)")
+    sp: bool = Field(False, description="Megatron sequence parallelism over the tp group")
+    cp: int = Field(1, ge=1, description="context-parallel degree (sequence split across devices)")
+    cp_mode: Literal["ulysses", "ring"] = Field("ulysses", description="all-to-all heads or ring K/V")
+    zero: int = Field(0, ge=0, le=3, description="ZeRO stage over the dp group: 0 none, 1 optimizer, "
+                                                  "2 +gradients, 3 +parameters (FSDP)")
+    recompute: Recompute = "none"
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.cp
+
+    def short(self) -> str:
+        """Compact text such as `dp4 tp2 sp zero1 rc=full`."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}"]
+        if self.sp:
+            parts.append("sp")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}" + ("-ring" if self.cp_mode == "ring" else ""))
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        if self.recompute != "none":
+            parts.append(f"rc={self.recompute}")
+        return " ".join(parts)
+
+
+class Stage(BaseModel):
+    """A contiguous range of layers [start, end) on an explicit list of ranks."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layers: tuple[int, int]
+    ranks: tuple[int, ...]
+    strategies: tuple[Strategy, ...] = Field(min_length=1, description="one per layer, or one for all")
+
+    @model_validator(mode="after")
+    def _shape(self) -> Stage:
+        start, end = self.layers
+        if not 0 <= start < end:
+            raise ValueError(f"stage layers {list(self.layers)} must be [start, end) with 0 <= start < end")
+        if len(self.strategies) not in (1, end - start):
+            raise ValueError(f"stage with layers {list(self.layers)} has {len(self.strategies)} strategies; "
+                             f"give 1 or {end - start}")
+        if len(set(self.ranks)) != len(self.ranks) or not self.ranks:
+            raise ValueError(f"stage ranks {list(self.ranks)} must be a non-empty list without repeats")
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    def strategy(self, layer: int) -> Strategy:
+        """Strategy of a model layer inside this stage."""
+        if len(self.strategies) == 1:
+            return self.strategies[0]
+        return self.strategies[layer - self.layers[0]]
+
+    def layer_strategies(self) -> list[tuple[Strategy, int]]:
+        """Runs of identical consecutive strategies: (strategy, number of layers)."""
+        if len(self.strategies) == 1:
+            return [(self.strategies[0], self.num_layers)]
+        runs: list[tuple[Strategy, int]] = []
+        for s in self.strategies:
+            if runs and runs[-1][0] == s:
+                runs[-1] = (s, runs[-1][1] + 1)
+            else:
+                runs.append((s, 1))
+        return runs
+
+
+class Pipeline(BaseModel):
+    """One data-parallel replica of the model: its stages, and the micro-batches it processes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stages: tuple[Stage, ...] = Field(min_length=1)
+    micro_batches: int = Field(ge=1, description="micro-batches per iteration")
+    micro_batch_size: int = Field(ge=1, description="sequences per micro-batch, split over each layer's dp")
+
+    @property
+    def samples(self) -> int:
+        return self.micro_batches * self.micro_batch_size
+
+
+class Plan(BaseModel):
+    """A complete parallel execution plan for one training iteration."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: int = PLAN_VERSION
+    model: str = Field(description="name of the model the plan was made for")
+    seq_len: int = Field(ge=1, description="tokens per sequence")
+    global_batch: int = Field(ge=1, description="sequences per optimizer step")
+    schedule: Schedule = "1f1b"
+    chunks: int = Field(1, ge=1, description="model chunks per device (Megatron's virtual pipeline size)")
+    precision: Precision = "bf16"
+    overlap_grad_reduce: bool = Field(True, description="reduce gradients during the backward pass")
+    pipelines: tuple[Pipeline, ...] = Field(min_length=1)
+
+    @cached_property
+    def pp(self) -> int:
+        """Devices groups per pipeline of the first pipeline (stages // chunks)."""
+        return len(self.pipelines[0].stages) // self.chunks
+
+    @cached_property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank the plan uses, sorted."""
+        return tuple(sorted({r for p in self.pipelines for s in p.stages for r in s.ranks}))
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=1)
+
+    def save(self, path: str | Path) -> None:
+        """Write JSON (or YAML for .yaml/.yml) atomically."""
+        path = Path(path)
+        if path.suffix in (".yaml", ".yml"):
+            text = yaml.safe_dump(json.loads(self.model_dump_json()), sort_keys=False)
+        else:
+            text = self.to_json() + "\n"
+        write_atomically(path, text)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write a text file so that readers never see it half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan from JSON or YAML; errors name the file and the field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PlaitError(f"cannot read plan {str(path)!r}: {exc.strerror}; check the path") from None
+    try:
+        raw = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise PlaitError(f"plan {str(path)!r} is not valid {'YAML' if path.suffix != '.json' else 'JSON'}: "
+                         f"{str(exc).splitlines()[0]}") from None
+    try:
+        return Plan.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        raise PlaitError(f"plan {str(path)!r}: {where}: {err['msg']}") from None
+
+
+# ---- validation against a model and a cluster ---------------------------------------------------
+
+def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
+    """Raise PlaitError naming the first thing that makes `plan` impossible for `model` on `cluster`."""
+    used: dict[int, str] = {}
+    samples = 0
+    for pi, pipe in enumerate(plan.pipelines):
+        where = f"pipeline {pi}"
+        stages = pipe.stages
+        if len(stages) % plan.chunks:
+            raise PlaitError(f"{where} has {len(stages)} stages, not a multiple of chunks={plan.chunks}; "
+                             "give pp * chunks stages")
+        pp = len(stages) // plan.chunks
+        if plan.chunks > 1 and plan.schedule != "interleaved":
+            raise PlaitError(f"chunks={plan.chunks} needs schedule 'interleaved'; set chunks=1 (vpp=1) "
+                             "or schedule=interleaved")
+        if plan.schedule == "interleaved" and pp > 1 and pipe.micro_batches % pp:
+            raise PlaitError(f"{where}: interleaved 1F1B needs micro-batches ({pipe.micro_batches}) to be a "
+                             f"multiple of the pipeline degree ({pp}); change gbs or mbs")
+        expected = 0
+        for si, stage in enumerate(stages):
+            sw = f"{where} stage {si}"
+            if stage.layers[0] != expected:
+                raise PlaitError(f"{sw} starts at layer {stage.layers[0]}, expected {expected}; stages must "
+                                 "cover the layers contiguously in model order")
+            expected = stage.layers[1]
+            if si >= pp and stage.ranks != stages[si % pp].ranks:
+                raise PlaitError(f"{sw} is chunk {si // pp} of device group {si % pp} and must use the same "
+                                 f"ranks as stage {si % pp}")
+            if si < pp:
+                for r in stage.ranks:
+                    if not 0 <= r < cluster.world_size:
+                        raise PlaitError(f"{sw} uses rank {r}, but cluster {cluster.name} has ranks "
+                                         f"0..{cluster.world_size - 1}; use a larger cluster or fewer ranks")
+                    if r in used:
+                        raise PlaitError(f"rank {r} is used by both {used[r]} and {sw}; give each stage "
+                                         "its own ranks")
+                    used[r] = sw
+            for layer in range(*stage.layers):
+                _validate_strategy(stage.strategy(layer), len(stage.ranks), pipe.micro_batch_size, plan,
+                                   model, f"{sw} layer {layer}")
+        if expected != model.layers:
+            raise PlaitError(f"{where} covers layers 0..{expected - 1} but {model.name} has {model.layers} "
+                             f"layers; make the last stage end at {model.layers}")
+        samples += pipe.samples
+    if samples != plan.global_batch:
+        raise PlaitError(f"pipelines process {samples} sequences per step but global_batch is "
+                         f"{plan.global_batch}; micro_batches x micro_batch_size must add up to it")
+
+
+def _validate_strategy(s: Strategy, devices: int, mbs: int, plan: Plan, model: ModelSpec, where: str) -> None:
+    if s.devices != devices:
+        raise PlaitError(f"{where}: dp*tp*cp = {s.dp}*{s.tp}*{s.cp} = {s.devices} but the stage has "
+                         f"{devices} ranks; degrees must multiply to the stage's device count")
+    if model.heads % s.tp or model.kv_heads % s.tp:
+        raise PlaitError(f"{where}: tp={s.tp} does not divide heads={model.heads} and kv_heads="
+                         f"{model.kv_heads}; pick a tp that divides both")
+    if s.sp and s.tp == 1:
+        raise PlaitError(f"{where}: sequence parallelism (sp) needs tp > 1; set sp=0 or raise tp")
+    if s.sp and plan.seq_len % s.tp:
+        raise PlaitError(f"{where}: sp splits seq_len={plan.seq_len} over tp={s.tp}; pick tp dividing it")
+    if plan.seq_len % s.cp:
+        raise PlaitError(f"{where}: cp={s.cp} does not divide seq_len={plan.seq_len}")
+    if s.cp > 1 and s.cp_mode == "ulysses" and ((model.heads // s.tp) % s.cp or (model.kv_heads // s.tp) % s.cp):
+        raise PlaitError(f"{where}: Ulysses cp={s.cp} must divide the heads per tp rank "
+                         f"({model.heads // s.tp} query, {model.kv_heads // s.tp} kv); use cp_mode=ring "
+                         "or a smaller cp")
+    if mbs % s.dp:
+        raise PlaitError(f"{where}: micro-batch of {mbs} sequences cannot be split over dp={s.dp}; make the "
+                         "micro-batch size a multiple of dp")
+
+
+# ---- the --strategy shorthand ----------------------------------------------------------------------
+
+_STRATEGY_KEYS = ("tp", "pp", "dp", "cp", "mbs", "gbs", "recompute", "sp", "zero", "vpp", "schedule",
+                  "cp_mode", "precision", "overlap")
+
+
+def parse_strategy(text: str) -> dict[str, str]:
+    """Split `tp=8,pp=8,...` into a dict, rejecting unknown keys."""
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in _STRATEGY_KEYS:
+            raise PlaitError(f"--strategy: cannot read {item!r}; use key=value with keys {', '.join(_STRATEGY_KEYS)}")
+        out[key] = value.strip()
+    return out
+
+
+def _int(d: dict[str, str], key: str, default: int) -> int:
+    if key not in d:
+        return default
+    try:
+        v = int(d[key])
+    except ValueError:
+        raise PlaitError(f"--strategy: {key} must be an integer, got {d[key]!r}") from None
+    if v < (0 if key == "zero" else 1):
+        raise PlaitError(f"--strategy: {key} must be positive, got {v}")
+    return v
+
+
+def _bool(d: dict[str, str], key: str, default: bool) -> bool:
+    if key not in d:
+        return default
+    v = d[key].lower()
+    if v not in ("0", "1", "true", "false", "on", "off"):
+        raise PlaitError(f"--strategy: {key} must be 0 or 1, got {d[key]!r}")
+    return v in ("1", "true", "on")
+
+
+def split_layers(layers: int, parts: int) -> list[int]:
+    """Split `layers` into `parts` contiguous counts as evenly as possible (earlier parts get fewer, since
+    the first stage also holds the embedding and keeps the most activations)."""
+    base, extra = divmod(layers, parts)
+    return [base + (1 if i >= parts - extra else 0) for i in range(parts)]
+
+
+def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) -> Plan:
+    """Build a uniform Megatron-style plan from the `--strategy` shorthand.
+
+    Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
+    (none|selective|full), sp, zero, vpp (model chunks per device), and optionally schedule, cp_mode,
+    precision, overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
+    """
+    d = parse_strategy(text)
+    tp, pp, cp = _int(d, "tp", 1), _int(d, "pp", 1), _int(d, "cp", 1)
+    world = cluster.world_size
+    if world % (tp * pp * cp) and "dp" not in d:
+        raise PlaitError(f"--strategy: tp*pp*cp = {tp * pp * cp} does not divide the {world} devices of "
+                         f"{cluster.name}; change the degrees")
+    dp = _int(d, "dp", world // (tp * pp * cp))
+    if tp * pp * dp * cp != world:
+        raise PlaitError(f"--strategy: tp*pp*dp*cp = {tp}*{pp}*{dp}*{cp} = {tp * pp * dp * cp} but "
+                         f"{cluster.name} has {world} devices; set dp={world // (tp * pp * cp)} or change the "
+                         "cluster")
+    mbs = _int(d, "mbs", 1)
+    vpp = _int(d, "vpp", 1)
+    gbs = _int(d, "gbs", mbs * dp * (4 * pp if pp > 1 else 1))
+    if gbs % (mbs * dp):
+        raise PlaitError(f"--strategy: gbs={gbs} is not a multiple of mbs*dp = {mbs * dp}; change gbs")
+    recompute = d.get("recompute", "none")
+    if recompute not in ("none", "selective", "full"):
+        raise PlaitError(f"--strategy: recompute must be none, selective or full, got {recompute!r}")
+    schedule = d.get("schedule", "interleaved" if vpp > 1 else "1f1b")
+    if schedule not in ("gpipe", "1f1b", "interleaved"):
+        raise PlaitError(f"--strategy: schedule must be gpipe, 1f1b or interleaved, got {schedule!r}")
+    precision = d.get("precision", "bf16")
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise PlaitError(f"--strategy: precision must be bf16, fp16 or fp32, got {precision!r}")
+    cp_mode = d.get("cp_mode", "ulysses")
+    if cp_mode not in ("ulysses", "ring"):
+        raise PlaitError(f"--strategy: cp_mode must be ulysses or ring, got {cp_mode!r}")
+    zero = _int(d, "zero", 0)
+    if zero > 3:
+        raise PlaitError(f"--strategy: zero must be 0..3, got {zero}")
+    if pp * vpp > model.layers:
+        raise PlaitError(f"--strategy: pp*vpp = {pp * vpp} chunks but {model.name} has {model.layers} layers")
+    strategy = Strategy(dp=dp, tp=tp, cp=cp, sp=_bool(d, "sp", False), cp_mode=cp_mode, zero=zero,
+                        recompute=recompute)  # type: ignore[arg-type]
+    per_group = tp * cp * dp
+    stages = []
+    start = 0
+    for j, n in enumerate(split_layers(model.layers, pp * vpp)):
+        group = j % pp
+        ranks = tuple(range(group * per_group, (group + 1) * per_group))
+        stages.append(Stage(layers=(start, start + n), ranks=ranks, strategies=(strategy,)))
+        start += n
+    plan = Plan(model=model.name, seq_len=seq_len, global_batch=gbs, schedule=schedule, chunks=vpp,  # type: ignore[arg-type]
+                precision=precision, overlap_grad_reduce=_bool(d, "overlap", True),  # type: ignore[arg-type]
+                pipelines=(Pipeline(stages=tuple(stages), micro_batches=gbs // (mbs * dp),
+                                    micro_batch_size=mbs * dp),))
+    validate_plan(plan, model, cluster)
+    return plan

@@ -1,0 +1,214 @@
+"""Cluster: devices, their speeds, and the two-level network between them.
+
+A cluster is `nodes` x `gpus_per_node` devices of one GPU type. Inside a node devices talk over NVLink
+(`intra`), between nodes over the network (`inter`); bandwidths are per GPU and per direction, the way
+NCCL's "bus bandwidth" is quoted. Rank r lives on node r // gpus_per_node. Each device has a speed factor
+(its time relative to a healthy device: 1.0 healthy, 2.0 twice as slow) for straggler planning.
+
+Sources: `NODESxGPUSxTYPE` shorthand (e.g. `192x8xA100-80GB`), a YAML file, or a Cluster built in Python.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from plait.errors import PlaitError
+
+GIB = 1024**3
+GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator type. FLOP/s are dense (no sparsity); bytes and bytes/s are decimal where vendors
+    quote them so, memory is what the device reports."""
+
+    name: str
+    peak_flops: float  # dense 16-bit (bf16/fp16) tensor-core FLOP/s
+    peak_tf32_flops: float  # dense TF32 tensor-core FLOP/s (what fp32 training gets)
+    memory_bytes: float  # device memory as reported by the driver
+    hbm_bandwidth: float  # bytes/s
+    sm_count: int  # streaming multiprocessors (wave quantisation of GEMM tiles)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A communication path as seen by one GPU: bandwidth per direction (bytes/s) and per-message
+    latency (seconds)."""
+
+    bandwidth: float
+    latency: float
+
+
+# Datasheet peaks: NVIDIA A100 datasheet (312 TFLOP/s bf16, 156 TF32, 1555 GB/s 40GB, 2039 GB/s 80GB SXM),
+# H100 SXM datasheet (989 TFLOP/s bf16 dense, 494 TF32, 3.35 TB/s), H200 SXM (989 TFLOP/s, 4.8 TB/s).
+# Memory is the driver-reported total (nvidia-smi MiB).
+GPUS: dict[str, GPU] = {
+    "A100-40GB": GPU("A100-40GB", 312 * TFLOPS, 156 * TFLOPS, 40960 * 2**20, 1555 * GB, 108),
+    "A100-80GB": GPU("A100-80GB", 312 * TFLOPS, 156 * TFLOPS, 81920 * 2**20, 2039 * GB, 108),
+    "H100-80GB": GPU("H100-80GB", 989 * TFLOPS, 494 * TFLOPS, 81559 * 2**20, 3350 * GB, 132),
+    "H200-141GB": GPU("H200-141GB", 989 * TFLOPS, 494 * TFLOPS, 143771 * 2**20, 4800 * GB, 132),
+}
+
+NVLINK_LATENCY_S = 3e-6
+"""Per-message latency of an NVLink/NVSwitch hop inside a node (NCCL small-message all-reduce ~ 10 us
+for 8 GPUs over ~ 3 ring steps)."""
+IB_LATENCY_S = 8e-6
+"""Per-message latency between nodes over InfiniBand/RoCE (a few us per hop plus the NIC)."""
+
+# DGX-style defaults per GPU type: NVLink per-direction bandwidth per GPU, and network bandwidth per GPU
+# (one NIC per GPU). DGX A100: NVLink3 12 links x 25 GB/s = 300 GB/s per direction; 8x HDR 200 Gb/s
+# = 25 GB/s per GPU. DGX H100/H200: NVLink4 18 links = 450 GB/s per direction; 8x NDR 400 Gb/s = 50 GB/s.
+DGX_LINKS: dict[str, tuple[Link, Link]] = {
+    "A100-40GB": (Link(300 * GB, NVLINK_LATENCY_S), Link(25 * GB, IB_LATENCY_S)),
+    "A100-80GB": (Link(300 * GB, NVLINK_LATENCY_S), Link(25 * GB, IB_LATENCY_S)),
+    "H100-80GB": (Link(450 * GB, NVLINK_LATENCY_S), Link(50 * GB, IB_LATENCY_S)),
+    "H200-141GB": (Link(450 * GB, NVLINK_LATENCY_S), Link(50 * GB, IB_LATENCY_S)),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`nodes` x `gpus_per_node` devices of one type on a two-level network."""
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    gpu: GPU
+    intra: Link
+    inter: Link
+    speed: tuple[float, ...] = field(default=())  # per rank, time relative to a healthy device; () = all 1.0
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise PlaitError(f"cluster {self.name!r} needs at least one node and one GPU per node")
+        if self.speed and len(self.speed) != self.world_size:
+            raise PlaitError(f"cluster {self.name!r}: {len(self.speed)} speed factors for "
+                             f"{self.world_size} devices; give one per device")
+        if any(s <= 0 for s in self.speed):
+            raise PlaitError(f"cluster {self.name!r}: speed factors must be positive")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def speed_of(self, rank: int) -> float:
+        """Time factor of a device (1.0 = healthy)."""
+        return self.speed[rank] if self.speed else 1.0
+
+    def with_memory(self, gib: float) -> Cluster:
+        """A copy whose devices have `gib` GiB of memory."""
+        return replace(self, gpu=replace(self.gpu, memory_bytes=gib * GIB))
+
+    def with_slow(self, slow: dict[int, float]) -> Cluster:
+        """A copy where the given ranks run `factor` times slower."""
+        speed = list(self.speed or [1.0] * self.world_size)
+        for rank, factor in slow.items():
+            if not 0 <= rank < self.world_size:
+                raise PlaitError(f"--slow names rank {rank}, but the cluster has ranks 0..{self.world_size - 1}")
+            if factor < 1.0:
+                raise PlaitError(f"--slow {rank}:{factor}: a slowdown factor is >= 1.0 (time relative to healthy)")
+            speed[rank] = factor
+        return replace(self, speed=tuple(speed))
+
+
+def dgx(nodes: int, gpus_per_node: int, gpu_type: str) -> Cluster:
+    """A DGX-style cluster of `nodes` x `gpus_per_node` GPUs of `gpu_type`."""
+    if gpu_type not in GPUS:
+        raise PlaitError(f"unknown GPU type {gpu_type!r}; known: {', '.join(GPUS)}")
+    intra, inter = DGX_LINKS[gpu_type]
+    return Cluster(f"{nodes}x{gpus_per_node}x{gpu_type}", nodes, gpus_per_node, GPUS[gpu_type], intra, inter)
+
+
+class _LinkFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    bandwidth_gbps: float = Field(gt=0, description="GB/s per GPU per direction")
+    latency_us: float = Field(ge=0)
+
+
+class _GpuFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    peak_tflops: float = Field(gt=0)
+    peak_tf32_tflops: float | None = Field(default=None, gt=0)
+    memory_gib: float = Field(gt=0)
+    hbm_gbps: float = Field(gt=0)
+    sm_count: int = Field(default=108, gt=0)
+
+
+class _ClusterFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = "cluster"
+    nodes: int = Field(ge=1)
+    gpus_per_node: int = Field(ge=1)
+    gpu: str | _GpuFile
+    intra: _LinkFile | None = None
+    inter: _LinkFile | None = None
+    speed: dict[int, float] | None = None
+
+
+def _link(spec: _LinkFile | None, default: Link) -> Link:
+    return default if spec is None else Link(spec.bandwidth_gbps * GB, spec.latency_us * 1e-6)
+
+
+def from_yaml(path: Path) -> Cluster:
+    """A Cluster from YAML: nodes, gpus_per_node, gpu (a type name or a table), optional intra/inter links
+    (`bandwidth_gbps`, `latency_us`) and per-rank `speed` factors."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+        spec = _ClusterFile.model_validate(raw)
+    except OSError as exc:
+        raise PlaitError(f"cannot read cluster file {str(path)!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise PlaitError(f"cluster file {str(path)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        raise PlaitError(f"cluster file {str(path)!r}: {where}: {err['msg']}") from None
+    if isinstance(spec.gpu, str):
+        if spec.gpu not in GPUS:
+            raise PlaitError(f"cluster file {str(path)!r}: unknown gpu {spec.gpu!r}; known: {', '.join(GPUS)} "
+                             "(or give a table with name, peak_tflops, memory_gib, hbm_gbps)")
+        gpu = GPUS[spec.gpu]
+        intra_default, inter_default = DGX_LINKS[spec.gpu]
+    else:
+        g = spec.gpu
+        gpu = GPU(g.name, g.peak_tflops * TFLOPS, (g.peak_tf32_tflops or g.peak_tflops / 2) * TFLOPS,
+                  g.memory_gib * GIB, g.hbm_gbps * GB, g.sm_count)
+        intra_default, inter_default = DGX_LINKS["A100-80GB"]
+        if spec.intra is None or spec.inter is None:
+            raise PlaitError(f"cluster file {str(path)!r}: a custom gpu needs intra and inter links "
+                             "(bandwidth_gbps, latency_us)")
+    cluster = Cluster(spec.name, spec.nodes, spec.gpus_per_node, gpu,
+                      _link(spec.intra, intra_default), _link(spec.inter, inter_default))
+    return cluster.with_slow(spec.speed) if spec.speed else cluster
+
+
+_SHORTHAND = re.compile(r"^(\d+)x(\d+)x(.+)$")
+
+
+def load_cluster(ref: str) -> Cluster:
+    """A Cluster from `NODESxGPUSxTYPE` (e.g. `2x8xH100-80GB`) or a YAML path."""
+    m = _SHORTHAND.match(ref)
+    if m:
+        nodes, per_node, gpu_type = int(m.group(1)), int(m.group(2)), m.group(3)
+        if gpu_type not in GPUS:
+            raise PlaitError(f"unknown GPU type {gpu_type!r} in {ref!r}; known: {', '.join(GPUS)}")
+        return dgx(nodes, per_node, gpu_type)
+    path = Path(ref)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.exists():
+            raise PlaitError(f"cluster file {ref!r} does not exist; give NODESxGPUSxTYPE (e.g. 2x8xH100-80GB) "
+                             "or a YAML path")
+        return from_yaml(path)
+    raise PlaitError(f"unknown cluster {ref!r}; use NODESxGPUSxTYPE such as 192x8xA100-80GB "
+                     f"(types: {', '.join(GPUS)}) or a YAML file")
