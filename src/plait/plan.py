@@ -201,7 +201,7 @@ def load_plan(path: str | Path) -> Plan:
 
 def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
     """Raise PlaitError naming the first thing that makes `plan` impossible for `model` on `cluster`."""
-    used: dict[int, str] = {}
+    used: dict[int, str] = {}  # rank -> the stage that uses it
     samples = 0
     for pi, pipe in enumerate(plan.pipelines):
         where = f"pipeline {pi}"
@@ -227,17 +227,11 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
                 raise PlaitError(f"{sw} is chunk {si // pp} of device group {si % pp} and must use the same "
                                  f"ranks as stage {si % pp}")
             if si < pp:
-                for r in stage.ranks:
-                    if not 0 <= r < cluster.world_size:
-                        raise PlaitError(f"{sw} uses rank {r}, but cluster {cluster.name} has ranks "
-                                         f"0..{cluster.world_size - 1}; use a larger cluster or fewer ranks")
-                    if r in used:
-                        raise PlaitError(f"rank {r} is used by both {used[r]} and {sw}; give each stage "
-                                         "its own ranks")
-                    used[r] = sw
-            for layer in range(*stage.layers):
-                _validate_strategy(stage.strategy(layer), len(stage.ranks), pipe.micro_batch_size, plan,
-                                   model, f"{sw} layer {layer}")
+                _validate_ranks(stage.ranks, used, sw, cluster)
+            for strategy in dict.fromkeys(stage.strategies):  # each distinct strategy once, in layer order
+                layer = stage.layers[0] + (stage.strategies.index(strategy) if len(stage.strategies) > 1 else 0)
+                _validate_strategy(strategy, len(stage.ranks), pipe.micro_batch_size, plan, model,
+                                   f"{sw} layer {layer}")
         if expected != model.layers:
             raise PlaitError(f"{where} covers layers 0..{expected - 1} but {model.name} has {model.layers} "
                              f"layers; make the last stage end at {model.layers}")
@@ -245,6 +239,19 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
     if samples != plan.global_batch:
         raise PlaitError(f"pipelines process {samples} sequences per step but global_batch is "
                          f"{plan.global_batch}; micro_batches x micro_batch_size must add up to it")
+
+
+def _validate_ranks(ranks: tuple[int, ...], used: dict[int, str], where: str, cluster: Cluster) -> None:
+    lo, hi = min(ranks), max(ranks)
+    if lo < 0 or hi >= cluster.world_size:
+        bad = lo if lo < 0 else hi
+        raise PlaitError(f"{where} uses rank {bad}, but cluster {cluster.name} has ranks "
+                         f"0..{cluster.world_size - 1}; use a larger cluster or fewer ranks")
+    common = used.keys() & set(ranks)
+    if common:
+        clash = min(common)
+        raise PlaitError(f"rank {clash} is used by both {used[clash]} and {where}; give each stage its own ranks")
+    used.update(dict.fromkeys(ranks, where))
 
 
 def _validate_strategy(s: Strategy, devices: int, mbs: int, plan: Plan, model: ModelSpec, where: str) -> None:

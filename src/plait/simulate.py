@@ -9,10 +9,9 @@ backward where the plan allows) and steps its optimizer. The iteration ends when
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from plait.cost import comm
-from plait.cost.calibration import DEFAULT_CALIBRATION, Calibration
+from plait.cost.calibration import Calibration, calibration_for
 from plait.cost.comm import SINGLE, GroupShape
 from plait.cost.compute import elementwise_time
 from plait.cost.head import embedding_time, head_activation_bytes, head_time
@@ -123,7 +122,6 @@ def _dp_ranks(plan: Plan, layer: int, s: Strategy, ranks: tuple[int, ...]) -> tu
     return tuple(out)
 
 
-@lru_cache(maxsize=4096)
 def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec, cluster: Cluster,
                 cal: Calibration) -> StageCost:
     pipe = plan.pipelines[pipe_index]
@@ -190,10 +188,10 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     if not last:
         nxt = pipe.stages[stage_index + 1]
         senders = min(len(stage.ranks), len(nxt.ranks))
-        cross = {r // cluster.gpus_per_node for r in stage.ranks} != {r // cluster.gpus_per_node for r in nxt.ranks}
+        cross = comm.nodes_of(stage.ranks, cluster.gpus_per_node) != comm.nodes_of(nxt.ranks, cluster.gpus_per_node)
         send = comm.p2p(mb_bytes / senders, cross, cluster, cal)
         buffers += 2 * mb_bytes / senders
-    speed = max(cluster.speed_of(r) for r in stage.ranks)
+    speed = max(cluster.speed_of(r) for r in stage.ranks) if cluster.speed else 1.0
     if speed != 1.0:
         fwd, bwd = fwd * speed, bwd * speed
         parts = {k: v * speed for k, v in parts.items()}
@@ -224,9 +222,11 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
     return reduce_t, gather_t, optimizer
 
 
-def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration = DEFAULT_CALIBRATION,
+def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | None = None,
              record: bool = False, validate: bool = True) -> Report:
-    """Predict one training iteration of `plan`. Raises PlaitError if the plan is invalid."""
+    """Predict one training iteration of `plan` (with `cal`, or the GPU type's default calibration).
+    Raises PlaitError if the plan is invalid."""
+    cal = cal or calibration_for(cluster.gpu.name)
     if validate:
         validate_plan(plan, model, cluster)
     prec = PRECISIONS[plan.precision]

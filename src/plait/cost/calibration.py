@@ -47,3 +47,19 @@ class Calibration:
 
 
 DEFAULT_CALIBRATION = Calibration()
+
+HOPPER_CALIBRATION = Calibration(flash_fwd_efficiency=0.40, flash_bwd_efficiency=0.33)
+"""H100/H200: FlashAttention-2 reaches ~335-400 of 989 TFLOP/s (Dao 2023; Shah et al. 2024, FlashAttention-3,
+Fig. 1-2), a smaller share of the peak than on A100; GEMMs keep the A100 share (cuBLAS ~750 of 989)."""
+
+CALIBRATIONS: dict[str, Calibration] = {
+    "A100-40GB": DEFAULT_CALIBRATION,
+    "A100-80GB": DEFAULT_CALIBRATION,
+    "H100-80GB": HOPPER_CALIBRATION,
+    "H200-141GB": HOPPER_CALIBRATION,
+}
+
+
+def calibration_for(gpu_name: str) -> Calibration:
+    """The default calibration of a GPU type (A100-like for types without their own)."""
+    return CALIBRATIONS.get(gpu_name, DEFAULT_CALIBRATION)

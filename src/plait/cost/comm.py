@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
+import numpy as np
+
 from plait.cost.calibration import Calibration
 from plait.spec.cluster import Cluster
 
@@ -28,11 +30,20 @@ class GroupShape:
 
     @staticmethod
     def of(ranks: Sequence[int], gpus_per_node: int) -> GroupShape:
-        counts: dict[int, int] = {}
-        for r in ranks:
-            node = r // gpus_per_node
-            counts[node] = counts.get(node, 0) + 1
-        return GroupShape(len(ranks), len(counts), max(counts.values()))
+        """Shape of the group of `ranks` on nodes of `gpus_per_node` devices."""
+        return _shape(tuple(ranks), gpus_per_node)
+
+
+@lru_cache(maxsize=8192)
+def _shape(ranks: tuple[int, ...], gpus_per_node: int) -> GroupShape:
+    counts = np.bincount(np.asarray(ranks, dtype=np.int64) // gpus_per_node)
+    return GroupShape(len(ranks), int(np.count_nonzero(counts)), int(counts.max()))
+
+
+@lru_cache(maxsize=8192)
+def nodes_of(ranks: tuple[int, ...], gpus_per_node: int) -> frozenset[int]:
+    """The nodes that `ranks` live on."""
+    return frozenset((np.asarray(ranks, dtype=np.int64) // gpus_per_node).tolist())
 
 
 SINGLE = GroupShape(1, 1, 1)

@@ -1,0 +1,93 @@
+"""Published training runs as (model, cluster, plan, reported figures), for checking the cost model.
+
+Files follow the schema of `shared/data/published/training-runs.json`: each run gives the model shape,
+the parallel layout, the GPU type and count, and the reported figures (hardware or model TFLOP/s per GPU,
+MFU/HFU, iteration time, tokens/s). GPT-style rows are Megatron GPT (LayerNorm, GeLU, dropout, learned
+positions) with the unfused attention of their time unless a row says `"attention": "flash"`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from plait.errors import PlaitError
+from plait.plan import Plan, uniform_plan
+from plait.simulate import Report
+from plait.spec.cluster import Cluster, dgx
+from plait.spec.model import ModelSpec
+
+REPORTED_KEYS = ("hardware_tflops_per_gpu", "model_tflops_per_gpu", "iteration_time_s", "mfu", "hfu",
+                 "tokens_per_s")
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published run, ready to simulate."""
+
+    source: str
+    model: ModelSpec
+    cluster: Cluster
+    plan: Plan
+    strategy: str  # the --strategy text of the layout
+    reported: dict[str, float]
+    fully_published: bool
+
+
+def _model(row: dict) -> ModelSpec:
+    md = row["model"]
+    common = dict(name=f"{md['layers']}L-h{md['hidden']}", layers=md["layers"], hidden=md["hidden"],
+                  heads=md["heads"], vocab=md["vocab"], max_seq_len=md["seq_len"])
+    if md.get("family", "gpt") == "llama":
+        return ModelSpec(family="llama", kv_heads=md.get("kv_heads", md["heads"]), ffn=md["ffn"], gated_mlp=True,
+                         norm="rmsnorm", bias=False, dropout=False, tied_embeddings=False, learned_positions=False,
+                         attention=md.get("attention", "flash"), **common)
+    return ModelSpec(family="gpt", attention=md.get("attention", "eager"), **common)
+
+
+def _strategy(layout: dict) -> str:
+    keys = {
+        "tp": layout["tp"], "pp": layout["pp"], "dp": layout["dp"], "cp": layout.get("cp", 1),
+        "mbs": layout["micro_batch"], "gbs": layout["global_batch"], "recompute": layout["recompute"],
+        "sp": int(bool(layout.get("sequence_parallel", False))), "vpp": layout.get("vpp", 1),
+        "zero": layout.get("zero", 0), "precision": layout.get("precision", "bf16"),
+        "cp_mode": layout.get("cp_mode", "ulysses"),
+    }
+    return ",".join(f"{k}={v}" for k, v in keys.items())
+
+
+def load_runs(path: str | Path) -> tuple[list[PublishedRun], list[tuple[str, str]]]:
+    """Runs of a published-runs file, and (source, reason) for rows that cannot be simulated."""
+    rows = json.loads(Path(path).read_text())["runs"]
+    runs: list[PublishedRun] = []
+    skipped: list[tuple[str, str]] = []
+    for row in rows:
+        precision = row["layout"].get("precision", "bf16")
+        if precision not in ("bf16", "fp16", "fp32"):
+            skipped.append((row["source"], f"precision {precision} is not modelled"))
+            continue
+        gpus = row["gpus"]
+        per_node = min(8, gpus)
+        cluster = dgx(gpus // per_node, per_node, row["gpu"])
+        model = _model(row)
+        strategy = _strategy(row["layout"])
+        try:
+            plan = uniform_plan(strategy, model, cluster, row["model"]["seq_len"])
+        except PlaitError as exc:
+            skipped.append((row["source"], str(exc)))
+            continue
+        reported = {k: float(v) for k, v in row["reported"].items() if k in REPORTED_KEYS}
+        runs.append(PublishedRun(row["source"], model, cluster, plan, strategy, reported,
+                                 bool(row.get("layout_fully_published", True))))
+    return runs, skipped
+
+
+def predicted(report: Report, key: str) -> float:
+    """The report's value of a reported key."""
+    return float(getattr(report, key))
+
+
+def relative_errors(run: PublishedRun, report: Report) -> dict[str, tuple[float, float, float]]:
+    """{key: (published, predicted, relative error)} for every figure the run reports."""
+    return {k: (v, predicted(report, k), predicted(report, k) / v - 1) for k, v in run.reported.items()}
