@@ -14,6 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -27,14 +28,38 @@ FILES = {
 }
 
 
+FIGURES = {"hardware_tflops_per_gpu": "hw TFLOP/s", "model_tflops_per_gpu": "model TFLOP/s",
+           "iteration_time_s": "s/iter", "mfu": "MFU", "hfu": "HFU", "tokens_per_s": "tokens/s"}
+
+
+def short_source(source: str) -> str:
+    """'Narayanan et al., SC21 ...' -> 'Narayanan SC21'; keeps the table narrow."""
+    words = source.replace(",", " ").replace("'", " ").split()
+    year = next((w for w in words if w.isdigit() and len(w) == 4), "")
+    venue = next((w for w in words if w.startswith(("SC2", "NSDI", "README"))), year)
+    return f"{words[0].split('/')[-1]} {venue}"[:24]
+
+
+def compact(strategy: str) -> str:
+    """'tp=8,pp=8,dp=24,...' -> 'tp8 pp8 dp24 mbs2 vpp2 full sp' (defaults dropped)."""
+    d = dict(item.split("=") for item in strategy.split(","))
+    parts = [f"{k}{d[k]}" for k in ("tp", "pp", "cp", "dp", "mbs", "vpp", "zero") if d.get(k, "1") not in ("1", "0")
+             or k in ("tp", "pp", "dp")]
+    parts.append(d["recompute"])
+    if d.get("sp") == "1":
+        parts.append("sp")
+    return " ".join(parts)
+
+
 def main() -> None:
     console = Console(width=200)
-    table = Table(title="plait predictions vs published training runs")
-    for col in ("set", "source", "GPUs", "GPU", "layout", "figure", "published", "predicted", "error"):
-        table.add_column(col, justify="right" if col in ("GPUs", "published", "predicted", "error") else "left",
-                         overflow="fold")
+    table = Table(title="plait predictions vs published training runs", box=box.SIMPLE_HEAD)
+    for col in ("set", "source", "model", "GPUs", "layout", "figure", "published", "plait", "error"):
+        table.add_column(col, justify="right" if col in ("GPUs", "published", "plait", "error") else "left",
+                         no_wrap=True)
     errors: dict[str, list[float]] = {"reference": [], "megatron": [], "other": []}
     rows = []
+    skipped_all: list[str] = []
     for name, path in FILES.items():
         if not path.exists():
             console.print(f"[yellow]{path} not found; skipped[/]")
@@ -49,15 +74,16 @@ def main() -> None:
                 rows.append({"set": name, "source": run.source, "gpus": run.cluster.world_size, "figure": key,
                              "published": pub, "predicted": ours, "error": err, "strategy": run.strategy})
                 colour = "green" if abs(err) <= 0.10 else "red"
-                table.add_row(name, run.source[:70], str(run.cluster.world_size), run.cluster.gpu.name,
-                              run.strategy.replace(",precision", " ").replace("cp_mode=ulysses", "")[:60], key,
-                              f"{pub:.4g}", f"{ours:.4g}", f"[{colour}]{err:+.1%}[/]")
-        for source, reason in skipped:
-            table.add_row(name, source[:70], "", "", "", "skipped", "", "", reason[:40])
+                table.add_row(name, short_source(run.source), f"{run.model.params / 1e9:.0f}B",
+                              f"{run.cluster.world_size} {run.cluster.gpu.name[:4]}", compact(run.strategy),
+                              FIGURES[key], f"{pub:.4g}", f"{ours:.4g}", f"[{colour}]{err:+.1%}[/]")
+        skipped_all.extend(f"{name}: {source[:90]}: {reason}" for source, reason in skipped)
     if "--json" in sys.argv:
         print(json.dumps(rows, indent=1))
         return
     console.print(table)
+    for line in skipped_all:
+        console.print(f"skipped {line}", highlight=False)
     summary = Table(title="summary (|relative error|)")
     for col in ("runs", "figures", "median", "max", "within 10%"):
         summary.add_column(col, justify="right")

@@ -21,15 +21,23 @@ def gemm_time(m: int, n: int, k: int, gpu: GPU, cal: Calibration, peak_flops: fl
     `gpu` at `peak_flops`."""
     if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
         return 0.0
-    tile = cal.gemm_tile
-    tiles = batch * math.ceil(m / tile) * math.ceil(n / tile)
+    # cuBLAS shrinks tiles for skinny products (down to 16 wide); smaller tiles have lower arithmetic
+    # intensity, so they run at sqrt(area ratio) of a full tile's rate.
+    tm, tn = _tile(m, cal.gemm_tile), _tile(n, cal.gemm_tile)
+    tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
     waves = math.ceil(tiles / gpu.sm_count)
     # Useful fraction of the tile work actually launched (partial tiles and the last partial wave).
-    quantisation = batch * m * n / (waves * gpu.sm_count * tile * tile)
-    efficiency = cal.gemm_efficiency * min(1.0, quantisation) * k / (k + cal.gemm_k_overhead)
+    quantisation = batch * m * n / (waves * gpu.sm_count * tm * tn)
+    small_tiles = math.sqrt(tm * tn) / cal.gemm_tile
+    efficiency = cal.gemm_efficiency * quantisation * small_tiles * k / (k + cal.gemm_k_overhead)
     flop_time = 2.0 * batch * m * n * k / (peak_flops * efficiency)
     memory_time = batch * elem_bytes * (m * k + k * n + m * n) / (gpu.hbm_bandwidth * cal.memory_efficiency)
     return max(flop_time, memory_time) + cal.kernel_overhead_s
+
+
+def _tile(dim: int, full: int) -> int:
+    """Tile edge cuBLAS would use along a dimension of `dim` elements (a power of two, 16..full)."""
+    return min(full, max(16, 1 << (dim - 1).bit_length()))
 
 
 def elementwise_time(bytes_moved: float, gpu: GPU, cal: Calibration, kernels: int = 1) -> float:
