@@ -272,18 +272,12 @@ def test_with_slow_errors() -> None:
 
 # ---- known problems (xfail until fixed in src) ---------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="load_cluster matches NODESxGPUSxTYPE before looking for a file, so an "
-                                       "existing YAML file named like '2x8xlab.yaml' is read as GPU type "
-                                       "'lab.yaml'")
 def test_yaml_file_named_like_shorthand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     Path("2x8xlab.yaml").write_text("nodes: 2\ngpus_per_node: 8\ngpu: A100-80GB\n")
     assert load_cluster("2x8xlab.yaml").world_size == 16
 
 
-@pytest.mark.xfail(strict=True, reason="from_yaml reports only exc.errors()[0]; for the `gpu: str | _GpuFile` union "
-                                       "that is the str branch ('gpu.str: Input should be a valid string'), so a "
-                                       "bad or unknown field in a custom gpu table is never named")
 @pytest.mark.parametrize("gpu", ["{name: X, peak_tflops: -1, memory_gib: 8, hbm_gbps: 1}",
                                  "{name: X, peak_tflops: 100, memory_gib: 8, hbm_gbps: 1, tdp_w: 700}"],
                          ids=["bad-value", "unknown-field"])

@@ -4,7 +4,6 @@ inline specs and error messages."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -236,7 +235,7 @@ def published_formulas() -> dict[str, str]:
 
 def formula(expr: str, **env: float) -> float:
     expr = expr.split("(layer input only)")[0]
-    return float(eval(expr, {"__builtins__": {}}, env))  # noqa: S307 - trusted repository data
+    return float(eval(expr, {"__builtins__": {}}, env))  # trusted repository data
 
 
 @pytest.mark.parametrize("shape", sorted(KORTHIKANTI_SHAPES))
@@ -265,7 +264,7 @@ def test_korthikanti_table2(shape: str, t: int) -> None:
     s, b = 2048, 1
     none, sel, full = (m.activation_bytes(r) for r in ("none", "selective", "full"))
     f = published_formulas()
-    env = dict(s=s, b=b, h=h, a=a_heads, t=t)
+    env = {"s": s, "b": b, "h": h, "a": a_heads, "t": t}
     assert layer_bytes(none, s, b) == pytest.approx(formula(f["no_parallelism"], **env), rel=1e-12)
     assert layer_bytes(none, s, b, t) == pytest.approx(formula(f["tp"], **env), rel=1e-12)
     assert layer_bytes(none, s, b, t) == pytest.approx(s * b * h * (10 + 24 / t + 5 * a_heads * s / (h * t)),
@@ -286,7 +285,7 @@ def test_activation_fractions_tp8(shape: str) -> None:
     m = eager_gpt(a_heads, h, layers)
     s, b, t = 2048, 1, 8
     f = published_formulas()
-    env = dict(s=s, b=b, h=h, a=a_heads, t=t)
+    env = {"s": s, "b": b, "h": h, "a": a_heads, "t": t}
     base_code = layer_bytes(m.activation_bytes("none"), s, b)
     base_formula = formula(f["no_parallelism"], **env)
     code = {
@@ -557,8 +556,6 @@ def test_hf_config_missing_field() -> None:
 
 # ---- known problems (xfail until fixed in src) ---------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="from_hf_config treats model_type 'mixtral' as a dense Llama and ignores "
-                                       "num_local_experts: Mixtral-8x7B comes out at 7.24B instead of 46.7B")
 def test_hf_mixtral_is_not_silently_dense() -> None:
     try:
         m = from_hf_config(MIXTRAL_8X7B, name="Mixtral-8x7B")
@@ -568,17 +565,12 @@ def test_hf_mixtral_is_not_silently_dense() -> None:
     assert m.params == pytest.approx(46.7e9, rel=0.01)
 
 
-@pytest.mark.xfail(strict=True, reason="from_hf_config maps Llama's attention_bias=true to bias=True, which "
-                                       "also counts MLP biases; HF puts biases on q, k, v, o only (MLP bias is "
-                                       "the separate mlp_bias)")
 def test_hf_llama_attention_bias_counts_attention_biases_only() -> None:
     plain = from_hf_config(LLAMA2_7B)
     biased = from_hf_config({**LLAMA2_7B, "attention_bias": True})
     assert biased.block_params - plain.block_params == (4096 + 2 * 4096) + 4096  # q, k, v and o_proj
 
 
-@pytest.mark.xfail(strict=True, reason="ModelSpec.with_ keeps the derived kv_heads/ffn/head_dim of the "
-                                       "original, so changing hidden or heads gives an inconsistent shape")
 def test_with_rederives_defaults() -> None:
     m = PRESETS["gpt3-1.3b"].with_(hidden=4096, heads=16)
     assert m.head_dim == 256 and m.q_dim == m.hidden and m.ffn == 4 * 4096

@@ -25,7 +25,7 @@ sends = st.one_of(st.just(0.0), st.floats(min_value=0.0, max_value=5.0, allow_na
 
 
 def close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
 
 
 def all_close(x: PipelineResult, y: PipelineResult) -> bool:

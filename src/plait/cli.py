@@ -6,9 +6,10 @@ Bad input ends with one line on stderr (what is wrong and what fixes it) and exi
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Annotated
 
 import typer
 from rich import box
@@ -39,11 +40,14 @@ def parse_slow(text: str | None) -> dict[int, float]:
     for item in filter(None, (p.strip() for p in (text or "").split(","))):
         rank, colon, factor = item.partition(":")
         try:
-            slow[int(rank)] = float(factor)
+            r, f = int(rank), float(factor)
         except ValueError:
-            raise PlaitError(f"--slow: cannot read {item!r}; use RANK:FACTOR such as 3:2.5") from None
-        if not colon:
-            raise PlaitError(f"--slow: cannot read {item!r}; use RANK:FACTOR such as 3:2.5")
+            r = f = None
+        if not colon or r is None or f is None:
+            raise PlaitError(f"cannot read {item!r}; use RANK:FACTOR such as 3:2.5")
+        if r in slow:
+            raise PlaitError(f"rank {r} is given twice; give each rank once")
+        slow[r] = f
     return slow
 
 
@@ -51,11 +55,14 @@ def load_inputs(model: str, cluster: str, memory_gib: float | None, slow: str | 
     m = load_model(model)
     c = load_cluster(cluster)
     if memory_gib is not None:
-        if memory_gib <= 0:
-            raise PlaitError(f"--memory-gib must be positive, got {memory_gib}")
+        if not (math.isfinite(memory_gib) and memory_gib > 0):
+            raise PlaitError(f"--memory-gib must be a positive number of GiB, got {memory_gib}")
         c = c.with_memory(memory_gib)
     if slow:
-        c = c.with_slow(parse_slow(slow))
+        try:
+            c = c.with_slow(parse_slow(slow))
+        except PlaitError as exc:
+            raise PlaitError(f"--slow: {exc}") from None
     return m, c
 
 
@@ -141,31 +148,29 @@ def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster)
 
 @app.command(name="simulate")
 def simulate_cmd(
-    model: str = typer.Option(..., "--model", "-m", help="preset, config.json path, or inline gpt:/llama: spec"),
-    cluster: str = typer.Option(..., "--cluster", "-c", help="NODESxGPUSxTYPE (e.g. 2x8xH100-80GB) or YAML"),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", "-s", help="tokens per sequence (plan's if omitted)"),
-    plan: Optional[Path] = typer.Option(None, "--plan", help="plan JSON/YAML"),
-    strategy: Optional[str] = typer.Option(None, "--strategy", help='e.g. "tp=8,pp=8,dp=16,mbs=1,gbs=1536"'),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object and nothing else"),
-    timeline: Optional[Path] = typer.Option(None, "--timeline", help="write a pipeline timeline + memory chart"),
-    slow: Optional[str] = typer.Option(None, "--slow", help="straggling devices RANK:FACTOR[,...]"),
-    memory_gib: Optional[float] = typer.Option(None, "--memory-gib", help="override device memory (GiB)"),
+    model: Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama: spec")],
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="NODESxGPUSxTYPE (e.g. 2x8xH100-80GB) or YAML")],
+    seq_len: Annotated[int | None, typer.Option("--seq-len", "-s", help="tokens per sequence")] = None,
+    plan: Annotated[Path | None, typer.Option("--plan", help="plan JSON/YAML")] = None,
+    strategy: Annotated[str | None, typer.Option("--strategy", help='e.g. "tp=8,pp=8,dp=16,mbs=1,gbs=1536"')] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object and nothing else")] = False,
+    timeline: Annotated[Path | None, typer.Option("--timeline", help="write a timeline + memory picture")] = None,
+    slow: Annotated[str | None, typer.Option("--slow", help="straggling devices RANK:FACTOR[,...]")] = None,
+    memory_gib: Annotated[float | None, typer.Option("--memory-gib", help="device memory override, GiB")] = None,
 ) -> None:
     """Predict iteration time, throughput, MFU and memory of one plan."""
     try:
         m, c = load_inputs(model, cluster, memory_gib, slow)
         if (plan is None) == (strategy is None):
             raise PlaitError("give exactly one of --plan FILE or --strategy \"tp=..,pp=..,dp=..\"")
+        if seq_len is not None and seq_len <= 0:
+            raise PlaitError(f"--seq-len must be a positive number of tokens, got {seq_len}")
         if plan is not None:
             p = load_plan(plan)
             if seq_len is not None and seq_len != p.seq_len:
-                p = p.model_copy(update={"seq_len": seq_len})
+                p = Plan.model_validate({**p.model_dump(), "seq_len": seq_len})
         else:
-            if seq_len is None:
-                seq_len = m.max_seq_len
-            if seq_len <= 0:
-                raise PlaitError(f"--seq-len must be positive, got {seq_len}")
-            p = uniform_plan(strategy or "", m, c, seq_len)
+            p = uniform_plan(strategy or "", m, c, seq_len or m.max_seq_len)
         validate_plan(p, m, c)
         report = simulate(p, m, c, record=timeline is not None)
         if timeline is not None:
@@ -173,13 +178,17 @@ def simulate_cmd(
 
             memory = [(f"p{d.pipeline}s{d.index}", {k: v for k, v in d.memory.as_dict().items()})
                       for d in report.devices]
-            combined(report.pipelines[0], memory, c.gpu.memory_bytes, str(timeline),
-                     f"{m.name} on {c.name}: {report.iteration_time_s:.3f} s/iteration, MFU {report.mfu:.1%}")
+            try:
+                combined(report.pipelines[0], memory, c.gpu.memory_bytes, str(timeline),
+                         f"{m.name} on {c.name}: {report.iteration_time_s:.3f} s/iteration, MFU {report.mfu:.1%}")
+            except OSError as exc:
+                raise PlaitError(f"cannot write timeline {str(timeline)!r}: {exc.strerror or exc}; "
+                                 "choose a writable path") from None
     except PlaitError as exc:
         fail(str(exc))
         return
     if as_json:
-        sys.stdout.write(json.dumps(report.to_dict()) + "\n")
+        sys.stdout.write(json.dumps(report.to_dict(), allow_nan=False) + "\n")
         return
     print_report(report, p, m, c)
     if timeline is not None:
@@ -187,8 +196,18 @@ def simulate_cmd(
 
 
 def main() -> None:
-    """Entry point of the `plait` console script."""
-    app()
+    """Entry point of the `plait` console script: argument errors also end in one line and exit 2."""
+    try:
+        code = app(standalone_mode=False)
+    except Exception as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # the help text has been printed
+            sys.exit(0)
+        if not hasattr(exc, "format_message"):
+            raise
+        message = exc.format_message().replace("\n", " ").rstrip(".")
+        err.print(f"[bold red]error:[/] {message}; see `plait --help`", highlight=False)
+        sys.exit(2)
+    sys.exit(code or 0)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,9 @@ def write_atomically(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -184,10 +187,13 @@ def load_plan(path: str | Path) -> Plan:
         text = path.read_text()
     except OSError as exc:
         raise PlaitError(f"cannot read plan {str(path)!r}: {exc.strerror}; check the path") from None
+    except UnicodeDecodeError:
+        raise PlaitError(f"plan {str(path)!r} is not a text file; give a plan JSON or YAML") from None
+    is_yaml = path.suffix in (".yaml", ".yml")
     try:
-        raw = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+        raw = yaml.safe_load(text) if is_yaml else json.loads(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise PlaitError(f"plan {str(path)!r} is not valid {'YAML' if path.suffix != '.json' else 'JSON'}: "
+        raise PlaitError(f"plan {str(path)!r} is not valid {'YAML' if is_yaml else 'JSON'}: "
                          f"{str(exc).splitlines()[0]}") from None
     try:
         return Plan.model_validate(raw)

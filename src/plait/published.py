@@ -37,8 +37,8 @@ class PublishedRun:
 
 def _model(row: dict) -> ModelSpec:
     md = row["model"]
-    common = dict(name=f"{md['layers']}L-h{md['hidden']}", layers=md["layers"], hidden=md["hidden"],
-                  heads=md["heads"], vocab=md["vocab"], max_seq_len=md["seq_len"])
+    common = {"name": f"{md['layers']}L-h{md['hidden']}", "layers": md["layers"], "hidden": md["hidden"],
+              "heads": md["heads"], "vocab": md["vocab"], "max_seq_len": md["seq_len"]}
     if md.get("family", "gpt") == "llama":
         return ModelSpec(family="llama", kv_heads=md.get("kv_heads", md["heads"]), ffn=md["ffn"], gated_mlp=True,
                          norm="rmsnorm", bias=False, dropout=False, tied_embeddings=False, learned_positions=False,

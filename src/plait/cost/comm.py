@@ -10,9 +10,9 @@ across nodes. Sizes are bytes of the full (unsharded) buffer; times are seconds.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
 
 import numpy as np
 

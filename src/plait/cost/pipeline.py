@@ -324,7 +324,7 @@ def _closed_form(st: StageTimes, p: int, m: int, schedule: str) -> PipelineResul
     return PipelineResult(
         makespan_s=makespan,
         busy_s=(busy,) * p,
-        bubble_s=(makespan - busy,) * p,
+        bubble_s=(max(0.0, makespan - busy),) * p,
         peak_in_flight=_peaks(schedule, p, m),
         last_backward_end_s=last_b,
         first_backward_start_s=first_b,
@@ -388,7 +388,7 @@ def _simulate(
     return PipelineResult(
         makespan_s=makespan,
         busy_s=tuple(busy),
-        bubble_s=tuple(makespan - x for x in busy),
+        bubble_s=tuple(max(0.0, makespan - x) for x in busy),
         peak_in_flight=plan.peak_in_flight,
         last_backward_end_s=tuple(end[o] for o in plan.last_b),
         first_backward_start_s=first_b,

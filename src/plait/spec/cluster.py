@@ -10,6 +10,7 @@ Sources: `NODESxGPUSxTYPE` shorthand (e.g. `192x8xA100-80GB`), a YAML file, or a
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -114,9 +115,11 @@ class Cluster:
         speed = list(self.speed or [1.0] * self.world_size)
         for rank, factor in slow.items():
             if not 0 <= rank < self.world_size:
-                raise PlaitError(f"--slow names rank {rank}, but the cluster has ranks 0..{self.world_size - 1}")
-            if factor < 1.0:
-                raise PlaitError(f"--slow {rank}:{factor}: a slowdown factor is >= 1.0 (time relative to healthy)")
+                raise PlaitError(f"a slowdown is given for rank {rank}, but the cluster has ranks "
+                                 f"0..{self.world_size - 1}")
+            if not (math.isfinite(factor) and factor >= 1.0):
+                raise PlaitError(f"slowdown {factor} of rank {rank}: a slowdown factor is a finite number >= 1.0 "
+                                 "(time relative to a healthy device)")
             speed[rank] = factor
         return replace(self, speed=tuple(speed))
 
@@ -171,7 +174,10 @@ def from_yaml(path: Path) -> Cluster:
     except yaml.YAMLError as exc:
         raise PlaitError(f"cluster file {str(path)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        if isinstance(raw, dict) and isinstance(raw.get("gpu"), dict):  # name the gpu table's field, not str's
+            errors = [e for e in errors if "str" not in e["loc"]] or errors
+        err = errors[0]
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         raise PlaitError(f"cluster file {str(path)!r}: {where}: {err['msg']}") from None
     if isinstance(spec.gpu, str):
@@ -198,13 +204,15 @@ _SHORTHAND = re.compile(r"^(\d+)x(\d+)x(.+)$")
 
 def load_cluster(ref: str) -> Cluster:
     """A Cluster from `NODESxGPUSxTYPE` (e.g. `2x8xH100-80GB`) or a YAML path."""
+    path = Path(ref)
+    if path.is_file():
+        return from_yaml(path)
     m = _SHORTHAND.match(ref)
     if m:
         nodes, per_node, gpu_type = int(m.group(1)), int(m.group(2)), m.group(3)
         if gpu_type not in GPUS:
             raise PlaitError(f"unknown GPU type {gpu_type!r} in {ref!r}; known: {', '.join(GPUS)}")
         return dgx(nodes, per_node, gpu_type)
-    path = Path(ref)
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.exists():
             raise PlaitError(f"cluster file {ref!r} does not exist; give NODESxGPUSxTYPE (e.g. 2x8xH100-80GB) "

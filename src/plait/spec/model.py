@@ -77,8 +77,10 @@ class ModelSpec:
     max_seq_len: int = 2048
     gated_mlp: bool = False  # SwiGLU: three matrices (gate, up, down)
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    bias: bool = True  # biases on the linears (GPT) or not (Llama)
-    qkv_bias: bool = False  # Qwen2 has biases on q, k, v only
+    bias: bool = True  # biases on every linear (GPT) or not (Llama)
+    qkv_bias: bool = False  # biases on q, k, v (Qwen2; Llama's attention_bias adds the output projection too)
+    out_bias: bool = False  # bias on the attention output projection (Llama's attention_bias)
+    mlp_bias: bool = False  # biases on the MLP linears (Llama's mlp_bias)
     dropout: bool = True  # Megatron GPT trains with dropout (its masks cost activation memory)
     tied_embeddings: bool = True
     learned_positions: bool = True  # GPT: learned position table; Llama: RoPE (no parameters)
@@ -132,11 +134,9 @@ class ModelSpec:
         """Parameters of one transformer block (weights, biases, norms)."""
         weights = sum(g.k * g.n for g in self.gemms)
         norm_params = (2 if self.norm == "layernorm" else 1) * self.hidden * 2
-        biases = 0
-        if self.bias:
-            biases = sum(g.n for g in self.gemms)
-        elif self.qkv_bias:
-            biases = self.q_dim + 2 * self.kv_dim
+        qkv, out, up, down = self.gemms
+        biases = (qkv.n * (self.bias or self.qkv_bias) + out.n * (self.bias or self.out_bias)
+                  + (up.n + down.n) * (self.bias or self.mlp_bias))
         return weights + norm_params + biases
 
     @cached_property
@@ -234,8 +234,25 @@ class ModelSpec:
         return self.hidden
 
     def with_(self, **changes: object) -> ModelSpec:
-        """A copy with some fields changed."""
+        """A copy with some fields changed; kv_heads, ffn and head_dim that were derived from the old
+        shape are derived again from the new one unless given."""
+        derived = {
+            "kv_heads": self.kv_heads == self.heads,
+            "head_dim": self.head_dim * self.heads == self.hidden,
+            "ffn": self.ffn == 4 * self.hidden and not self.gated_mlp,
+        }
+        for name, was_derived in derived.items():
+            if was_derived and name not in changes:
+                changes[name] = 0
+        if self.gated_mlp and "ffn" not in changes and "hidden" in changes:
+            changes["ffn"] = llama_ffn(int(changes["hidden"]))  # type: ignore[call-overload]
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def llama_ffn(hidden: int, multiple_of: int = 256) -> int:
+    """Llama's default SwiGLU width: 2/3 of 4h, rounded up to a multiple of 256 (Touvron et al. 2023)."""
+    ffn = int(2 * 4 * hidden / 3)
+    return multiple_of * ((ffn + multiple_of - 1) // multiple_of)
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048) -> ModelSpec:
@@ -292,6 +309,8 @@ def parse_inline(text: str) -> ModelSpec:
                 + ", ".join(sorted(_INLINE_KEYS))
             )
         field = _INLINE_KEYS[key]
+        if field in values:
+            raise PlaitError(f"inline model {text!r} gives {key} twice; give each key once")
         raw = raw.strip()
         if field == "attention":
             if raw not in ("flash", "eager"):
@@ -314,12 +333,13 @@ def parse_inline(text: str) -> ModelSpec:
     if family == "gpt":
         return ModelSpec(name=name, family="gpt", **values)  # type: ignore[arg-type]
     base = {"max_seq_len": 4096, **values}
-    return _llama(name, base.pop("layers"), base.pop("hidden"), base.pop("heads"),  # type: ignore[arg-type]
-                  base.pop("kv_heads", 0), base.pop("ffn", 0), base.pop("vocab"),  # type: ignore[arg-type]
-                  base.pop("max_seq_len")).with_(**base)  # type: ignore[arg-type]
+    hidden = base.pop("hidden")
+    return replace(_llama(name, base.pop("layers"), hidden, base.pop("heads"),  # type: ignore[arg-type]
+                          base.pop("kv_heads", 0), base.pop("ffn", 0) or llama_ffn(hidden),  # type: ignore[arg-type]
+                          base.pop("vocab"), base.pop("max_seq_len")), **base)  # type: ignore[arg-type]
 
 
-_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen3")
+_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
@@ -340,6 +360,9 @@ def from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
             ffn=int(config.get("n_inner") or 4 * hidden), max_seq_len=need("n_positions", "n_ctx"),
             tied_embeddings=bool(config.get("tie_word_embeddings", True)),
         )
+    if config.get("num_local_experts") or config.get("num_experts"):
+        raise PlaitError(f"config.json of {name!r} describes a mixture-of-experts model; experts are not modelled "
+                         "yet: give a dense Llama, Mistral, Qwen2 or GPT-2 config")
     if model_type and model_type not in _HF_LLAMA_TYPES:
         raise PlaitError(
             f"config.json of {name!r} has model_type {model_type!r}; supported: gpt2, "
@@ -352,8 +375,8 @@ def from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
         kv_heads=int(config.get("num_key_value_heads") or heads), ffn=need("intermediate_size"),
         vocab=need("vocab_size"), head_dim=int(config.get("head_dim") or 0),
         max_seq_len=int(config.get("max_position_embeddings") or 4096), gated_mlp=True, norm="rmsnorm",
-        bias=bool(config.get("attention_bias", False)) and model_type != "qwen2",
-        qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        bias=False, qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        out_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)),
         dropout=False, tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         learned_positions=False,
     )
