@@ -145,3 +145,12 @@ def test_record_gives_a_timeline() -> None:
     ops = r.pipelines[0].ops
     assert len(ops) == 2 * 4 * 8
     assert {o.kind for o in ops} == {"F", "B"}
+
+
+def test_context_parallel_ranks_share_and_shard_weights() -> None:
+    """cp ranks hold the same weights: ZeRO shards over dp x cp and gradients are reduced across cp."""
+    cluster = dgx(1, 8, "H100-80GB")
+    _, plain = run("dp=1,cp=8,mbs=1,gbs=8", model=LLAMA8, cluster=cluster, seq=32768)
+    _, sharded = run("dp=1,cp=8,mbs=1,gbs=8,zero=1", model=LLAMA8, cluster=cluster, seq=32768)
+    assert sharded.devices[0].memory.optimizer == pytest.approx(plain.devices[0].memory.optimizer / 8)
+    assert plain.breakdown["dp_comm_exposed"] > 0  # gradients are all-reduced over the 8 cp ranks

@@ -109,8 +109,9 @@ def _context(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: Precisi
 
 
 def _dp_ranks(plan: Plan, layer: int, s: Strategy, ranks: tuple[int, ...]) -> tuple[int, ...]:
-    """Ranks holding the same shard of `layer` (tp and cp coordinate 0) across every pipeline."""
-    own = ranks[:: s.tp * s.cp]
+    """Ranks holding the same shard of `layer` (tp coordinate 0: every dp and cp coordinate, since context
+    parallel ranks hold the same weights and reduce their gradients too) across every pipeline."""
+    own = ranks[:: s.tp]
     if len(plan.pipelines) == 1:
         return own
     out: list[int] = []
@@ -118,7 +119,7 @@ def _dp_ranks(plan: Plan, layer: int, s: Strategy, ranks: tuple[int, ...]) -> tu
         for st in pipe.stages:
             if st.layers[0] <= layer < st.layers[1]:
                 other = st.strategy(layer)
-                out.extend(st.ranks[:: other.tp * other.cp])
+                out.extend(st.ranks[:: other.tp])
     return tuple(out)
 
 
@@ -153,7 +154,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         if s.recompute != "none":
             working = max(working, block_activation_bytes(s, ctx, "none"))
         params.append((count * model.block_params / s.tp, s, layer))
-        if s.zero == 3 and s.dp > 1:  # FSDP keeps the current and the prefetched block unsharded
+        if s.zero == 3 and ctx.dp_group.size > 1:  # FSDP keeps the current and the prefetched block unsharded
             buffers = max(buffers, 2 * model.block_params / s.tp * (prec.param + prec.grad))
         if prev is not None and (prev.dp, prev.tp, prev.cp, prev.sp) != (s.dp, s.tp, s.cp, s.sp):
             # Re-layout of the hidden state between differing strategies: an all-to-all over the stage.

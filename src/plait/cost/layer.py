@@ -60,7 +60,7 @@ class BlockContext:
     seqs: int  # sequences per data-parallel replica per micro-batch
     tp_group: GroupShape
     cp_group: GroupShape
-    dp_group: GroupShape
+    dp_group: GroupShape  # ranks that share this block's weights (data and context parallel), every pipeline
 
 
 def _elementwise_bytes_per_token(model: ModelSpec, s: Strategy, eb: int) -> float:
@@ -133,7 +133,7 @@ def block_time(s: Strategy, ctx: BlockContext) -> BlockTime:
     # ZeRO-2 reduce-scatters gradients each micro-batch. Prefetching hides them behind the block's compute.
     zero_fwd = zero_bwd = 0.0
     params = m.block_params // s.tp
-    if s.dp > 1 and s.zero >= 2:
+    if ctx.dp_group.size > 1 and s.zero >= 2:
         rs = comm.reduce_scatter(params * ctx.prec.grad, ctx.dp_group, ctx.cluster, cal)
         gather = comm.all_gather(params * ctx.prec.param, ctx.dp_group, ctx.cluster, cal) if s.zero == 3 else 0.0
         zero_fwd = max(0.0, gather - forward * cal.overlap_efficiency)
