@@ -195,6 +195,143 @@ def simulate_cmd(
         out.print(f"timeline and memory chart: {timeline}")
 
 
+def print_plan(plan: Plan) -> None:
+    """The plan as a table: every stage with its layers grouped into runs of one strategy."""
+    table = Table(title="plan: layers grouped by strategy", box=box.SIMPLE_HEAD)
+    multi = len(plan.pipelines) > 1
+    for col in ("pipe",) * multi + ("stage", "ranks", "layers", "strategy"):
+        table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    for pi, pipe in enumerate(plan.pipelines):
+        for si, stage in enumerate(pipe.stages):
+            layer = stage.layers[0]
+            for ri, (strategy, count) in enumerate(stage.layer_strategies()):
+                first = ri == 0
+                table.add_row(*(str(pi) if first else "",) * multi, str(si) if first else "",
+                              f"{stage.ranks[0]}-{stage.ranks[-1]}" if first else "",
+                              f"{layer}-{layer + count - 1}" if count > 1 else str(layer), strategy.short())
+                layer += count
+    out.print(table)
+
+
+def _search_progress():
+    """A transient rich progress bar on stderr, and the callback that drives it."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), console=err, transient=True)
+    tasks: dict[str, int] = {}
+
+    def update(phase: str, done: int, total: int) -> None:
+        if phase not in tasks:
+            tasks[phase] = bar.add_task(f"searching ({phase} plans)", total=total)
+        bar.update(tasks[phase], completed=done, total=total)
+
+    return bar, update
+
+
+def _summary_row(name: str, report: Report, plan: Plan, reference: float | None) -> list[str]:
+    pipe = plan.pipelines[0]
+    layouts = sorted({s.short() for st in pipe.stages for s in st.strategies})
+    layout = f"pp{plan.pp}{' x' + str(plan.chunks) if plan.chunks > 1 else ''} m{pipe.micro_batches} " + \
+        ("; ".join(layouts) if len(layouts) <= 2 else f"{len(layouts)} per-layer strategies")
+    speed = f"{reference / report.iteration_time_s:.2f}x" if reference and report.fits else "-"
+    fits = "[green]yes[/]" if report.fits else f"[red]no (+{report.over_memory_gib:.1f} GiB)[/]"
+    return [name, layout, _fmt_s(report.iteration_time_s), f"{report.tokens_per_s:,.0f}", f"{report.mfu:.1%}",
+            f"{report.peak_memory_gib:.1f}", fits, speed]
+
+
+@app.command(name="plan")
+def plan_cmd(
+    model: Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama: spec")],
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="NODESxGPUSxTYPE (e.g. 2x8xH100-80GB) or YAML")],
+    global_batch: Annotated[int, typer.Option("--global-batch", "-b", help="sequences per optimizer step")],
+    seq_len: Annotated[int | None, typer.Option("--seq-len", "-s", help="tokens per sequence")] = None,
+    out_path: Annotated[Path | None, typer.Option("--out", help="write the plan (JSON, or YAML by suffix)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object and nothing else")] = False,
+    baseline: Annotated[str | None, typer.Option("--baseline", help="dp | zero3 | megatron-grid")] = None,
+    compare: Annotated[bool, typer.Option("--compare", help="also run the baselines, side by side")] = False,
+    memory_gib: Annotated[float | None, typer.Option("--memory-gib", help="device memory override, GiB")] = None,
+    slow: Annotated[str | None, typer.Option("--slow", help="straggling devices RANK:FACTOR[,...]")] = None,
+    precision: Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32")] = "bf16",
+) -> None:
+    """Search the fastest plan that fits (or run a baseline planner)."""
+    from plait.search.baselines import BASELINES, run_baseline
+    from plait.search.engine import fewest_gpus, search
+
+    try:
+        m, c = load_inputs(model, cluster, memory_gib, slow)
+        seq = seq_len if seq_len is not None else m.max_seq_len
+        if seq <= 0 or global_batch <= 0:
+            raise PlaitError(f"--seq-len and --global-batch must be positive, got {seq} and {global_batch}")
+        if baseline is not None and baseline not in BASELINES:
+            raise PlaitError(f"--baseline {baseline!r} is unknown; choose one of {', '.join(BASELINES)}")
+        if precision not in ("bf16", "fp16", "fp32"):
+            raise PlaitError(f"--precision must be bf16, fp16 or fp32, got {precision!r}")
+        bar, update = _search_progress()
+        with bar:
+            if baseline is not None:
+                import time
+
+                t0 = time.perf_counter()
+                best, _ = run_baseline(baseline, m, c, seq, global_batch, progress=lambda d, t: update(baseline, d, t))
+                chosen = best if best is not None and best.report.fits else None
+                elapsed = time.perf_counter() - t0
+                closest = best
+            else:
+                result = search(m, c, seq, global_batch, precision=precision, progress=update)
+                chosen = None
+                if result.plan is not None:
+                    chosen = min((x for x in (result.best_layerwise, result.best_uniform)
+                                  if x is not None and x.report.fits), key=lambda x: x.key)
+                elapsed, closest = result.search_time_s, result.closest
+            baselines = {}
+            if compare:
+                for kind in BASELINES:
+                    b, _ = run_baseline(kind, m, c, seq, global_batch, progress=lambda d, t, k=kind: update(k, d, t))
+                    baselines[kind] = b
+        if chosen is None:
+            need = f"the closest plan needs {closest.report.peak_memory_gib:.1f} GiB per device" if closest else \
+                "no layout is possible"
+            more = fewest_gpus(m, c, seq, global_batch)
+            gpus = f"; {more} GPUs would fit (e.g. --cluster {more // c.gpus_per_node}x{c.gpus_per_node}x" \
+                f"{c.gpu.name})" if more else ""
+            raise PlaitError(f"nothing fits in {c.gpu.memory_bytes / GIB:.1f} GiB per device: {need}{gpus}; "
+                             "or lower --global-batch / --seq-len")
+        if out_path is not None:
+            chosen.plan.save(out_path)
+    except PlaitError as exc:
+        fail(str(exc))
+        return
+    except OSError as exc:
+        fail(f"cannot write {str(out_path)!r}: {exc.strerror or exc}; choose a writable path")
+        return
+    if as_json:
+        obj = {"plan": json.loads(chosen.plan.model_dump_json()), "report": chosen.report.to_dict(),
+               "search_time_s": elapsed}
+        if compare:
+            obj["baselines"] = {k: (b.report.to_dict() | {"strategy": b.label.split(": ", 1)[1]}) if b else None
+                                for k, b in baselines.items()}
+        sys.stdout.write(json.dumps(obj, allow_nan=False) + "\n")
+        return
+    print_plan(chosen.plan)
+    print_report(chosen.report, chosen.plan, m, c)
+    out.print(f"searched in {elapsed:.2f} s" + (f"; plan written to {out_path}" if out_path else ""))
+    if compare:
+        table = Table(title="search vs baselines (speed-up = baseline time / this time)", box=box.SIMPLE_HEAD)
+        for col in ("planner", "layout", "iteration", "tokens/s", "MFU", "peak GiB", "fits", "speed-up"):
+            table.add_column(col, justify="left" if col in ("planner", "layout") else "right", no_wrap=True)
+        ref = chosen.report.iteration_time_s
+        table.add_row(*_summary_row("plait search" if baseline is None else baseline, chosen.report, chosen.plan, ref))
+        for kind, b in baselines.items():
+            if b is None:
+                table.add_row(kind, "no valid layout", "-", "-", "-", "-", "-", "-")
+            else:
+                row = _summary_row(kind, b.report, b.plan, None)
+                row[-1] = f"{b.report.iteration_time_s / ref:.2f}x" if b.report.fits else "-"
+                table.add_row(*row)
+        out.print(table)
+
+
 def main() -> None:
     """Entry point of the `plait` console script: argument errors also end in one line and exit 2."""
     try:

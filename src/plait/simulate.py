@@ -17,7 +17,7 @@ from plait.cost.compute import elementwise_time
 from plait.cost.head import embedding_time, head_activation_bytes, head_time
 from plait.cost.layer import BlockContext, BlockTime, block_activation_bytes, block_time
 from plait.cost.memory import GRAD_BUCKET_BYTES, MemoryTerms, model_state_bytes, with_reserve
-from plait.cost.pipeline import PipelineResult, StageTimes, simulate_pipeline
+from plait.cost.pipeline import PipelineResult, StageTimes, peak_weighted_in_flight, simulate_pipeline
 from plait.cost.precision import PRECISIONS, PrecisionBytes
 from plait.plan import Plan, Stage, Strategy, validate_plan
 from plait.spec.cluster import GIB, Cluster
@@ -250,6 +250,8 @@ def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | 
         pipe = plan.pipelines[pi]
         pp = len(pipe.stages) // plan.chunks
         m = pipe.micro_batches
+        weights = [[costs[j].activation_bytes for j in range(d, len(costs), pp)] for d in range(pp)]
+        alive = peak_weighted_in_flight(plan.schedule, pp, m, plan.chunks, weights)
         for d in range(pp):
             chunk_costs = [costs[j] for j in range(d, len(costs), pp)]
             stage = pipe.stages[d]
@@ -275,7 +277,7 @@ def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | 
             parts["dp_comm_exposed"] = exposed + gather_t
             parts["optimizer"] = optimizer
             end = ends + exposed + gather_t + optimizer
-            memory = _memory(chunk_costs, res.peak_in_flight[d], stage, plan, model, cluster, prec)
+            memory = _memory(chunk_costs, alive[d], stage, plan, model, cluster, prec)
             layers = tuple(pipe.stages[j].layers for j in range(d, len(costs), pp))
             groups.append(DeviceGroup(pi, d, stage.ranks, layers, memory, end, parts))
     critical = max(groups, key=lambda g: g.end_s)
@@ -317,7 +319,7 @@ def _recompute_flops(plan: Plan, model: ModelSpec) -> float:
     return total
 
 
-def _memory(costs: list[StageCost], in_flight: int, stage: Stage, plan: Plan, model: ModelSpec,
+def _memory(costs: list[StageCost], activations: float, stage: Stage, plan: Plan, model: ModelSpec,
             cluster: Cluster, prec: PrecisionBytes) -> MemoryTerms:
     weights = grads = optimizer = 0.0
     bucket = 0.0
@@ -328,7 +330,6 @@ def _memory(costs: list[StageCost], in_flight: int, stage: Stage, plan: Plan, mo
             weights, grads, optimizer = weights + w, grads + g, optimizer + o
             if replicas > 1:
                 bucket = 2 * GRAD_BUCKET_BYTES
-    per_mb = max(c.activation_bytes for c in costs)
-    activations = in_flight * per_mb + max(c.working_bytes for c in costs)
+    activations += max(c.working_bytes for c in costs)
     buffers = max(c.buffer_bytes for c in costs) + bucket
     return with_reserve(weights, grads, optimizer, activations, buffers)

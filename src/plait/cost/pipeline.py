@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import math
 from collections import OrderedDict
+from functools import lru_cache
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -36,6 +37,7 @@ __all__ = [
     "StageTimes",
     "bubble_fraction",
     "clear_plan_cache",
+    "peak_weighted_in_flight",
     "ideal_bubble_fraction",
     "schedule_order",
     "simulate_pipeline",
@@ -145,6 +147,34 @@ def schedule_order(
         [("F" if o < half else "B", (o % half) // n, o % n) for o in seq]
         for seq in _device_orders(schedule, p, micro_batches, chunks)
     ]
+
+
+@lru_cache(maxsize=64)
+def _cached_orders(schedule: str, p: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(order) for order in _device_orders(schedule, p, m, v))
+
+
+def peak_weighted_in_flight(schedule: str, p: int, micro_batches: int, chunks: int,
+                            weights: Sequence[Sequence[float]]) -> tuple[float, ...]:
+    """Per device, the peak over time of the summed weights of its alive (micro-batch, chunk) pairs.
+
+    ``weights[d][c]`` is what one micro-batch of device d's local chunk c keeps alive (e.g. activation
+    bytes), so uneven chunks are counted exactly rather than as peak count x largest chunk.
+    """
+    if chunks == 1:
+        counts = _plan(schedule if schedule != "interleaved" else "1f1b", p, micro_batches, 1).peak_in_flight
+        return tuple(counts[d] * weights[d][0] for d in range(p))
+    n = p * chunks
+    half = micro_batches * n
+    peaks = []
+    for d, order in enumerate(_cached_orders(schedule, p, micro_batches, chunks)):
+        alive = peak = 0.0
+        for op in order:
+            w = weights[d][(op % n) // p]
+            alive = alive + w if op < half else alive - w
+            peak = max(peak, alive)
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,102 @@
+"""Baseline planners: pure data parallel, ZeRO-3/FSDP only, and the best uniform Megatron-style grid.
+
+Each baseline enumerates uniform `--strategy` layouts and lets the simulator judge them; the best plan
+that fits wins (or, if none fits, the one closest to fitting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from plait.errors import PlaitError
+from plait.plan import Plan, uniform_plan
+from plait.search.space import divisors
+from plait.simulate import Report, simulate
+from plait.spec.cluster import Cluster
+from plait.spec.model import ModelSpec
+
+BASELINES = ("dp", "zero3", "megatron-grid")
+Progress = Callable[[int, int], None]  # (done, total)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A simulated plan."""
+
+    plan: Plan
+    report: Report
+    label: str
+
+    @property
+    def key(self) -> tuple[bool, float]:
+        """Sort key: fitting plans first, then faster (or, among non-fitting ones, smaller)."""
+        if self.report.fits:
+            return (False, self.report.iteration_time_s)
+        return (True, self.report.peak_memory_gib)
+
+
+def micro_batch_sizes(global_batch: int, dp: int, limit: int = 64) -> list[int]:
+    """Micro-batch sizes (sequences per replica) that split the global batch evenly over dp replicas."""
+    if global_batch % dp:
+        return []
+    per_replica = global_batch // dp
+    return [b for b in divisors(per_replica) if b <= limit]
+
+
+def grid_layouts(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int,
+                 kind: str = "megatron-grid") -> Iterator[list[str]]:
+    """Groups of uniform layouts (as --strategy text); within a group only the micro-batch size grows, so
+    once one does not fit the rest of the group can be skipped."""
+    n = cluster.world_size
+    if kind == "dp":
+        shapes = [(1, 1, ("none", "selective", "full"), (0,))]
+    elif kind == "zero3":
+        shapes = [(1, 1, ("none", "selective", "full"), (3,))]
+    elif kind == "megatron-grid":
+        shapes = [(tp, pp, ("none", "selective", "full"), (0, 1))
+                  for tp in divisors(min(n, cluster.gpus_per_node))
+                  if model.heads % tp == 0 and model.kv_heads % tp == 0
+                  for pp in divisors(n // tp) if pp <= model.layers]
+    else:
+        raise PlaitError(f"unknown baseline {kind!r}; choose one of {', '.join(BASELINES)}")
+    for tp, pp, recomputes, zeros in shapes:
+        dp = n // (tp * pp)
+        for recompute in recomputes:
+            for zero in zeros:
+                if zero and dp == 1:
+                    continue
+                for sp in ((0, 1) if tp > 1 and seq_len % tp == 0 else (0,)):
+                    for vpp in ((1, 2, 4) if pp > 1 else (1,)):
+                        if pp * vpp > model.layers:
+                            continue
+                        group = []
+                        for mbs in micro_batch_sizes(global_batch, dp):
+                            m = global_batch // (mbs * dp)
+                            if vpp > 1 and m % pp:
+                                continue
+                            group.append(f"tp={tp},pp={pp},dp={dp},mbs={mbs},gbs={global_batch},"
+                                         f"recompute={recompute},sp={sp},zero={zero},vpp={vpp}")
+                        if group:
+                            yield group
+
+
+def run_baseline(kind: str, model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int,
+                 progress: Progress | None = None) -> tuple[Candidate | None, int]:
+    """The best plan of a baseline and the number of plans simulated."""
+    groups = list(grid_layouts(model, cluster, seq_len, global_batch, kind))
+    best: Candidate | None = None
+    evaluated = 0
+    for i, group in enumerate(groups):
+        for text in group:
+            plan = uniform_plan(text, model, cluster, seq_len)
+            report = simulate(plan, model, cluster, validate=False)
+            evaluated += 1
+            cand = Candidate(plan, report, f"{kind}: {text}")
+            if best is None or cand.key < best.key:
+                best = cand
+            if not report.fits:
+                break  # larger micro-batches need more memory
+        if progress:
+            progress(i + 1, len(groups))
+    return best, evaluated

@@ -1,0 +1,353 @@
+"""The search engine: the fastest per-layer hybrid-parallel plan that fits, judged by the simulator.
+
+For every pipeline degree, micro-batch count and schedule it (1) prices each candidate layer strategy
+once with the cost model (time per micro-batch, gradient synchronisation, model states, activations),
+(2) keeps the strategies on the time/memory Pareto front, (3) solves Galvatron's dynamic programme over the
+layers of each stage under that stage's memory budget (a multiple-choice knapsack with re-layout costs
+between differing neighbours), (4) partitions layers into stages the Galvatron-BMW way: start from a
+memory-balanced cut, move layers from the slowest stage toward time balance while the simulated
+throughput improves, and (5) lets the simulator judge every assembled plan. The best uniform Megatron
+layout (grid search) is a candidate too, so the result is never worse than it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from plait.cost import comm
+from plait.cost.calibration import Calibration, calibration_for
+from plait.cost.comm import GroupShape
+from plait.cost.head import head_activation_bytes
+from plait.cost.layer import BlockContext, block_activation_bytes, block_time
+from plait.cost.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, GRAD_BUCKET_BYTES, model_state_bytes
+from plait.cost.pipeline import StageTimes, simulate_pipeline
+from plait.cost.precision import PRECISIONS
+from plait.errors import PlaitError
+from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_plan
+from plait.search.baselines import Candidate, run_baseline
+from plait.search.layerwise import solve_layers
+from plait.search.space import SpaceLimits, divisors, pareto_front, stage_strategies
+from plait.simulate import simulate
+from plait.spec.cluster import GIB, Cluster
+from plait.spec.model import ModelSpec
+
+MEMORY_UNITS = 256
+"""Steps of the discretised memory budget in the layer DP (Galvatron uses ~MB units; 256 steps of a
+stage's budget keep rounding below 0.4% of it)."""
+MAX_MICRO_BATCH_COUNTS = 6
+"""Micro-batch counts tried per pipeline degree (spread geometrically over the useful range)."""
+REBALANCE_ROUNDS = 8
+"""Layer moves tried by the time-balancing step of the stage partitioner, per configuration."""
+FIT_RETRIES = 2
+"""Times a stage budget is tightened by the simulated overflow when an assembled plan does not fit."""
+
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+@dataclass
+class SearchResult:
+    """Outcome of a search. `plan`/`report` are the best plan that fits (None when nothing does)."""
+
+    plan: Plan | None
+    report: object | None
+    best_uniform: Candidate | None
+    best_layerwise: Candidate | None
+    evaluated: int
+    search_time_s: float
+    closest: Candidate | None = None  # when nothing fits: the plan with the least peak memory
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """Cost-model prices of one strategy for one layer in one configuration."""
+
+    strategy: Strategy
+    mb_time: float  # seconds per micro-batch (forward + backward + recompute + exposed communication)
+    sync: float  # seconds of exposed gradient synchronisation per iteration (estimate)
+    states: float  # bytes of weights + gradients + optimizer
+    activation: float  # bytes saved per micro-batch in flight
+    working: float  # transient bytes while recomputing
+
+
+def _micro_batch_counts(global_batch: int, pp: int) -> list[int]:
+    """Micro-batch counts to try: divisors of the global batch from pp (or 1) up to ~16 x pp."""
+    low = pp if pp > 1 else 1
+    counts = [m for m in divisors(global_batch) if low <= m <= max(16 * pp, 8)]
+    if len(counts) > MAX_MICRO_BATCH_COUNTS:
+        idx = np.unique(np.round(np.geomspace(1, len(counts), MAX_MICRO_BATCH_COUNTS)).astype(int) - 1)
+        counts = [counts[i] for i in idx]
+    return counts
+
+
+@lru_cache(maxsize=1024)
+def _in_flight(pp: int, m: int, schedule: str, chunks: int) -> tuple[int, ...]:
+    """Peak (micro-batch, chunk) pairs alive on each device of the schedule."""
+    unit = [StageTimes(1.0, 2.0)] * (pp * chunks)
+    return simulate_pipeline(unit, m, schedule, chunks).peak_in_flight
+
+
+class _Config:
+    """One (pp, micro-batch count, schedule) configuration: prices strategies and solves stages."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, cal: Calibration, seq_len: int, global_batch: int,
+                 pp: int, m: int, schedule: str, chunks: int, precision: str, limits: SpaceLimits) -> None:
+        self.model, self.cluster, self.cal = model, cluster, cal
+        self.seq_len, self.global_batch = seq_len, global_batch
+        self.pp, self.m, self.schedule, self.chunks = pp, m, schedule, chunks
+        self.precision = precision
+        self.prec = PRECISIONS[precision]
+        self.n = cluster.world_size // pp
+        self.mb = global_batch // m  # sequences per pipeline micro-batch
+        self.in_flight = _in_flight(pp, m, schedule, chunks)
+        strategies = stage_strategies(model, cluster, self.n, self.mb, seq_len, limits)
+        self.priced = [self._price(s) for s in strategies]
+        ranks = tuple(range(self.n))
+        hidden_bytes = self.mb * seq_len * model.hidden * self.prec.activation
+        relayout = comm.all_to_all(hidden_bytes / self.n, GroupShape.of(ranks, cluster.gpus_per_node), cluster, cal)
+        self.relayout = 2 * m * relayout  # forward and backward, every micro-batch
+        self._solved: dict[tuple[int, int, bool, bool, float], tuple[float, list[Strategy]] | None] = {}
+
+    def _price(self, s: Strategy) -> _Priced:
+        gpn = self.cluster.gpus_per_node
+        ranks = tuple(range(self.n))
+        tp_group = GroupShape.of(ranks[: s.tp], gpn) if s.tp > 1 else comm.SINGLE
+        cp_group = GroupShape.of(ranks[: s.tp * s.cp: s.tp], gpn) if s.cp > 1 else comm.SINGLE
+        dp_ranks = ranks[:: s.tp]
+        dp_group = GroupShape.of(dp_ranks, gpn) if len(dp_ranks) > 1 else comm.SINGLE
+        ctx = BlockContext(self.model, self.cluster, self.cal, self.prec, self.seq_len, self.mb // s.dp,
+                           tp_group, cp_group, dp_group)
+        bt = block_time(s, ctx)
+        params = self.model.block_params / s.tp
+        replicas = dp_group.size
+        sync = 0.0
+        if replicas > 1 and s.zero in (0, 1):
+            reduce = comm.all_reduce if s.zero == 0 else comm.reduce_scatter
+            grad = reduce(params * self.prec.grad, dp_group, self.cluster, self.cal)
+            sync = max(0.0, grad - bt.backward * self.cal.overlap_efficiency)
+        if replicas > 1 and s.zero in (1, 2):
+            sync += comm.all_gather(params * self.prec.param, dp_group, self.cluster, self.cal)
+        w, g, o = model_state_bytes(params, replicas, s.zero, self.prec)
+        working = block_activation_bytes(s, ctx, "none") if s.recompute != "none" else 0.0
+        return _Priced(s, bt.forward_total + bt.backward_total, sync, w + g + o, block_activation_bytes(s, ctx),
+                       working)
+
+    def budget(self, device: int, capacity: float) -> float:
+        """Bytes a device group can give its blocks: capacity less context, fragmentation and the
+        embedding/head with their buffers (priced with the cheapest-memory strategy)."""
+        usable = (capacity - CUDA_CONTEXT_BYTES) / (1 + FRAGMENTATION_FRACTION)
+        cheapest = min(self.priced, key=lambda p: p.states).strategy
+        replicas = self.n // cheapest.tp
+        extra = 2 * GRAD_BUCKET_BYTES + 2 * self.mb * self.seq_len * self.model.hidden * self.prec.activation / self.n
+        if device == 0:
+            extra += sum(model_state_bytes(self.model.embedding_params / cheapest.tp, replicas, cheapest.zero,
+                                           self.prec))
+        if device == self.pp - 1:
+            head = self.model.head_params + (self.model.vocab * self.model.hidden
+                                             if self.model.tied_embeddings and self.pp > 1 else 0)
+            extra += sum(model_state_bytes(head / cheapest.tp, replicas, cheapest.zero, self.prec))
+            ctx = BlockContext(self.model, self.cluster, self.cal, self.prec, self.seq_len, self.mb // cheapest.dp,
+                               comm.SINGLE, comm.SINGLE, comm.SINGLE)
+            extra += head_activation_bytes(cheapest, ctx)
+        return usable - extra
+
+    def solve_stage(self, device: int, layers: int, budget: float) -> tuple[float, list[Strategy]] | None:
+        """Best strategies for `layers` blocks on device group `device` within `budget` bytes."""
+        key = (device, layers, device == 0, device == self.pp - 1, round(budget, -6))
+        if key in self._solved:
+            return self._solved[key]
+        result = None
+        if layers > 0 and budget > 0:
+            act_mult = self.in_flight[device] / self.chunks
+            # Recomputing a block needs its full activations for a moment: solve once without
+            # recompute strategies on the whole budget and once with all of them on the budget less the
+            # largest such transient, and keep the faster.
+            plain = [p for p in self.priced if p.strategy.recompute == "none"]
+            working = max((p.working for p in self.priced), default=0.0)
+            for pool, room in ((plain, budget), (self.priced, budget - working)):
+                sol = self._solve(pool, layers, room, act_mult)
+                if sol is not None and (result is None or sol[0] < result[0]):
+                    result = sol
+        self._solved[key] = result
+        return result
+
+    def _solve(self, pool: list[_Priced], layers: int, budget: float, act_mult: float
+               ) -> tuple[float, list[Strategy]] | None:
+        """The layer DP over the Pareto front of `pool` within `budget` bytes."""
+        if not pool or budget <= 0:
+            return None
+        costs = [(p.mb_time * self.m + p.sync, p.states + p.activation * act_mult) for p in pool]
+        keep = pareto_front(costs)
+        unit = budget / MEMORY_UNITS
+        times = np.array([costs[i][0] for i in keep])
+        mems = np.array([math.ceil(costs[i][1] / unit) for i in keep], dtype=np.int64)
+        strategies = [pool[i].strategy for i in keep]
+        layouts = [(s.dp, s.tp, s.cp, s.sp) for s in strategies]
+        trans = np.array([[0.0 if a == b else self.relayout for b in layouts] for a in layouts])
+        sol = solve_layers(np.tile(times, (layers, 1)), np.tile(mems, (layers, 1)), trans, MEMORY_UNITS)
+        if sol is None:
+            return None
+        return sol.time, [strategies[i] for i in sol.choice]
+
+    def assemble(self, counts: list[int], choices: list[list[Strategy]]) -> Plan:
+        """A Plan from layers per device group and their strategies (chunks interleaved in model order)."""
+        per_chunk = [split_layers(c, self.chunks) for c in counts]
+        stages = []
+        start = 0
+        for chunk in range(self.chunks):
+            for d in range(self.pp):
+                n_layers = per_chunk[d][chunk]
+                offset = sum(per_chunk[d][:chunk])
+                strategies = tuple(choices[d][offset: offset + n_layers])
+                if len(set(strategies)) == 1:
+                    strategies = strategies[:1]
+                ranks = tuple(range(d * self.n, (d + 1) * self.n))
+                stages.append(Stage(layers=(start, start + n_layers), ranks=ranks, strategies=strategies))
+                start += n_layers
+        return Plan(model=self.model.name, seq_len=self.seq_len, global_batch=self.global_batch,
+                    schedule=self.schedule, chunks=self.chunks, precision=self.precision,  # type: ignore[arg-type]
+                    pipelines=(Pipeline(stages=tuple(stages), micro_batches=self.m, micro_batch_size=self.mb),))
+
+
+def _memory_balanced(cfg: _Config, capacity: float) -> list[int]:
+    """Layers per device group with equal memory use under the cheapest-memory strategy."""
+    layers = cfg.model.layers
+    cheapest = min(cfg.priced, key=lambda p: p.states + p.activation)
+    per_layer = [cheapest.states + cheapest.activation * cfg.in_flight[d] / cfg.chunks for d in range(cfg.pp)]
+    budgets = [max(cfg.budget(d, capacity), 1.0) for d in range(cfg.pp)]
+    weights = np.array([b / w for b, w in zip(budgets, per_layer)])
+    raw = weights / weights.sum() * layers
+    counts = np.maximum(np.floor(raw).astype(int), cfg.chunks)
+    while counts.sum() < layers:
+        counts[int(np.argmax(raw - counts))] += 1
+    while counts.sum() > layers:
+        counts[int(np.argmax(counts))] -= 1
+    return [int(c) for c in counts]
+
+
+def _partition_search(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candidate]) -> Candidate | None:
+    """Galvatron-BMW: memory-balanced start, then layer moves toward time balance; keep the best."""
+    layers, pp = cfg.model.layers, cfg.pp
+    if layers < pp * cfg.chunks:
+        return None
+    starts = [_memory_balanced(cfg, capacity), split_layers(layers, pp)]
+    best: Candidate | None = None
+    seen: set[tuple[int, ...]] = set()
+
+    def attempt(counts: list[int]) -> tuple[Candidate | None, list[float]]:
+        budgets = [cfg.budget(d, capacity) for d in range(pp)]
+        for _ in range(FIT_RETRIES + 1):
+            solved = [cfg.solve_stage(d, counts[d], budgets[d]) for d in range(pp)]
+            if any(s is None for s in solved):
+                return None, []
+            plan = cfg.assemble(counts, [s[1] for s in solved])  # type: ignore[index]
+            cand = evaluate(plan)
+            if cand.report.fits:
+                return cand, [s[0] for s in solved]  # type: ignore[index]
+            over = [max(0.0, d.memory.total - capacity) for d in cand.report.devices]  # type: ignore[attr-defined]
+            budgets = [b - 1.05 * o - 0.01 * capacity if o > 0 else b for b, o in zip(budgets, over)]
+        return None, []
+
+    for counts in starts:
+        if min(counts) < cfg.chunks or tuple(counts) in seen:
+            continue
+        seen.add(tuple(counts))
+        cand, times = attempt(counts)
+        if cand is None:
+            continue
+        if best is None or cand.key < best.key:
+            best = cand
+        # Time balancing: move one layer from the slowest stage to its faster neighbour.
+        for _ in range(REBALANCE_ROUNDS if pp > 1 else 0):
+            slow = int(np.argmax(times))
+            neighbours = [d for d in (slow - 1, slow + 1) if 0 <= d < pp]
+            target = min(neighbours, key=lambda d: times[d])
+            trial = list(counts)
+            trial[slow] -= 1
+            trial[target] += 1
+            if trial[slow] < cfg.chunks or tuple(trial) in seen:
+                break
+            seen.add(tuple(trial))
+            new, new_times = attempt(trial)
+            if new is None or not new.key < best.key:  # type: ignore[union-attr]
+                break
+            best, counts, times = new, trial, new_times
+    return best
+
+
+def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, *,
+           precision: str = "bf16", limits: SpaceLimits = SpaceLimits(), cal: Calibration | None = None,
+           include_uniform: bool = True, progress: Progress | None = None) -> SearchResult:
+    """Search the fastest plan for `model` on `cluster` (see the module docstring)."""
+    if seq_len <= 0 or global_batch <= 0:
+        raise PlaitError(f"seq_len and global_batch must be positive, got {seq_len} and {global_batch}")
+    cal = cal or calibration_for(cluster.gpu.name)
+    t0 = time.perf_counter()
+    capacity = cluster.gpu.memory_bytes
+    evaluated = 0
+
+    def evaluate(plan: Plan) -> Candidate:
+        nonlocal evaluated
+        validate_plan(plan, model, cluster)
+        evaluated += 1
+        return Candidate(plan, simulate(plan, model, cluster, cal=cal, validate=False), "layerwise")
+
+    configs = []
+    for pp in divisors(cluster.world_size):
+        if pp > model.layers:
+            continue
+        for m in _micro_batch_counts(global_batch, pp):
+            configs.append((pp, m, "1f1b", 1))
+            if pp > 1 and m % pp == 0 and 2 * pp <= model.layers:
+                configs.append((pp, m, "interleaved", 2))
+    best_layerwise: Candidate | None = None
+    closest: Candidate | None = None
+    for i, (pp, m, schedule, chunks) in enumerate(configs):
+        cfg = _Config(model, cluster, cal, seq_len, global_batch, pp, m, schedule, chunks, precision, limits)
+        if cfg.priced:
+            cand = _partition_search(cfg, capacity, evaluate)
+            if cand is not None and (best_layerwise is None or cand.key < best_layerwise.key):
+                best_layerwise = cand
+        if progress:
+            progress("layerwise", i + 1, len(configs))
+    best_uniform = None
+    if include_uniform:
+        best_uniform, n = run_baseline("megatron-grid", model, cluster, seq_len, global_batch,
+                                       progress=(lambda d, t: progress("uniform", d, t)) if progress else None)
+        evaluated += n
+    fitting = [c for c in (best_layerwise, best_uniform) if c is not None and c.report.fits]
+    best = min(fitting, key=lambda c: c.key) if fitting else None
+    if best is None:
+        pool = [c for c in (best_layerwise, best_uniform) if c is not None]
+        closest = min(pool, key=lambda c: c.report.peak_memory_gib) if pool else None
+    return SearchResult(plan=best.plan if best else None, report=best.report if best else None,
+                        best_uniform=best_uniform, best_layerwise=best_layerwise, evaluated=evaluated,
+                        search_time_s=time.perf_counter() - t0, closest=closest)
+
+
+def fewest_gpus(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, max_doublings: int = 6
+                ) -> int | None:
+    """The smallest cluster (doubling the nodes) on which a ZeRO-3 or Megatron layout fits, in GPUs."""
+    nodes = cluster.nodes
+    for _ in range(max_doublings):
+        nodes *= 2
+        bigger = Cluster(cluster.name, nodes, cluster.gpus_per_node, cluster.gpu, cluster.intra, cluster.inter)
+        for kind in ("zero3", "megatron-grid"):
+            best, _ = run_baseline(kind, model, bigger, seq_len, global_batch)
+            if best is not None and best.report.fits:
+                return bigger.world_size
+    return None
+
+
+def memory_needed_gib(result: SearchResult) -> float | None:
+    """Peak memory of the closest plan found (GiB), when nothing fits."""
+    return result.closest.report.peak_memory_gib if result.closest else None
+
+
+__all__ = ["SearchResult", "search", "fewest_gpus", "memory_needed_gib", "GIB"]
