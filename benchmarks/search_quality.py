@@ -17,8 +17,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from plait.search.baselines import run_baseline
-from plait.search.engine import search
+from plait.planner.baselines import run_baseline
+from plait.planner.engine import search
 from plait.spec.cluster import dgx
 from plait.spec.model import PRESETS
 

@@ -1,4 +1,4 @@
-"""Tests for plait.search.layerwise: the per-layer strategy DP against brute force."""
+"""Tests for plait.planner.layerwise: the per-layer strategy DP against brute force."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.errors import PlaitError
-from plait.search import layerwise
-from plait.search.layerwise import (
+from plait.planner import layerwise
+from plait.planner.layerwise import (
     LayerSolution,
     prune_dominated,
     solve_layers,

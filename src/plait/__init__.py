@@ -23,7 +23,7 @@ def search(model: ModelSpec | str, cluster: Cluster | str, *, seq_len: int, glob
     `model` is a ModelSpec or anything `plait.load_model` reads (preset, config.json, inline spec);
     `cluster` a Cluster or `NODESxGPUSxTYPE` / a YAML path; `memory_gib` overrides device memory.
     """
-    from plait.search.engine import search as run_search
+    from plait.planner.engine import search as run_search
 
     m = load_model(model) if isinstance(model, str) else model
     c = load_cluster(cluster) if isinstance(cluster, str) else cluster

@@ -255,8 +255,8 @@ def plan_cmd(
     precision: Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32")] = "bf16",
 ) -> None:
     """Search the fastest plan that fits (or run a baseline planner)."""
-    from plait.search.baselines import BASELINES, run_baseline
-    from plait.search.engine import fewest_gpus, search
+    from plait.planner.baselines import BASELINES, run_baseline
+    from plait.planner.engine import fewest_gpus, search
 
     try:
         m, c = load_inputs(model, cluster, memory_gib, slow)

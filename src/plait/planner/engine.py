@@ -30,10 +30,10 @@ from plait.cost.pipeline import StageTimes, simulate_pipeline
 from plait.cost.precision import PRECISIONS
 from plait.errors import PlaitError
 from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_plan
-from plait.search.baselines import Candidate, run_baseline
-from plait.search.layerwise import solve_layers
-from plait.search.space import SpaceLimits, divisors, pareto_front, stage_strategies
-from plait.simulate import simulate
+from plait.planner.baselines import Candidate, run_baseline
+from plait.planner.layerwise import solve_layers
+from plait.planner.space import SpaceLimits, divisors, pareto_front, stage_strategies
+from plait.simulate import Report, simulate
 from plait.spec.cluster import GIB, Cluster
 from plait.spec.model import ModelSpec
 
@@ -55,7 +55,7 @@ class SearchResult:
     """Outcome of a search. `plan`/`report` are the best plan that fits (None when nothing does)."""
 
     plan: Plan | None
-    report: object | None
+    report: Report | None
     best_uniform: Candidate | None
     best_layerwise: Candidate | None
     evaluated: int
@@ -285,7 +285,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
            precision: str = "bf16", limits: SpaceLimits = SpaceLimits(), cal: Calibration | None = None,
            include_uniform: bool = True, progress: Progress | None = None) -> SearchResult:
     """Search the fastest plan for `model` on `cluster` (see the module docstring)."""
-    if seq_len <= 0 or global_batch <= 0:
+    if seq_len <= 0 or global_batch <= 0:  # callers validate; this guards the Python API
         raise PlaitError(f"seq_len and global_batch must be positive, got {seq_len} and {global_batch}")
     cal = cal or calibration_for(cluster.gpu.name)
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from plait.errors import PlaitError
 from plait.plan import Plan, uniform_plan
-from plait.search.space import divisors
+from plait.planner.space import divisors
 from plait.simulate import Report, simulate
 from plait.spec.cluster import Cluster
 from plait.spec.model import ModelSpec

@@ -1,0 +1,133 @@
+"""The search engine: emitted plans validate and fit, and are never slower than the uniform grid."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+import plait
+from plait.cli import app
+from plait.errors import PlaitError
+from plait.plan import load_plan, validate_plan
+from plait.planner.baselines import BASELINES, run_baseline
+from plait.planner.engine import search
+from plait.planner.space import SpaceLimits, pareto_front, stage_strategies
+from plait.simulate import simulate
+from plait.spec.cluster import dgx
+from plait.spec.model import PRESETS, parse_inline
+
+runner = CliRunner()
+
+
+def check_result(model, cluster, seq, gbs):
+    result = search(model, cluster, seq, gbs)
+    if result.plan is not None:
+        validate_plan(result.plan, model, cluster)
+        again = simulate(result.plan, model, cluster)
+        assert again.fits
+        assert again.iteration_time_s == pytest.approx(result.report.iteration_time_s)
+        grid = result.best_uniform
+        if grid is not None and grid.report.fits:
+            assert result.report.iteration_time_s <= grid.report.iteration_time_s * (1 + 1e-12)
+    return result
+
+
+def test_llama7b_on_8_a100_beats_or_matches_every_baseline() -> None:
+    model, cluster = PRESETS["llama2-7b"], dgx(1, 8, "A100-80GB")
+    result = check_result(model, cluster, 2048, 64)
+    assert result.plan is not None
+    for kind in BASELINES:
+        best, _ = run_baseline(kind, model, cluster, 2048, 64)
+        if best is not None and best.report.fits:
+            assert result.report.iteration_time_s <= best.report.iteration_time_s
+
+
+def test_memory_tight_search_mixes_strategies_and_beats_the_grid() -> None:
+    """With little memory the per-layer search finds plans no uniform layout matches (Galvatron's point)."""
+    model, cluster = PRESETS["llama3-70b"], dgx(8, 8, "H100-80GB").with_memory(60)
+    result = check_result(model, cluster, 8192, 128)
+    assert result.report.iteration_time_s < result.best_uniform.report.iteration_time_s
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.integers(2, 8), heads=st.sampled_from([4, 8]), kv=st.sampled_from([1, 2, 4]),
+       nodes=st.sampled_from([1, 2]), per_node=st.sampled_from([2, 4, 8]), seq=st.sampled_from([512, 2048]),
+       gbs=st.sampled_from([8, 16, 32]), memory=st.floats(0.05, 2.0), gated=st.booleans())
+def test_random_small_instances_emit_valid_fitting_plans(layers, heads, kv, nodes, per_node, seq, gbs, memory,
+                                                         gated) -> None:
+    hidden = heads * 64
+    if gated:
+        model = parse_inline(f"llama:layers={layers},hidden={hidden},heads={heads},kv_heads={kv},vocab=32000")
+    else:
+        model = parse_inline(f"gpt:layers={layers},hidden={hidden},heads={heads},vocab=32000")
+    cluster = dgx(nodes, per_node, "A100-80GB").with_memory(memory)
+    result = check_result(model, cluster, seq, gbs)
+    if result.plan is None:  # then no uniform layout fits either
+        assert result.best_uniform is None or not result.best_uniform.report.fits
+
+
+def test_strategy_space_respects_the_model_and_micro_batch() -> None:
+    model, cluster = PRESETS["llama3-70b"], dgx(2, 8, "H100-80GB")
+    strategies = stage_strategies(model, cluster, 16, 4, 8192)
+    assert strategies
+    for s in strategies:
+        assert s.dp * s.tp * s.cp == 16 and s.tp <= 8 and 4 % s.dp == 0
+        assert model.kv_heads % s.tp == 0 and (s.cp == 1 or (model.kv_heads // s.tp) % s.cp == 0)
+        assert not s.sp or s.tp > 1
+    no_cp = stage_strategies(model, cluster, 16, 4, 8192, SpaceLimits(context_parallel=False))
+    assert all(s.cp == 1 for s in no_cp) and len(no_cp) < len(strategies)
+
+
+def test_pareto_front() -> None:
+    costs = [(1.0, 5.0), (2.0, 3.0), (2.0, 6.0), (3.0, 3.0), (4.0, 1.0)]
+    assert pareto_front(costs) == [0, 1, 4]
+
+
+def test_python_api_and_nothing_fits() -> None:
+    plan, report = plait.search("llama2-7b", "1x8xA100-80GB", seq_len=2048, global_batch=64)
+    assert report.fits and plan.global_batch == 64
+    with pytest.raises(PlaitError, match="GiB"):
+        plait.search("llama2-70b", "1x2xA100-40GB", seq_len=4096, global_batch=8)
+
+
+def test_plan_cli_json_out_and_compare(tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "--model", "llama2-7b", "--cluster", "1x8xA100-80GB", "--seq-len",
+                                 "2048", "--global-batch", "64", "--json", "--out", str(out), "--compare"])
+    assert result.exit_code == 0, result.output
+    obj = json.loads(result.stdout)
+    assert set(obj) >= {"plan", "report", "search_time_s", "baselines"}
+    assert set(obj["baselines"]) == set(BASELINES)
+    assert obj["report"]["fits"] is True
+    saved = load_plan(out)
+    sim = runner.invoke(app, ["simulate", "--model", "llama2-7b", "--cluster", "1x8xA100-80GB", "--plan", str(out),
+                              "--json"])
+    assert json.loads(sim.stdout)["iteration_time_s"] == pytest.approx(obj["report"]["iteration_time_s"])
+    assert saved.model == "llama2-7b"
+
+
+def test_plan_cli_table_and_baseline() -> None:
+    result = runner.invoke(app, ["plan", "--model", "gpt3-1.3b", "--cluster", "1x8xA100-40GB", "--global-batch",
+                                 "64", "--baseline", "megatron-grid"])
+    assert result.exit_code == 0, result.output
+    assert "layers grouped by strategy" in result.stdout and "searched in" in result.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--baseline", "nope"], "--baseline"),
+    (["--global-batch", "0"], "positive"),
+    (["--memory-gib", "1"], "nothing fits"),
+])
+def test_plan_cli_bad_input(args, needle) -> None:
+    base = ["plan", "--model", "llama2-7b", "--cluster", "1x8xA100-80GB", "--global-batch", "64"]
+    if "--global-batch" in args:
+        base = base[:-2]
+    result = runner.invoke(app, base + args)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0]
+    assert "Traceback" not in result.output
