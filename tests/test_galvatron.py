@@ -238,8 +238,8 @@ def test_unreadable_strategy_files(tmp_path):
 
 
 def test_strategy_searched_for_another_cluster(tmp_path):
-    # The two-node 3D example on one node: its stages would need 8 devices each, and tp=2 fits, but the
-    # global batch then splits over dp=2; loading still works, only on two nodes are the ranks the same.
+    # Galvatron files do not name their cluster: the two-node 3D example also loads on one node (4 devices
+    # per stage, dp=2), and is refused where pp_deg does not divide the devices.
     plan = load_quiet(LLAMA_3D, LLAMA7, ONE_NODE, 4096)
     assert [s.ranks for s in plan.pipelines[0].stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     expect_error(lambda: load_quiet(LLAMA_3D, LLAMA7, load_cluster("1x1xA100-80GB"), 4096), "pp_deg=2")

@@ -12,8 +12,18 @@ from plait.simulate import Report, simulate
 from plait.spec.cluster import Cluster, load_cluster
 from plait.spec.model import ModelSpec, load_model
 
-__all__ = ["PlaitError", "Plan", "Report", "Cluster", "ModelSpec", "load_plan", "load_model", "load_cluster",
-           "simulate", "search"]
+__all__ = [
+    "Cluster",
+    "ModelSpec",
+    "PlaitError",
+    "Plan",
+    "Report",
+    "load_cluster",
+    "load_model",
+    "load_plan",
+    "search",
+    "simulate",
+]
 
 
 def search(model: ModelSpec | str, cluster: Cluster | str, *, seq_len: int, global_batch: int,

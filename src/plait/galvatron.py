@@ -6,7 +6,7 @@ Strategy file (`galvatron_config_*.json`, written by Galvatron's search engine `
 
 * `pp_deg`: pipeline stages. Stage k runs on ranks [k*W/pp, (k+1)*W/pp) of the W devices
   (`gen_pp_group_dist` puts ranks i, i+W/pp, ... in one pipeline).
-* `pp_division`: blocks per stage (default: W//pp each, the rest on the last stage).
+* `pp_division`: blocks per stage (default: L//pp each of the L blocks, the rest on the last stage).
 * `tp_sizes_enc`: tensor-parallel degree of each block; with `use_sp` = 1 the same number is instead the
   degree of Ulysses sequence parallelism (all-to-all over heads) and the block has no tensor parallelism.
 * `tp_consecutive_flags`: 1 = TP (or Ulysses) groups are consecutive ranks and data parallelism strides over
@@ -758,7 +758,8 @@ def to_calibration(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluste
     * gemm_efficiency: for every measured (batch, seq) forward time of one block, the value that makes
       plait's own forward time of that block (tp=1, one GPU, at the GPU's peak for the profile's precision)
       equal it; the median of these, within (0.05, 0.95). It absorbs every error of plait's attention and
-      elementwise terms, which keep their base constants.
+      elementwise terms, which keep their base constants, so `model` must describe the profiled block
+      (attention kind, dropout, MLP). The peak is that of the profile's precision (bf16 if not named).
     * nvlink_efficiency: all-reduce bus bandwidth over one whole node / the cluster's NVLink bandwidth. The
       bus bandwidth is the slope of all-reduce time against message size from sp_time (plait's formula
       keeps latency apart), else nccl-tests' size-averaged bus bandwidth (a lower bound).

@@ -24,9 +24,9 @@ from __future__ import annotations
 import gc
 import math
 from collections import OrderedDict
-from functools import lru_cache
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import accumulate
 from operator import itemgetter
 
@@ -37,8 +37,8 @@ __all__ = [
     "StageTimes",
     "bubble_fraction",
     "clear_plan_cache",
-    "peak_weighted_in_flight",
     "ideal_bubble_fraction",
+    "peak_weighted_in_flight",
     "schedule_order",
     "simulate_pipeline",
 ]

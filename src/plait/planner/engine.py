@@ -37,6 +37,7 @@ from plait.simulate import Report, simulate
 from plait.spec.cluster import GIB, Cluster
 from plait.spec.model import ModelSpec
 
+DEFAULT_LIMITS = SpaceLimits()
 MEMORY_UNITS = 256
 """Steps of the discretised memory budget in the layer DP (Galvatron uses ~MB units; 256 steps of a
 stage's budget keep rounding below 0.4% of it)."""
@@ -78,7 +79,7 @@ class _Priced:
 
 def _micro_batch_counts(global_batch: int, pp: int) -> list[int]:
     """Micro-batch counts to try: divisors of the global batch from pp (or 1) up to ~16 x pp."""
-    low = pp if pp > 1 else 1
+    low = max(1, pp)
     counts = [m for m in divisors(global_batch) if low <= m <= max(16 * pp, 8)]
     if len(counts) > MAX_MICRO_BATCH_COUNTS:
         idx = np.unique(np.round(np.geomspace(1, len(counts), MAX_MICRO_BATCH_COUNTS)).astype(int) - 1)
@@ -282,7 +283,7 @@ def _partition_search(cfg: _Config, capacity: float, evaluate: Callable[[Plan], 
 
 
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, *,
-           precision: str = "bf16", limits: SpaceLimits = SpaceLimits(), cal: Calibration | None = None,
+           precision: str = "bf16", limits: SpaceLimits = DEFAULT_LIMITS, cal: Calibration | None = None,
            include_uniform: bool = True, progress: Progress | None = None) -> SearchResult:
     """Search the fastest plan for `model` on `cluster` (see the module docstring)."""
     if seq_len <= 0 or global_batch <= 0:  # callers validate; this guards the Python API
@@ -350,4 +351,4 @@ def memory_needed_gib(result: SearchResult) -> float | None:
     return result.closest.report.peak_memory_gib if result.closest else None
 
 
-__all__ = ["SearchResult", "search", "fewest_gpus", "memory_needed_gib", "GIB"]
+__all__ = ["GIB", "SearchResult", "fewest_gpus", "memory_needed_gib", "search"]
