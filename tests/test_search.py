@@ -131,3 +131,32 @@ def test_plan_cli_bad_input(args, needle) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0]
     assert "Traceback" not in result.output
+
+
+GALV = "tests/data/galvatron"
+
+
+def test_galvatron_config_simulates_and_plan_exports(tmp_path) -> None:
+    config = f"{GALV}/configs/galvatron_config_llama-7b_2nodes_8gpus_per_node_40GB_bf16_3D_example.json"
+    sim = runner.invoke(app, ["simulate", "--model", "llama2-7b", "--cluster", "2x8xA100-80GB", "--seq-len", "2048",
+                              "--plan", config, "--json"])
+    assert sim.exit_code == 0, sim.output
+    assert json.loads(sim.stdout)["fits"] is True
+    out = tmp_path / "galvatron_config.json"
+    planned = runner.invoke(app, ["plan", "--model", "llama2-7b", "--cluster", "1x8xA100-80GB", "--seq-len", "2048",
+                                  "--global-batch", "64", "--baseline", "zero3", "--galvatron-out", str(out)])
+    assert planned.exit_code == 0, planned.output
+    assert json.loads(out.read_text())["pp_deg"] == 1
+
+
+def test_galvatron_profile_calibrates_and_refuses_other_gpus() -> None:
+    args = ["simulate", "--model", "llama2-7b", "--seq-len", "2048", "--strategy", "dp=8,zero=3,gbs=64,mbs=4",
+            "--json", "--galvatron-profile"]
+    profile = f"A100-80GB:{GALV}/llama_fa:{GALV}/hardware_configs"
+    plain = runner.invoke(app, ["simulate", "--model", "llama2-7b", "--seq-len", "2048", "--strategy",
+                                "dp=8,zero=3,gbs=64,mbs=4", "--json", "--cluster", "1x8xA100-80GB"])
+    calibrated = runner.invoke(app, args + [profile, "--cluster", "1x8xA100-80GB"])
+    assert calibrated.exit_code == 0, calibrated.output
+    assert json.loads(calibrated.stdout)["iteration_time_s"] != json.loads(plain.stdout)["iteration_time_s"]
+    other = runner.invoke(app, args + [profile, "--cluster", "1x8xH100-80GB"])
+    assert other.exit_code == 2 and "A100-80GB" in other.stderr

@@ -66,6 +66,46 @@ def load_inputs(model: str, cluster: str, memory_gib: float | None, slow: str | 
     return m, c
 
 
+def load_calibration(spec: str | None, model: ModelSpec, cluster: Cluster):
+    """`--galvatron-profile GPU:MODEL_DIR[:HARDWARE_DIR]` -> a Calibration (None without the option)."""
+    if not spec:
+        return None
+    from plait.cost.calibration import calibration_for
+    from plait.galvatron import load_galvatron_profiles, to_calibration
+
+    gpu, _, rest = spec.partition(":")
+    model_dir, _, hardware_dir = rest.partition(":")
+    if not gpu or not model_dir:
+        raise PlaitError(f"--galvatron-profile {spec!r}: give GPU:MODEL_DIR[:HARDWARE_DIR], e.g. "
+                         "A100-80GB:galvatron/models/llama_hf/configs:galvatron/profile_hardware/hardware_configs")
+    profiles = load_galvatron_profiles(model_dir, hardware_dir or None, gpu)
+    return to_calibration(profiles, model, cluster, calibration_for(cluster.gpu.name))
+
+
+def read_plan(path: Path, model: ModelSpec, cluster: Cluster, seq_len: int | None) -> Plan:
+    """A plait plan file, or a Galvatron `galvatron_config_*.json` (recognised by its keys)."""
+    if path.suffix == ".json" and path.is_file():
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            raw = None
+        if isinstance(raw, dict) and "pp_deg" in raw and "tp_sizes_enc" in raw:
+            import warnings
+
+            from plait.galvatron import load_galvatron_config
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                plan = load_galvatron_config(path, model, cluster, seq_len or model.max_seq_len)
+            for w in caught:
+                err.print(f"[yellow]note:[/] {w.message}", highlight=False)
+            return plan
+    plan = load_plan(path)
+    if seq_len is not None and seq_len != plan.seq_len:
+        plan = Plan.model_validate({**plan.model_dump(), "seq_len": seq_len})
+    return plan
+
+
 @app.command()
 def models() -> None:
     """List model presets."""
@@ -157,8 +197,11 @@ def simulate_cmd(
     timeline: Annotated[Path | None, typer.Option("--timeline", help="write a timeline + memory picture")] = None,
     slow: Annotated[str | None, typer.Option("--slow", help="straggling devices RANK:FACTOR[,...]")] = None,
     memory_gib: Annotated[float | None, typer.Option("--memory-gib", help="device memory override, GiB")] = None,
+    galvatron_profile: Annotated[str | None, typer.Option(
+        "--galvatron-profile", help="calibrate from Galvatron profiles: GPU:MODEL_DIR[:HARDWARE_DIR]")] = None,
 ) -> None:
-    """Predict iteration time, throughput, MFU and memory of one plan."""
+    """Predict iteration time, throughput, MFU and memory of one plan (a plait plan, a Galvatron
+    galvatron_config_*.json, or --strategy)."""
     try:
         m, c = load_inputs(model, cluster, memory_gib, slow)
         if (plan is None) == (strategy is None):
@@ -166,13 +209,11 @@ def simulate_cmd(
         if seq_len is not None and seq_len <= 0:
             raise PlaitError(f"--seq-len must be a positive number of tokens, got {seq_len}")
         if plan is not None:
-            p = load_plan(plan)
-            if seq_len is not None and seq_len != p.seq_len:
-                p = Plan.model_validate({**p.model_dump(), "seq_len": seq_len})
+            p = read_plan(plan, m, c, seq_len)
         else:
             p = uniform_plan(strategy or "", m, c, seq_len or m.max_seq_len)
         validate_plan(p, m, c)
-        report = simulate(p, m, c, record=timeline is not None)
+        report = simulate(p, m, c, cal=load_calibration(galvatron_profile, m, c), record=timeline is not None)
         if timeline is not None:
             from plait.viz import combined
 
@@ -253,6 +294,10 @@ def plan_cmd(
     memory_gib: Annotated[float | None, typer.Option("--memory-gib", help="device memory override, GiB")] = None,
     slow: Annotated[str | None, typer.Option("--slow", help="straggling devices RANK:FACTOR[,...]")] = None,
     precision: Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32")] = "bf16",
+    galvatron_profile: Annotated[str | None, typer.Option(
+        "--galvatron-profile", help="calibrate from Galvatron profiles: GPU:MODEL_DIR[:HARDWARE_DIR]")] = None,
+    galvatron_out: Annotated[Path | None, typer.Option(
+        "--galvatron-out", help="also write the plan as a Galvatron galvatron_config JSON")] = None,
 ) -> None:
     """Search the fastest plan that fits (or run a baseline planner)."""
     from plait.planner.baselines import BASELINES, run_baseline
@@ -267,18 +312,20 @@ def plan_cmd(
             raise PlaitError(f"--baseline {baseline!r} is unknown; choose one of {', '.join(BASELINES)}")
         if precision not in ("bf16", "fp16", "fp32"):
             raise PlaitError(f"--precision must be bf16, fp16 or fp32, got {precision!r}")
+        cal = load_calibration(galvatron_profile, m, c)
         bar, update = _search_progress()
         with bar:
             if baseline is not None:
                 import time
 
                 t0 = time.perf_counter()
-                best, _ = run_baseline(baseline, m, c, seq, global_batch, progress=lambda d, t: update(baseline, d, t))
+                best, _ = run_baseline(baseline, m, c, seq, global_batch, progress=lambda d, t: update(baseline, d, t),
+                                       cal=cal)
                 chosen = best if best is not None and best.report.fits else None
                 elapsed = time.perf_counter() - t0
                 closest = best
             else:
-                result = search(m, c, seq, global_batch, precision=precision, progress=update)
+                result = search(m, c, seq, global_batch, precision=precision, progress=update, cal=cal)
                 chosen = None
                 if result.plan is not None:
                     chosen = min((x for x in (result.best_layerwise, result.best_uniform)
@@ -287,7 +334,8 @@ def plan_cmd(
             baselines = {}
             if compare:
                 for kind in BASELINES:
-                    b, _ = run_baseline(kind, m, c, seq, global_batch, progress=lambda d, t, k=kind: update(k, d, t))
+                    b, _ = run_baseline(kind, m, c, seq, global_batch, progress=lambda d, t, k=kind: update(k, d, t),
+                                        cal=cal)
                     baselines[kind] = b
         if chosen is None:
             need = f"the closest plan needs {closest.report.peak_memory_gib:.1f} GiB per device" if closest else \
@@ -299,11 +347,15 @@ def plan_cmd(
                              "or lower --global-batch / --seq-len")
         if out_path is not None:
             chosen.plan.save(out_path)
+        if galvatron_out is not None:
+            from plait.galvatron import save_galvatron_config
+
+            save_galvatron_config(chosen.plan, m, galvatron_out)
     except PlaitError as exc:
         fail(str(exc))
         return
     except OSError as exc:
-        fail(f"cannot write {str(out_path)!r}: {exc.strerror or exc}; choose a writable path")
+        fail(f"cannot write {exc.filename or out_path}: {exc.strerror or exc}; choose a writable path")
         return
     if as_json:
         obj = {"plan": json.loads(chosen.plan.model_dump_json()), "report": chosen.report.to_dict(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from plait.cost.calibration import Calibration
 from plait.errors import PlaitError
 from plait.plan import Plan, uniform_plan
 from plait.planner.space import divisors
@@ -82,7 +83,7 @@ def grid_layouts(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch:
 
 
 def run_baseline(kind: str, model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int,
-                 progress: Progress | None = None) -> tuple[Candidate | None, int]:
+                 progress: Progress | None = None, cal: Calibration | None = None) -> tuple[Candidate | None, int]:
     """The best plan of a baseline and the number of plans simulated."""
     groups = list(grid_layouts(model, cluster, seq_len, global_batch, kind))
     best: Candidate | None = None
@@ -90,7 +91,7 @@ def run_baseline(kind: str, model: ModelSpec, cluster: Cluster, seq_len: int, gl
     for i, group in enumerate(groups):
         for text in group:
             plan = uniform_plan(text, model, cluster, seq_len)
-            report = simulate(plan, model, cluster, validate=False)
+            report = simulate(plan, model, cluster, cal=cal, validate=False)
             evaluated += 1
             cand = Candidate(plan, report, f"{kind}: {text}")
             if best is None or cand.key < best.key:

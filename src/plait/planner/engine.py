@@ -320,7 +320,8 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     best_uniform = None
     if include_uniform:
         best_uniform, n = run_baseline("megatron-grid", model, cluster, seq_len, global_batch,
-                                       progress=(lambda d, t: progress("uniform", d, t)) if progress else None)
+                                       progress=(lambda d, t: progress("uniform", d, t)) if progress else None,
+                                       cal=cal)
         evaluated += n
     fitting = [c for c in (best_layerwise, best_uniform) if c is not None and c.report.fits]
     best = min(fitting, key=lambda c: c.key) if fitting else None
