@@ -52,10 +52,10 @@ CASES = [
 def main() -> None:
     quick = "--quick" in sys.argv
     cases = [c for c in CASES if not quick or c[1] * c[2] <= 64]
-    console = Console(width=160)
+    console = Console(width=220)
     table = Table(title="per-layer search vs best uniform Megatron grid (predicted seconds per iteration)",
                   box=box.SIMPLE_HEAD)
-    for col in ("model", "GPUs", "seq", "batch", "memory", "tight", "grid s", "search s", "ratio", "search time",
+    for col in ("model", "GPUs", "seq", "batch", "GiB", "tight", "grid s", "search s", "ratio", "search time",
                 "search plan"):
         table.add_column(col, justify="left" if col in ("model", "search plan") else "right", no_wrap=True)
     better_tight = tight_cases = never_below = 0
@@ -82,7 +82,7 @@ def main() -> None:
         desc = f"pp{plan.pp} m{plan.pipelines[0].micro_batches} " + " | ".join(layouts) if plan else "none fits"
         table.add_row(name, f"{cluster.world_size}x{gpu[:4]}", str(seq), str(gbs),
                       f"{cluster.gpu.memory_bytes / 2**30:.0f}", "yes" if tight else "", f"{grid_s:.3f}",
-                      f"{search_s:.3f}", f"{ratio:.3f}", f"{elapsed:.2f} s", desc[:70])
+                      f"{search_s:.3f}", f"{ratio:.3f}", f"{elapsed:.2f} s", desc[:80])
     console.print(table)
     console.print(f"search never slower than the grid: {never_below}/{len(cases)}; strictly faster on "
                   f"{better_tight}/{tight_cases} memory-tight cases")

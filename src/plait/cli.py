@@ -384,6 +384,80 @@ def plan_cmd(
         out.print(table)
 
 
+@app.command(name="train")
+def train_cmd(
+    model: Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama: spec")],
+    plan: Annotated[Path | None, typer.Option("--plan", help="plan JSON/YAML")] = None,
+    strategy: Annotated[str | None, typer.Option("--strategy", help='e.g. "dp=2,tp=2,gbs=8"')] = None,
+    nproc: Annotated[int | None, typer.Option("--nproc", help="ranks to launch (default: the plan's)")] = None,
+    steps: Annotated[int, typer.Option("--steps", help="optimizer steps")] = 10,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", "-s", help="tokens per sequence")] = None,
+    global_batch: Annotated[int | None, typer.Option("--global-batch", "-b", help="sequences per step")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    lr: Annotated[float, typer.Option("--lr", help="peak learning rate")] = 3e-4,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32 | bf16")] = "fp32",
+    data: Annotated[Path | None, typer.Option("--data", help="text file (byte-level tokens); default synthetic")] = None,
+    metrics_out: Annotated[Path | None, typer.Option("--metrics-out", help="JSON lines, one per step")] = None,
+) -> None:
+    """Train with a plan on this machine's ranks (launches torchrun), or inside an existing torchrun job."""
+    import os
+    import subprocess
+    import tempfile
+
+    from plait.runtime.placement import check_executable
+    from plait.runtime.train import TrainConfig
+    from plait.spec.cluster import local_ranks
+
+    try:
+        m = load_model(model)
+        inside = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+        world = int(os.environ["WORLD_SIZE"]) if inside else nproc
+        if (plan is None) == (strategy is None):
+            raise PlaitError("give exactly one of --plan FILE or --strategy \"dp=..,tp=..\"")
+        if steps <= 0 or (world is not None and world <= 0):
+            raise PlaitError("--steps and --nproc must be positive")
+        if plan is not None:
+            p = read_plan(plan, m, local_ranks(world or 1), seq_len)
+            world = world or len(p.ranks)
+        else:
+            world = world or 1
+            text = strategy or ""
+            if global_batch is not None and "gbs=" not in text:
+                text += f",gbs={global_batch}"
+            p = uniform_plan(text, m, local_ranks(world), seq_len or min(m.max_seq_len, 256))
+        if global_batch is not None and global_batch != p.global_batch:
+            raise PlaitError(f"--global-batch {global_batch} differs from the plan's {p.global_batch}")
+        validate_plan(p, m, local_ranks(world))
+        check_executable(p, m, world)
+        if data is not None and not data.is_file():
+            raise PlaitError(f"data file {str(data)!r} does not exist; give a text file or omit --data")
+        if dtype not in ("fp32", "bf16"):
+            raise PlaitError(f"--dtype must be fp32 or bf16, got {dtype!r}")
+        cfg = TrainConfig(model=model, plan=json.loads(p.model_dump_json()), steps=steps, seed=seed, lr=lr,
+                          dtype=dtype, data=str(data) if data else None,
+                          metrics_out=str(metrics_out) if metrics_out else None)
+    except PlaitError as exc:
+        fail(str(exc))
+        return
+    if metrics_out is not None and metrics_out.exists():
+        metrics_out.unlink()
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        fh.write(cfg.to_json())
+        config_path = fh.name
+    try:
+        if inside:
+            from plait.runtime.worker import main as worker_main
+
+            code = worker_main([config_path])
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   "-m", "plait.runtime.worker", config_path]
+            code = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    finally:
+        os.unlink(config_path)
+    raise typer.Exit(code)
+
+
 def main() -> None:
     """Entry point of the `plait` console script: argument errors also end in one line and exit 2."""
     try:

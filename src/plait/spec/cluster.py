@@ -132,6 +132,12 @@ def dgx(nodes: int, gpus_per_node: int, gpu_type: str) -> Cluster:
     return Cluster(f"{nodes}x{gpus_per_node}x{gpu_type}", nodes, gpus_per_node, GPUS[gpu_type], intra, inter)
 
 
+def local_ranks(n: int) -> Cluster:
+    """A stand-in cluster of `n` ranks on this machine, for validating plans the runtime launches here
+    (only its size matters)."""
+    return replace(dgx(1, n, "A100-80GB"), name=f"{n} local ranks")
+
+
 class _LinkFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bandwidth_gbps: float = Field(gt=0, description="GB/s per GPU per direction")

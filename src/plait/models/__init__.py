@@ -1,0 +1,34 @@
+"""Model definitions of the runtime: `build_model(spec)` gives a Llama or GPT `Transformer` whose module
+names are the same for both families (see `plait.models.llama`), and `hf_weights` loads Hugging Face
+safetensors checkpoints into it."""
+
+from __future__ import annotations
+
+import torch
+
+from plait.errors import PlaitError
+from plait.models.gpt import GPT
+from plait.models.llama import Llama, Transformer, TransformerBlock
+from plait.spec.model import ModelSpec
+
+__all__ = ["GPT", "Llama", "Transformer", "TransformerBlock", "build_model"]
+
+
+def build_model(spec: ModelSpec, *, dropout: float = 0.0, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:
+    """The model for `spec` (family "llama" or "gpt") on `device`, initialised by `init_weights(seed)`.
+
+    On the meta device (or with seed=None) the weights are left uninitialised: call `to_empty(device=...)`
+    and then `init_weights(seed)`, which gives the same weights as building on the device directly.
+    Parameters take `dtype`; the RoPE table stays float32.
+    """
+    families = {"llama": Llama, "gpt": GPT}
+    if spec.family not in families:
+        raise PlaitError(f"model {spec.name!r} has family {spec.family!r}; the runtime builds llama or gpt")
+    with torch.device(device):
+        model = families[spec.family](spec, dropout=dropout)
+    if seed is not None and model.tok_embeddings.weight.device.type != "meta":
+        model.init_weights(seed)
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model

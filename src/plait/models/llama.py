@@ -1,0 +1,209 @@
+"""The decoder-only transformer shared by every family, and Llama on top of it (torchtitan style).
+
+Shapes: B batch, T sequence, H hidden, V vocabulary, D head_dim. Names are fixed so that the runtime can
+parallelise any family alike:
+
+    tok_embeddings [V, H] -> (pos_embeddings [max_seq_len, H], GPT only)
+    layers["0".."L-1"]: attention_norm, attention (wq, wk, wv, wo), ffn_norm, feed_forward (w1, w2[, w3])
+    norm -> output [H -> V]
+
+Any of `tok_embeddings`, `norm`, `output` may be set to None and entries of `layers` deleted, as pipeline
+stages do: without `tok_embeddings` the input is already the hidden state [B, T, H] (a stage that drops it
+should drop `pos_embeddings` too); without `norm`/`output` the forward returns hidden states.
+
+RoPE follows Hugging Face's "rotate_half" convention (the two halves of each head are the pairs, not
+interleaved neighbours as in Meta's original code): HF's conversion script permutes q/k weights into that
+layout, so weights from HF Llama checkpoints load unchanged. Llama 3's long-context rope_scaling is not
+applied.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from plait.spec.model import ModelSpec
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float = 10000.0, device: torch.device | str | None = None
+               ) -> Tensor:
+    """cos/sin of every (position, channel): float32 [max_seq_len, 2, D]; [:, 0] = cos, [:, 1] = sin."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)  # HF layout: channel i and i + D/2 share a frequency
+    return torch.stack([angles.cos(), angles.sin()], dim=1)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dimension (halves)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
+    """Rotate x [B, T, heads, D] by freqs [>=T, 2, D] (HF: x * cos + rotate_half(x) * sin)."""
+    freqs = freqs[: x.shape[1]].to(x.dtype)
+    cos, sin = freqs[:, 0, None, :], freqs[:, 1, None, :]  # [T, 1, D], broadcast over B and heads
+    return x * cos + rotate_half(x) * sin
+
+
+def rope_theta(spec: ModelSpec) -> float:
+    """The spec's rope_theta if it has one, else Llama 3's 500000 for 128k vocabularies, else 10000."""
+    theta = getattr(spec, "rope_theta", None)
+    return float(theta) if theta else (500000.0 if spec.vocab >= 128000 else 10000.0)
+
+
+def copy_full_(param: Tensor, full: Tensor) -> None:
+    """Copy a full (unsharded) tensor into `param`, which may be a DTensor (TP/FSDP2): each rank keeps its
+    own shard, sliced locally without communication."""
+    with torch.no_grad():
+        if hasattr(param, "device_mesh"):  # DTensor
+            from torch.distributed.tensor import distribute_tensor
+
+            full = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(full.to_local())
+        else:
+            param.copy_(full)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: x [B, T, H] -> [B, T, H]. Heads are inferred from the projection
+    widths (`view(B, T, -1, D)`), so tensor parallelism can hand it a rank's local heads."""
+
+    def __init__(self, spec: ModelSpec, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.dropout = dropout
+        qkv_bias, out_bias = spec.bias or spec.qkv_bias, spec.bias or spec.out_bias
+        self.wq = nn.Linear(spec.hidden, spec.q_dim, bias=qkv_bias)
+        self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
+        self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
+        self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=out_bias)
+
+    def forward(self, x: Tensor, freqs: Tensor | None = None) -> Tensor:
+        """x [B, T, H], freqs [>=T, 2, D] (RoPE) or None (no rotation) -> [B, T, H]."""
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        if freqs is not None:
+            q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, D]
+        if (rep := q.shape[1] // k.shape[1]) > 1:  # GQA: query head j reads kv head j // rep (as HF)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        p = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x), [B, T, H] -> [B, T, H]; w1 gate, w3 up, w2 down."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        bias = spec.bias or spec.mlp_bias
+        self.w1 = nn.Linear(spec.hidden, spec.ffn, bias=bias)
+        self.w3 = nn.Linear(spec.hidden, spec.ffn, bias=bias)
+        self.w2 = nn.Linear(spec.ffn, spec.hidden, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + drop(attention(norm(x))), then + drop(feed_forward(norm(.))). [B, T, H]."""
+
+    def __init__(self, attention_norm: nn.Module, attention: Attention, ffn_norm: nn.Module,
+                 feed_forward: nn.Module, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.attention_norm, self.attention = attention_norm, attention
+        self.ffn_norm, self.feed_forward = ffn_norm, feed_forward
+        self.dropout = dropout
+
+    def forward(self, x: Tensor, freqs: Tensor | None = None) -> Tensor:
+        h = x + self._drop(self.attention(self.attention_norm(x), freqs))
+        return h + self._drop(self.feed_forward(self.ffn_norm(h)))
+
+    def _drop(self, x: Tensor) -> Tensor:
+        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+
+
+class Transformer(nn.Module):
+    """Embedding -> blocks -> norm -> LM head; tokens [B, T] -> float logits [B, T, V].
+
+    `make_norm` and `make_ffn` give the family's norm and MLP. Positions: a learned table
+    (`pos_embeddings`) when spec.learned_positions, else RoPE from the non-persistent `freqs_cis` buffer.
+    """
+
+    def __init__(self, spec: ModelSpec, make_norm: Callable[[], nn.Module], make_ffn: Callable[[], nn.Module],
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        self.spec, self.n_layers = spec, spec.layers
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
+        self.pos_embeddings: nn.Embedding | None = (
+            nn.Embedding(spec.max_seq_len, spec.hidden) if spec.learned_positions else None)
+        self.layers = nn.ModuleDict({
+            str(i): TransformerBlock(make_norm(), Attention(spec, dropout), make_norm(), make_ffn(), dropout)
+            for i in range(spec.layers)
+        })
+        self.norm: nn.Module | None = make_norm()
+        self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        if spec.tied_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.freqs_cis: Tensor | None
+        self.register_buffer("freqs_cis", None if spec.learned_positions else self._rope(), persistent=False)
+
+    def _rope(self, device: torch.device | str | None = None) -> Tensor:
+        return rope_cache(self.spec.head_dim, self.spec.max_seq_len, rope_theta(self.spec), device)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """tokens [B, T] (or hidden [B, T, H] without tok_embeddings) -> logits float [B, T, V] (or hidden)."""
+        h = tokens
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h).float() if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic init: N(0, 0.02) weights, N(0, 0.02/sqrt(2L)) for wo and w2, zero biases, unit norms.
+
+        Every parameter draws from its own CPU generator seeded by (seed, its name), so the result is
+        bitwise the same whatever the device count, the global RNG state, the layers deleted by pipeline
+        stages, or wrappers (checkpointing, torch.compile) around modules. Works on sharded DTensors and
+        after `to_empty()` from the meta device (recomputes `freqs_cis`).
+        """
+        resid_std = 0.02 / math.sqrt(2 * self.n_layers)
+        for name, param in self.named_parameters():
+            name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            if name == "output.weight" and self.spec.tied_embeddings:
+                name = "tok_embeddings.weight"  # the tied table, on a stage without the embedding
+            if name.endswith("bias"):
+                full = torch.zeros(param.shape)
+            elif "norm" in name.split(".")[-2]:
+                full = torch.ones(param.shape)
+            else:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                std = resid_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else 0.02
+                full = torch.empty(param.shape).normal_(0.0, std, generator=gen)
+            copy_full_(param, full.to(param.dtype))
+        if self.freqs_cis is not None:
+            self.freqs_cis = self._rope(self.freqs_cis.device)
+
+
+class Llama(Transformer):
+    """Llama: RMSNorm, SwiGLU MLP, RoPE, no biases by default, untied head unless the spec ties it."""
+
+    def __init__(self, spec: ModelSpec, dropout: float = 0.0) -> None:
+        eps = float(getattr(spec, "norm_eps", None) or 1e-5)
+        super().__init__(spec, lambda: nn.RMSNorm(spec.hidden, eps=eps), lambda: FeedForward(spec), dropout)

@@ -1,0 +1,1 @@
+"""The runtime: executes a Plan with PyTorch's distributed stack under torchrun."""

@@ -1,0 +1,207 @@
+"""The training loop every rank runs under torchrun: build the model, apply the plan, train, report.
+
+Numerics: every rank initialises the full model from the seed before sharding (so every plan starts from
+the same weights), every plan reads the same global batch per step, and the loss is the mean over all of
+its tokens; in fp32 any plan reproduces the single-process loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from plait.errors import PlaitError
+from plait.models import build_model
+from plait.plan import Plan
+from plait.runtime.data import TokenSource, shard
+from plait.runtime.parallelize import parallelize_chunk, sync_gradients
+from plait.runtime.placement import Placement, check_executable, place
+from plait.spec.model import ModelSpec, load_model
+
+COLLECTIVE_TIMEOUT_S = 300
+"""Seconds a rank waits in a collective before failing (gloo's default is 30 minutes)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Options of one training run (JSON-serialisable: the launcher hands it to every rank)."""
+
+    model: str
+    plan: dict
+    steps: int = 10
+    seed: int = 0
+    lr: float = 3e-4
+    warmup: int = 2
+    clip: float = 1.0
+    dtype: str = "fp32"
+    data: str | None = None
+    metrics_out: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> TrainConfig:
+        return TrainConfig(**json.loads(text))
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak over the run."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int) -> tuple[list[torch.nn.Module], bool]:
+    """This rank's model chunks: the full model initialised from `seed`, cut to each chunk's layers, then
+    parallelised with the chunk's strategy; and whether gradients need a manual data-parallel sync."""
+    stages = plan.pipelines[where.pipeline].stages
+    chunks = []
+    manual_sync = False
+    for j in where.chunks:
+        model = build_model(spec)
+        model.init_weights(seed)
+        start, end = stages[j].layers
+        for name in list(model.layers.keys()):
+            if not start <= int(name) < end:
+                del model.layers[name]
+        if j != 0:
+            model.tok_embeddings = None
+            model.pos_embeddings = None
+        if j != len(stages) - 1:
+            model.norm = None
+            model.output = None
+        manual_sync = parallelize_chunk(model, where.strategy, where.mesh)
+        chunks.append(model)
+    return chunks, manual_sync
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
+    """Clip by the global gradient norm over every shard and stage; returns the norm before clipping."""
+    square = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        norm = g.norm(2).full_tensor() if isinstance(g, DTensor) else g.norm(2)
+        square += norm.double() ** 2
+    if pp_group is not None:
+        dist.all_reduce(square, group=pp_group)
+    total = float(square.sqrt())
+    if max_norm > 0 and total > max_norm:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(max_norm / (total + 1e-6))
+    return total
+
+
+def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro_batches: int):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    n_stages = len(plan.pipelines[where.pipeline].stages)
+    device = torch.device("cpu")
+    stages = [PipelineStage(m, j, n_stages, device, group=where.pp_group) for m, j in zip(chunks, where.chunks)]
+    if plan.schedule == "interleaved" and plan.chunks > 1:
+        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=_loss)
+    kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
+    return kind(stages[0], micro_batches, loss_fn=_loss)
+
+
+def peak_memory_bytes() -> float:
+    """Peak memory of this rank: device memory on CUDA, resident set size on CPU."""
+    if torch.cuda.is_available():
+        return float(torch.cuda.max_memory_allocated())
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def run(cfg: TrainConfig, report=None) -> list[dict]:
+    """Train under an initialised process group; returns (on rank 0) one metrics dict per step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = load_model(cfg.model)
+    plan = Plan.model_validate(cfg.plan)
+    check_executable(plan, spec, world)
+    if cfg.dtype != "fp32":
+        raise PlaitError(f"--dtype {cfg.dtype} is not supported on this device yet; use fp32")
+    torch.manual_seed(cfg.seed)
+    where = place(plan, rank)
+    chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed)
+    params = [p for m in chunks for p in m.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    pipe = plan.pipelines[where.pipeline]
+    mb_per_rank = pipe.micro_batch_size // where.strategy.dp
+    source = TokenSource(spec.vocab, plan.seq_len, plan.global_batch, cfg.seed, cfg.data)
+    schedule = _schedule(plan, chunks, where, pipe.micro_batches) if where.pp > 1 else None
+    is_last = where.last(plan)
+    metrics: list[dict] = []
+    out = open(cfg.metrics_out, "a") if (cfg.metrics_out and rank == 0) else None  # noqa: SIM115
+    try:
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            batch = source.batch(step)
+            # This rank's sequences: micro-batch k holds [k*B, (k+1)*B); dp rank j takes its B/dp of them.
+            rows = [shard(batch, k * pipe.micro_batch_size + where.dp_index * mb_per_rank, mb_per_rank)
+                    for k in range(pipe.micro_batches)]
+            inputs = torch.cat([r.inputs for r in rows])
+            targets = torch.cat([r.targets for r in rows])
+            loss_sum = torch.zeros(2, dtype=torch.float64)
+            if schedule is None:
+                for r in rows:
+                    loss = _loss(chunks[0](r.inputs), r.targets)
+                    (loss / pipe.micro_batches).backward()
+                    loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+            else:
+                losses: list[torch.Tensor] = []
+                kwargs = {"target": targets, "losses": losses} if is_last else {}
+                if where.first:
+                    schedule.step(inputs, **kwargs)
+                else:
+                    schedule.step(**kwargs)
+                for loss in losses:
+                    loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+            if manual_sync:
+                sync_gradients(params, where.mesh["dp"])
+            grad_norm = clip_grads(params, cfg.clip, where.pp_group)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            dist.all_reduce(loss_sum)
+            elapsed = time.perf_counter() - t0
+            record = {"step": step, "loss": float(loss_sum[0] / loss_sum[1]), "step_time_s": elapsed,
+                      "tokens_per_s": plan.global_batch * plan.seq_len / elapsed, "lr": lr_at(step, cfg),
+                      "grad_norm": grad_norm, "peak_memory_bytes": peak_memory_bytes()}
+            if rank == 0:
+                metrics.append(record)
+                if out:
+                    out.write(json.dumps(record) + "\n")
+                    out.flush()
+                if report:
+                    report(record)
+    finally:
+        if out:
+            out.close()
+    return metrics
+
+
+def init_distributed() -> None:
+    """Join the torchrun job (gloo on CPU, NCCL on GPUs) with a finite timeout."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    torch.set_num_threads(1)

@@ -1,0 +1,41 @@
+"""Entry point of every torchrun rank: `python -m plait.runtime.worker CONFIG.json`."""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+
+from plait.errors import PlaitError
+from plait.runtime.train import TrainConfig, init_distributed, run
+
+
+def main(argv: list[str]) -> int:
+    cfg = TrainConfig.from_json(open(argv[0]).read())
+    init_distributed()
+    rank = dist.get_rank()
+    try:
+        if rank == 0:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            bar = Progress(TextColumn("training"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                           TextColumn("{task.description}"), TimeElapsedColumn())
+            with bar:
+                task = bar.add_task("", total=cfg.steps)
+                run(cfg, report=lambda r: bar.update(task, advance=1, description=f"loss {r['loss']:.4f} "
+                                                     f"{r['tokens_per_s']:,.0f} tok/s"))
+        else:
+            run(cfg)
+        dist.barrier()
+        return 0
+    except PlaitError as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
