@@ -43,7 +43,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
     if model.output is not None:
         top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(), use_local_output=True)
     if top:
+        tied = model.output is not None and model.tok_embeddings is not None and \
+            model.output.weight is model.tok_embeddings.weight
         parallelize_module(model, tp_mesh, top)
+        if tied:  # both became Shard(0) DTensors: share one parameter again
+            model.output.weight = model.tok_embeddings.weight
     first = True
     for block in model.layers.values():
         plan: dict[str, object] = {

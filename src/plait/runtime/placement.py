@@ -52,6 +52,9 @@ def check_executable(plan: Plan, model: ModelSpec, world_size: int) -> None:
     if len(plan.pipelines) > 1:
         raise PlaitError("plans with several pipelines are not executable yet; use one pipeline")
     stages = plan.pipelines[0].stages
+    if model.tied_embeddings and len(stages) > 1:
+        raise PlaitError(f"{model.name} ties its embedding and LM head, which pipeline stages would split; the "
+                         "runtime does not sync them across stages yet: use pp=1 or an untied model")
     first = stages[0].strategies[0]
     for si, stage in enumerate(stages):
         if len(set(stage.strategies)) > 1:
