@@ -452,7 +452,7 @@ def train_cmd(
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                    "-m", "plait.runtime.worker", config_path]
-            code = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+            code = subprocess.run(cmd, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
     finally:
         os.unlink(config_path)
     raise typer.Exit(code)

@@ -111,7 +111,12 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group: dist
 
 
 def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro_batches: int):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     n_stages = len(plan.pipelines[where.pipeline].stages)
     device = torch.device("cpu")

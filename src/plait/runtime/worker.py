@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -11,7 +12,7 @@ from plait.runtime.train import TrainConfig, init_distributed, run
 
 
 def main(argv: list[str]) -> int:
-    cfg = TrainConfig.from_json(open(argv[0]).read())
+    cfg = TrainConfig.from_json(Path(argv[0]).read_text())
     init_distributed()
     rank = dist.get_rank()
     try:
