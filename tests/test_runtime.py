@@ -113,3 +113,49 @@ def test_missing_data_file_fails_fast(tmp_path) -> None:
            "--nproc", "2", "--data", str(tmp_path / "nope.txt")]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _run(tmp: Path, text: Path, strategy: str, nproc: int, steps: int, metrics: Path, ckpt: Path, every: int = 0,
+         env: dict | None = None, restarts: int = 0) -> list[dict]:
+    import os
+
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", "tiny-llama", "--strategy", strategy, "--nproc",
+           str(nproc), "--steps", str(steps), "--lr", "0.01", "--seq-len", str(SEQ), "--data", str(text),
+           "--metrics-out", str(metrics), "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every),
+           "--max-restarts", str(restarts)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def test_resume_under_a_different_plan(tmp_path, text) -> None:
+    """Saved with tp=2, resumed with pp=2: the next losses are those of the uninterrupted run."""
+    ckpt = tmp_path / "ckpt"
+    first = _run(tmp_path, text, "tp=2,sp=1,gbs=4", 2, 6, tmp_path / "a.jsonl", ckpt, every=3)
+    import shutil
+
+    shutil.rmtree(ckpt / "step-6")  # keep the step-3 checkpoint only
+    resumed = _run(tmp_path, text, "pp=2,mbs=1,gbs=4", 2, 6, tmp_path / "b.jsonl", ckpt)
+    assert [r["step"] for r in resumed] == [3, 4, 5]
+    assert_same([r["loss"] for r in resumed], [r["loss"] for r in first[3:]])
+
+
+def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path, text, reference) -> None:
+    """torchrun --max-restarts: a rank dies at step 4; the job resumes from step 4, losing and repeating none."""
+    env = {"PLAIT_FAIL_AT_STEP": "4", "PLAIT_FAIL_MARKER": str(tmp_path / "failed-once")}
+    records = _run(tmp_path, text, "dp=2,gbs=4", 2, STEPS, tmp_path / "m.jsonl", tmp_path / "ckpt", every=2,
+                   env=env, restarts=1)
+    assert (tmp_path / "failed-once").exists()
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert_same([r["loss"] for r in records], reference[("tiny-llama", 4)])
+
+
+def test_corrupt_checkpoint_is_bad_input(tmp_path, text) -> None:
+    bad = tmp_path / "ckpt" / "step-2"
+    bad.mkdir(parents=True)
+    (bad / "plait.json").write_text("{not json")
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", "tiny-llama", "--strategy", "dp=2,gbs=4",
+           "--nproc", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "corrupt" in proc.stderr and "Traceback" not in proc.stderr

@@ -398,6 +398,10 @@ def train_cmd(
     dtype: Annotated[str, typer.Option("--dtype", help="fp32 | bf16")] = "fp32",
     data: Annotated[Path | None, typer.Option("--data", help="text file (byte-level tokens); default synthetic")] = None,
     metrics_out: Annotated[Path | None, typer.Option("--metrics-out", help="JSON lines, one per step")] = None,
+    checkpoint_dir: Annotated[Path | None, typer.Option(
+        "--checkpoint-dir", help="save (DCP) here and resume from the latest checkpoint in it")] = None,
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="steps between checkpoints")] = 0,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", help="torchrun restarts after a failure")] = 0,
 ) -> None:
     """Train with a plan on this machine's ranks (launches torchrun), or inside an existing torchrun job."""
     import os
@@ -435,12 +439,18 @@ def train_cmd(
             raise PlaitError(f"--dtype must be fp32 or bf16, got {dtype!r}")
         cfg = TrainConfig(model=model, plan=json.loads(p.model_dump_json()), steps=steps, seed=seed, lr=lr,
                           dtype=dtype, data=str(data) if data else None,
-                          metrics_out=str(metrics_out) if metrics_out else None)
+                          metrics_out=str(metrics_out) if metrics_out else None,
+                          checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+                          checkpoint_every=checkpoint_every)
+        if checkpoint_every < 0 or max_restarts < 0:
+            raise PlaitError("--checkpoint-every and --max-restarts must be >= 0")
+        if checkpoint_dir is not None:
+            from plait.runtime.checkpoint import latest
+
+            latest(checkpoint_dir)  # a corrupt checkpoint fails here, before any process starts
     except PlaitError as exc:
         fail(str(exc))
         return
-    if metrics_out is not None and metrics_out.exists():
-        metrics_out.unlink()
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         fh.write(cfg.to_json())
         config_path = fh.name
@@ -451,7 +461,7 @@ def train_cmd(
             code = worker_main([config_path])
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                   "-m", "plait.runtime.worker", config_path]
+                   f"--max-restarts={max_restarts}", "-m", "plait.runtime.worker", config_path]
             code = subprocess.run(cmd, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
     finally:
         os.unlink(config_path)

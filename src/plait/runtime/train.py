@@ -12,6 +12,7 @@ import math
 import os
 import resource
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from plait.errors import PlaitError
 from plait.models import build_model
 from plait.plan import Plan
+from plait.runtime import checkpoint
 from plait.runtime.data import TokenSource, shard
 from plait.runtime.parallelize import parallelize_chunk, sync_gradients
 from plait.runtime.placement import Placement, check_executable, place
@@ -46,6 +48,8 @@ class TrainConfig:
     dtype: str = "fp32"
     data: str | None = None
     metrics_out: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = only after the last step
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -146,19 +150,26 @@ def run(cfg: TrainConfig, report=None) -> list[dict]:
     where = place(plan, rank)
     chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed)
     params = [p for m in chunks for p in m.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+                  for m in chunks]
+    start = 0
+    if cfg.checkpoint_dir and (found := checkpoint.latest(cfg.checkpoint_dir)) is not None:
+        start, path = found
+        checkpoint.load(path, chunks, optimizers)
     pipe = plan.pipelines[where.pipeline]
     mb_per_rank = pipe.micro_batch_size // where.strategy.dp
     source = TokenSource(spec.vocab, plan.seq_len, plan.global_batch, cfg.seed, cfg.data)
     schedule = _schedule(plan, chunks, where, pipe.micro_batches) if where.pp > 1 else None
     is_last = where.last(plan)
     metrics: list[dict] = []
-    out = open(cfg.metrics_out, "a") if (cfg.metrics_out and rank == 0) else None  # noqa: SIM115
+    out = _open_metrics(cfg.metrics_out, start) if rank == 0 else None
     try:
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
+            _maybe_fail(step, rank)
             t0 = time.perf_counter()
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, cfg)
+            for optimizer in optimizers:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(step, cfg)
             batch = source.batch(step)
             # This rank's sequences: micro-batch k holds [k*B, (k+1)*B); dp rank j takes its B/dp of them.
             rows = [shard(batch, k * pipe.micro_batch_size + where.dp_index * mb_per_rank, mb_per_rank)
@@ -183,8 +194,9 @@ def run(cfg: TrainConfig, report=None) -> list[dict]:
             if manual_sync:
                 sync_gradients(params, where.mesh["dp"])
             grad_norm = clip_grads(params, cfg.clip, where.pp_group)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             dist.all_reduce(loss_sum)
             elapsed = time.perf_counter() - t0
             record = {"step": step, "loss": float(loss_sum[0] / loss_sum[1]), "step_time_s": elapsed,
@@ -197,10 +209,39 @@ def run(cfg: TrainConfig, report=None) -> list[dict]:
                     out.flush()
                 if report:
                     report(record)
+            done = step + 1
+            if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
+                checkpoint.save(cfg.checkpoint_dir, done, chunks, optimizers)
     finally:
         if out:
             out.close()
     return metrics
+
+
+def _open_metrics(path: str | None, start: int):
+    """The metrics file for appending, keeping only the records of steps before `start` (a resumed run
+    neither loses nor repeats a step)."""
+    if not path:
+        return None
+    file = Path(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    kept = []
+    if file.exists() and start > 0:
+        kept = [line for line in file.read_text().splitlines() if line and json.loads(line)["step"] < start]
+    file.write_text("".join(line + "\n" for line in kept))
+    return file.open("a")
+
+
+def _maybe_fail(step: int, rank: int) -> None:
+    """Fault injection for restart tests: PLAIT_FAIL_AT_STEP=k kills rank PLAIT_FAIL_RANK (default 1) at
+    step k, once (PLAIT_FAIL_MARKER names a file that records it happened)."""
+    at = os.environ.get("PLAIT_FAIL_AT_STEP")
+    marker = os.environ.get("PLAIT_FAIL_MARKER")
+    if at is None or marker is None or int(at) != step or rank != int(os.environ.get("PLAIT_FAIL_RANK", "1")):
+        return
+    if not os.path.exists(marker):
+        Path(marker).write_text(str(step))
+        os._exit(1)
 
 
 def init_distributed() -> None:
@@ -208,5 +249,17 @@ def init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        # After a torchrun restart the rendezvous store still holds the dead ranks' addresses: give every
+        # restart its own key space.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=(rank == 0 and not agent_store), timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"plait/restart-{restart}", store), rank=rank,
+                                world_size=world, timeout=timeout)
     torch.set_num_threads(1)
