@@ -159,3 +159,40 @@ def test_corrupt_checkpoint_is_bad_input(tmp_path, text) -> None:
            "--nproc", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "corrupt" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bf16_tracks_fp32(tmp_path, text, reference) -> None:
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", "tiny-llama", "--strategy", "tp=2,sp=1,gbs=4",
+           "--nproc", "2", "--steps", str(STEPS), "--lr", "0.01", "--seq-len", str(SEQ), "--data", str(text),
+           "--metrics-out", str(tmp_path / "m.jsonl"), "--dtype", "bf16"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    for got, want in zip(losses, reference[("tiny-llama", 4)]):
+        assert abs(got - want) / want < 0.03
+
+
+def test_starts_from_hugging_face_weights(tmp_path, text) -> None:
+    """--hf-checkpoint: the first loss is the loss of the saved weights, whatever the plan."""
+    import torch
+
+    from plait.models import build_model
+    from plait.models.hf_weights import save_hf_safetensors
+    from plait.runtime.data import TokenSource
+    from plait.spec.model import PRESETS
+
+    spec = PRESETS["tiny-llama"]
+    model = build_model(spec)
+    model.init_weights(seed=7)
+    save_hf_safetensors(model, tmp_path / "hf")
+    batch = TokenSource(spec.vocab, SEQ, 4, 0, str(text)).batch(0)
+    with torch.no_grad():
+        logits = model(batch.inputs)
+        expected = torch.nn.functional.cross_entropy(logits.reshape(-1, spec.vocab), batch.targets.reshape(-1))
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", "tiny-llama", "--strategy", "tp=2,gbs=4",
+           "--nproc", "2", "--steps", "1", "--seq-len", str(SEQ), "--data", str(text), "--metrics-out",
+           str(tmp_path / "m.jsonl"), "--hf-checkpoint", str(tmp_path / "hf")]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])["loss"]
+    assert abs(first - float(expected)) / float(expected) < 1e-5

@@ -402,6 +402,8 @@ def train_cmd(
         "--checkpoint-dir", help="save (DCP) here and resume from the latest checkpoint in it")] = None,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="steps between checkpoints")] = 0,
     max_restarts: Annotated[int, typer.Option("--max-restarts", help="torchrun restarts after a failure")] = 0,
+    hf_checkpoint: Annotated[Path | None, typer.Option(
+        "--hf-checkpoint", help="start from Hugging Face safetensors weights in this directory")] = None,
 ) -> None:
     """Train with a plan on this machine's ranks (launches torchrun), or inside an existing torchrun job."""
     import os
@@ -441,7 +443,11 @@ def train_cmd(
                           dtype=dtype, data=str(data) if data else None,
                           metrics_out=str(metrics_out) if metrics_out else None,
                           checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
-                          checkpoint_every=checkpoint_every)
+                          checkpoint_every=checkpoint_every,
+                          hf_checkpoint=str(hf_checkpoint) if hf_checkpoint else None)
+        if hf_checkpoint is not None and not any(hf_checkpoint.glob("*.safetensors")):
+            raise PlaitError(f"--hf-checkpoint {str(hf_checkpoint)!r} holds no .safetensors files; give a Hugging "
+                             "Face model directory")
         if checkpoint_every < 0 or max_restarts < 0:
             raise PlaitError("--checkpoint-every and --max-restarts must be >= 0")
         if checkpoint_dir is not None:

@@ -76,7 +76,7 @@ def load(path: Path, chunks: list[torch.nn.Module], optimizers: list[torch.optim
     state, keys = _state(chunks, optimizers)
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:  # DCP raises several types for missing or mismatched files
+    except Exception as exc:  # noqa: BLE001 -- DCP raises many types for missing or mismatched files
         raise PlaitError(f"cannot load checkpoint {str(path)!r}: {str(exc).splitlines()[0][:200]}; is it a "
                          "checkpoint of this model?") from None
     for m, o, (model_keys, optim_keys) in zip(chunks, optimizers, keys):

@@ -12,9 +12,9 @@ import math
 import os
 import resource
 import time
-from pathlib import Path
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from plait.errors import PlaitError
 from plait.models import build_model
+from plait.models.hf_weights import load_hf_safetensors
 from plait.plan import Plan
 from plait.runtime import checkpoint
 from plait.runtime.data import TokenSource, shard
@@ -50,6 +51,7 @@ class TrainConfig:
     metrics_out: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only after the last step
+    hf_checkpoint: str | None = None  # a Hugging Face safetensors directory to start from
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -67,7 +69,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int) -> tuple[list[torch.nn.Module], bool]:
+def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_checkpoint: str | None = None
+                 ) -> tuple[list[torch.nn.Module], bool]:
     """This rank's model chunks: the full model initialised from `seed`, cut to each chunk's layers, then
     parallelised with the chunk's strategy; and whether gradients need a manual data-parallel sync."""
     stages = plan.pipelines[where.pipeline].stages
@@ -86,6 +89,8 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int) -> tu
         if j != len(stages) - 1:
             model.norm = None
             model.output = None
+        if hf_checkpoint:
+            load_hf_safetensors(model, hf_checkpoint)
         manual_sync = parallelize_chunk(model, where.strategy, where.mesh)
         chunks.append(model)
     return chunks, manual_sync
@@ -144,11 +149,14 @@ def run(cfg: TrainConfig, report=None) -> list[dict]:
     spec = load_model(cfg.model)
     plan = Plan.model_validate(cfg.plan)
     check_executable(plan, spec, world)
-    if cfg.dtype != "fp32":
-        raise PlaitError(f"--dtype {cfg.dtype} is not supported on this device yet; use fp32")
+    if cfg.dtype not in ("fp32", "bf16"):
+        raise PlaitError(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
+    # bf16: fp32 master weights and optimizer, bf16 autocast for the forward (and so the backward) math.
+    autocast = torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16,
+                              enabled=cfg.dtype == "bf16")
     torch.manual_seed(cfg.seed)
     where = place(plan, rank)
-    chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed)
+    chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint)
     params = [p for m in chunks for p in m.parameters()]
     optimizers = [torch.optim.AdamW(m.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
                   for m in chunks]
@@ -179,16 +187,18 @@ def run(cfg: TrainConfig, report=None) -> list[dict]:
             loss_sum = torch.zeros(2, dtype=torch.float64)
             if schedule is None:
                 for r in rows:
-                    loss = _loss(chunks[0](r.inputs), r.targets)
+                    with autocast:
+                        loss = _loss(chunks[0](r.inputs), r.targets)
                     (loss / pipe.micro_batches).backward()
                     loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
             else:
                 losses: list[torch.Tensor] = []
                 kwargs = {"target": targets, "losses": losses} if is_last else {}
-                if where.first:
-                    schedule.step(inputs, **kwargs)
-                else:
-                    schedule.step(**kwargs)
+                with autocast:
+                    if where.first:
+                        schedule.step(inputs, **kwargs)
+                    else:
+                        schedule.step(**kwargs)
                 for loss in losses:
                     loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
             if manual_sync:
