@@ -196,3 +196,24 @@ def test_starts_from_hugging_face_weights(tmp_path, text) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     first = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])["loss"]
     assert abs(first - float(expected)) / float(expected) < 1e-5
+
+
+@pytest.mark.parametrize("memory_gib", [80.0, 0.8])
+def test_searched_plans_run_and_match(tmp_path, text, reference, memory_gib) -> None:
+    """The planner <-> runtime contract: what `plait plan --runnable` emits for a tiny model on 4 ranks
+    trains and reproduces the single-process losses."""
+    from plait.planner.engine import search
+    from plait.spec.cluster import local_ranks
+    from plait.spec.model import PRESETS
+
+    spec = PRESETS["tiny-llama"]
+    result = search(spec, local_ranks(4).with_memory(memory_gib), SEQ, 8, runnable=True)
+    assert result.plan is not None
+    path = tmp_path / "plan.json"
+    result.plan.save(path)
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", "tiny-llama", "--plan", str(path), "--steps",
+           str(STEPS), "--lr", "0.01", "--data", str(text), "--metrics-out", str(tmp_path / "m.jsonl")]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert_same(losses, reference[("tiny-llama", 8)])

@@ -160,3 +160,17 @@ def test_galvatron_profile_calibrates_and_refuses_other_gpus() -> None:
     assert json.loads(calibrated.stdout)["iteration_time_s"] != json.loads(plain.stdout)["iteration_time_s"]
     other = runner.invoke(app, args + [profile, "--cluster", "1x8xH100-80GB"])
     assert other.exit_code == 2 and "A100-80GB" in other.stderr
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=st.sampled_from(["tiny-llama", "tiny-gpt", "llama2-7b"]), per_node=st.sampled_from([2, 4, 8]),
+       memory=st.floats(0.05, 80.0))
+def test_runnable_search_emits_only_executable_plans(model, per_node, memory) -> None:
+    from plait.executable import unsupported
+
+    spec = PRESETS[model]
+    cluster = dgx(1, per_node, "A100-80GB").with_memory(memory)
+    result = search(spec, cluster, 256, 8, runnable=True)
+    if result.plan is not None:
+        assert unsupported(result.plan, spec) is None
+        validate_plan(result.plan, spec, cluster)

@@ -298,6 +298,8 @@ def plan_cmd(
         "--galvatron-profile", help="calibrate from Galvatron profiles: GPU:MODEL_DIR[:HARDWARE_DIR]")] = None,
     galvatron_out: Annotated[Path | None, typer.Option(
         "--galvatron-out", help="also write the plan as a Galvatron galvatron_config JSON")] = None,
+    runnable: Annotated[bool, typer.Option(
+        "--runnable", help="only plans `plait train` executes today (no cp, one strategy per stage)")] = False,
 ) -> None:
     """Search the fastest plan that fits (or run a baseline planner)."""
     from plait.planner.baselines import BASELINES, run_baseline
@@ -325,7 +327,8 @@ def plan_cmd(
                 elapsed = time.perf_counter() - t0
                 closest = best
             else:
-                result = search(m, c, seq, global_batch, precision=precision, progress=update, cal=cal)
+                result = search(m, c, seq, global_batch, precision=precision, progress=update, cal=cal,
+                                runnable=runnable)
                 chosen = None
                 if result.plan is not None:
                     chosen = min((x for x in (result.best_layerwise, result.best_uniform)
@@ -367,6 +370,11 @@ def plan_cmd(
         return
     print_plan(chosen.plan)
     print_report(chosen.report, chosen.plan, m, c)
+    from plait.executable import unsupported
+
+    if (reason := unsupported(chosen.plan, m)) is not None:
+        out.print(f"[yellow]note:[/] `plait train` cannot run this plan yet ({reason}); --runnable restricts the "
+                  "search to plans it runs")
     out.print(f"searched in {elapsed:.2f} s" + (f"; plan written to {out_path}" if out_path else ""))
     if compare:
         table = Table(title="search vs baselines (speed-up = baseline time / this time)", box=box.SIMPLE_HEAD)

@@ -74,7 +74,7 @@ def grid_layouts(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch:
                         group = []
                         for mbs in micro_batch_sizes(global_batch, dp):
                             m = global_batch // (mbs * dp)
-                            if vpp > 1 and m % pp:
+                            if (vpp > 1 and m % pp) or m < pp:  # a pipeline needs a micro-batch per stage
                                 continue
                             group.append(f"tp={tp},pp={pp},dp={dp},mbs={mbs},gbs={global_batch},"
                                          f"recompute={recompute},sp={sp},zero={zero},vpp={vpp}")
@@ -83,14 +83,17 @@ def grid_layouts(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch:
 
 
 def run_baseline(kind: str, model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int,
-                 progress: Progress | None = None, cal: Calibration | None = None) -> tuple[Candidate | None, int]:
-    """The best plan of a baseline and the number of plans simulated."""
+                 progress: Progress | None = None, cal: Calibration | None = None,
+                 accept: Callable[[Plan], bool] | None = None) -> tuple[Candidate | None, int]:
+    """The best plan of a baseline (among those `accept` allows) and the number of plans simulated."""
     groups = list(grid_layouts(model, cluster, seq_len, global_batch, kind))
     best: Candidate | None = None
     evaluated = 0
     for i, group in enumerate(groups):
         for text in group:
             plan = uniform_plan(text, model, cluster, seq_len)
+            if accept is not None and not accept(plan):
+                break
             report = simulate(plan, model, cluster, cal=cal, validate=False)
             evaluated += 1
             cand = Candidate(plan, report, f"{kind}: {text}")

@@ -12,6 +12,8 @@ layout (grid search) is a candidate too, so the result is never worse than it.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from plait.cost.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, GRAD_B
 from plait.cost.pipeline import StageTimes, simulate_pipeline
 from plait.cost.precision import PRECISIONS
 from plait.errors import PlaitError
+from plait.executable import unsupported
 from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_plan
 from plait.planner.baselines import Candidate, run_baseline
 from plait.planner.layerwise import solve_layers
@@ -77,6 +80,11 @@ class _Priced:
     working: float  # transient bytes while recomputing
 
 
+def _layout(s: Strategy) -> tuple[int, int, int, bool]:
+    """How a strategy lays out activations: what neighbouring layers must agree on to skip a re-layout."""
+    return (s.dp, s.tp, s.cp, s.sp)
+
+
 def _micro_batch_counts(global_batch: int, pp: int) -> list[int]:
     """Micro-batch counts to try: divisors of the global batch from pp (or 1) up to ~16 x pp."""
     low = max(1, pp)
@@ -113,7 +121,16 @@ class _Config:
         hidden_bytes = self.mb * seq_len * model.hidden * self.prec.activation
         relayout = comm.all_to_all(hidden_bytes / self.n, GroupShape.of(ranks, cluster.gpus_per_node), cluster, cal)
         self.relayout = 2 * m * relayout  # forward and backward, every micro-batch
+        self.uniform = False  # True: one strategy per stage (what the runtime executes today)
         self._solved: dict[tuple[int, int, bool, bool, float], tuple[float, list[Strategy]] | None] = {}
+
+    def restricted(self, layout: tuple[int, int, int, bool]) -> _Config:
+        """A copy limited to one (dp, tp, cp, sp) layout and one strategy per stage."""
+        other = copy.copy(self)
+        other.priced = [p for p in self.priced if _layout(p.strategy) == layout]
+        other.uniform = True
+        other._solved = {}
+        return other
 
     def _price(self, s: Strategy) -> _Priced:
         gpn = self.cluster.gpus_per_node
@@ -189,8 +206,11 @@ class _Config:
         times = np.array([costs[i][0] for i in keep])
         mems = np.array([math.ceil(costs[i][1] / unit) for i in keep], dtype=np.int64)
         strategies = [pool[i].strategy for i in keep]
-        layouts = [(s.dp, s.tp, s.cp, s.sp) for s in strategies]
-        trans = np.array([[0.0 if a == b else self.relayout for b in layouts] for a in layouts])
+        if self.uniform:  # switching strategy inside a stage is forbidden
+            trans = np.array([[0.0 if a == b else np.inf for b in strategies] for a in strategies])
+        else:
+            layouts = [_layout(s) for s in strategies]
+            trans = np.array([[0.0 if a == b else self.relayout for b in layouts] for a in layouts])
         sol = solve_layers(np.tile(times, (layers, 1)), np.tile(mems, (layers, 1)), trans, MEMORY_UNITS)
         if sol is None:
             return None
@@ -284,14 +304,19 @@ def _partition_search(cfg: _Config, capacity: float, evaluate: Callable[[Plan], 
 
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, *,
            precision: str = "bf16", limits: SpaceLimits = DEFAULT_LIMITS, cal: Calibration | None = None,
-           include_uniform: bool = True, progress: Progress | None = None) -> SearchResult:
-    """Search the fastest plan for `model` on `cluster` (see the module docstring)."""
+           include_uniform: bool = True, runnable: bool = False, progress: Progress | None = None) -> SearchResult:
+    """Search the fastest plan for `model` on `cluster` (see the module docstring). With `runnable`, only
+    plans this version's runtime executes (`plait.executable`): one strategy per stage, one layout along
+    the pipeline, no context parallelism."""
     if seq_len <= 0 or global_batch <= 0:  # callers validate; this guards the Python API
         raise PlaitError(f"seq_len and global_batch must be positive, got {seq_len} and {global_batch}")
     cal = cal or calibration_for(cluster.gpu.name)
     t0 = time.perf_counter()
     capacity = cluster.gpu.memory_bytes
     evaluated = 0
+
+    if runnable:
+        limits = dataclasses.replace(limits, context_parallel=False)
 
     def evaluate(plan: Plan) -> Candidate:
         nonlocal evaluated
@@ -311,8 +336,15 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     closest: Candidate | None = None
     for i, (pp, m, schedule, chunks) in enumerate(configs):
         cfg = _Config(model, cluster, cal, seq_len, global_batch, pp, m, schedule, chunks, precision, limits)
-        if cfg.priced:
-            cand = _partition_search(cfg, capacity, evaluate)
+        variants = [cfg]
+        if runnable:
+            variants = [cfg.restricted(lay) for lay in sorted({_layout(p.strategy) for p in cfg.priced})]
+        for variant in variants:
+            if not variant.priced:
+                continue
+            cand = _partition_search(variant, capacity, evaluate)
+            if cand is not None and runnable and unsupported(cand.plan, model):
+                continue
             if cand is not None and (best_layerwise is None or cand.key < best_layerwise.key):
                 best_layerwise = cand
         if progress:
@@ -321,7 +353,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     if include_uniform:
         best_uniform, n = run_baseline("megatron-grid", model, cluster, seq_len, global_batch,
                                        progress=(lambda d, t: progress("uniform", d, t)) if progress else None,
-                                       cal=cal)
+                                       cal=cal, accept=(lambda p: unsupported(p, model) is None) if runnable else None)
         evaluated += n
     fitting = [c for c in (best_layerwise, best_uniform) if c is not None and c.report.fits]
     best = min(fitting, key=lambda c: c.key) if fitting else None

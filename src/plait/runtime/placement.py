@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.errors import PlaitError
+from plait.executable import unsupported
 from plait.plan import Plan, Strategy
 from plait.spec.model import ModelSpec
 
@@ -49,24 +50,9 @@ def check_executable(plan: Plan, model: ModelSpec, world_size: int) -> None:
                          f"{world_size} were launched; launch --nproc {len(plan.ranks)} or re-plan")
     if plan.model != model.name:
         raise PlaitError(f"the plan was made for model {plan.model!r}, not {model.name!r}; give the same --model")
-    if len(plan.pipelines) > 1:
-        raise PlaitError("plans with several pipelines are not executable yet; use one pipeline")
-    stages = plan.pipelines[0].stages
-    if model.tied_embeddings and len(stages) > 1:
-        raise PlaitError(f"{model.name} ties its embedding and LM head, which pipeline stages would split; the "
-                         "runtime does not sync them across stages yet: use pp=1 or an untied model")
-    first = stages[0].strategies[0]
-    for si, stage in enumerate(stages):
-        if len(set(stage.strategies)) > 1:
-            raise PlaitError(f"stage {si} mixes strategies across its layers, which the runtime does not execute "
-                             "yet; use one strategy per stage")
-        s = stage.strategies[0]
-        if s.cp > 1:
-            raise PlaitError(f"stage {si} uses context parallelism (cp={s.cp}), which the runtime does not "
-                             "execute yet; use cp=1")
-        if (s.dp, s.tp, s.sp) != (first.dp, first.tp, first.sp) or len(stage.ranks) != len(stages[0].ranks):
-            raise PlaitError(f"stage {si} lays out its devices differently from stage 0 ({s.short()} vs "
-                             f"{first.short()}); the runtime needs one layout along the pipeline yet")
+    reason = unsupported(plan, model)
+    if reason:
+        raise PlaitError(reason)
 
 
 def place(plan: Plan, rank: int) -> Placement:
