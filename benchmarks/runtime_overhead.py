@@ -1,18 +1,24 @@
 """Overhead of plait's training runtime over a plain hand-written PyTorch loop, on this machine (gloo, 2 ranks).
 
-    python benchmarks/runtime_overhead.py            # ~4-5 minutes on 2 CPU cores
+    python benchmarks/runtime_overhead.py                 # ~4 minutes on 2 CPU cores
+    python benchmarks/runtime_overhead.py --mode launch   # one `plait train` / torchrun launch per run
 
-For DDP (composable `replicate`), FSDP2 ZeRO-3 (`fully_shard` per block + root) and TP (`parallelize_module`,
-Megatron plan) it launches `plait train --strategy ...` and `benchmarks/handwritten_train.py` (the same
-PyTorch APIs, same model from `plait.models.build_model`, same data, AdamW, warm-up/cosine learning rate and
-gradient clipping), each under its own `torchrun --standalone` (a free port per job). Every pair runs twice
-in alternating order (plait then hand-written, then hand-written then plait) to cancel drift; the first
-`--skip` steps of each run are dropped and the median step time of the rest (both runs pooled) is compared.
-The last-step losses of both must agree (same work); the ratio plait / hand-written should be <= 1.05.
+Cases: DDP (composable `replicate`), FSDP2 ZeRO-3 (`fully_shard` per block + root) and TP
+(`parallelize_module`, Megatron plan, output Replicate). The baseline, `benchmarks/handwritten_train.py`, uses
+the same PyTorch APIs, the same model (`plait.models.build_model`), data, micro-batching, AdamW, warm-up/cosine
+learning rate and gradient clipping, written as one would by hand (see its docstring).
 
-Both loops time a step the same way on rank 0: from the start of the step to after the all-reduce of the
-step's loss. The hand-written loop skips the gradient sync on micro-batches before the last, as one would
-by hand; `--sync-every-microbatch` makes it sync every micro-batch, as plait does, for attribution.
+Mode `inprocess` (default): ONE `torchrun --standalone` job of 2 ranks runs, for every round and case, plait's
+training loop (`plait.runtime.train.run`, what `plait train` runs on each rank) and the hand-written loop
+(`handwritten_train.train`) back to back, in alternating order (plait first in even rounds, hand-written
+first in odd ones). Short alternating runs in one job keep both sides under the same background load and
+pay no launch cost, so more rounds fit. Mode `launch`: `plait train --strategy ...` and a torchrun launch of
+`handwritten_train.py` per run (end to end, including plait's worker and progress bar), fewer rounds.
+
+Both loops time a step the same way on rank 0: from the start of the step to after the all-reduce of its
+loss. The first `--skip` steps of every run are dropped. Columns: pooled median step time of each side, their
+ratio, and the median over rounds of the per-round ratio (paired, so robust to load that drifts between
+rounds); the last-step losses of both sides must agree (same work). Target: ratio <= 1.05.
 """
 
 from __future__ import annotations
@@ -27,26 +33,92 @@ import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
 MODEL = "llama:layers=4,hidden=256,heads=4,kv_heads=2,ffn=688,vocab=512"
 SEQ = 256
-# name -> (plait --strategy, hand-written --strategy, hand-written --mbs); mbs = sequences per dp rank per
-# micro-batch (plait's default 1 gives 4 micro-batches per rank under dp=2; TP uses 2 for a ~1 s step).
+GBS = 8
+# name -> (plait --strategy, hand-written --strategy, --mbs). mbs = sequences per data-parallel rank per
+# micro-batch: plait's default 1 gives 4 micro-batches per rank under dp=2; TP uses 2 (4 micro-batches).
 CASES = {
     "DDP": ("dp=2,gbs=8", "ddp", 1),
     "FSDP2 ZeRO-3": ("dp=2,zero=3,gbs=8", "fsdp", 1),
     "TP": ("tp=2,mbs=2,gbs=8", "tp", 2),
 }
 HERE = Path(__file__).resolve().parent
+SIDES = ("plait", "hand")
 
 
 def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def _run(cmd: list[str], metrics: Path) -> list[dict]:
+def _hand_args(case: str, steps: int, sync_every: bool) -> list[str]:
+    _, strategy, mbs = CASES[case]
+    return (["--strategy", strategy, "--model", MODEL, "--seq", str(SEQ), "--gbs", str(GBS), "--mbs", str(mbs),
+             "--steps", str(steps)] + (["--sync-every-microbatch"] if sync_every else []))
+
+
+def _order(rnd: int) -> tuple[str, str]:
+    return SIDES if rnd % 2 == 0 else SIDES[::-1]
+
+
+def _progress(rnd: int, case: str, side: str, records: list[dict], skip: int, seconds: float) -> None:
+    kept = [r["step_time_s"] for r in records[skip:]]
+    print(f"round {rnd} {case:13s} {side:5s}: median {statistics.median(kept):.3f} s/step, "
+          f"last loss {records[-1]['loss']:.6f} ({seconds:.0f} s)", flush=True)
+
+
+# ---- mode inprocess: the torchrun worker ------------------------------------------------------------------
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    import handwritten_train as hw
+    from plait.plan import uniform_plan
+    from plait.runtime.train import TrainConfig, init_distributed, run
+    from plait.spec.cluster import local_ranks
+    from plait.spec.model import load_model
+
+    init_distributed()  # plait's: gloo with a finite timeout, torch.set_num_threads(1)
+    rank = dist.get_rank()
+    spec = load_model(MODEL)
+    results = []
+    for rnd in range(args.rounds):
+        for case in args.cases.split(","):
+            for side in _order(rnd):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if side == "plait":
+                    plan = uniform_plan(CASES[case][0], spec, local_ranks(2), SEQ)
+                    cfg = TrainConfig(model=MODEL, plan=json.loads(plan.model_dump_json()), steps=args.steps)
+                    records = run(cfg)  # rank 0 gets the records
+                else:
+                    records = hw.train(hw.parser().parse_args(_hand_args(case, args.steps, args.sync_every_microbatch)))
+                if rank == 0:
+                    _progress(rnd, case, side, records, args.skip, time.perf_counter() - t0)
+                    results.append({"round": rnd, "case": case, "side": side, "records": records})
+    if rank == 0:
+        Path(args.worker_out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_inprocess(args: argparse.Namespace, tmp: str) -> list[dict]:
+    out = Path(tmp) / "results.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+           "--worker-out", str(out), "--steps", str(args.steps), "--skip", str(args.skip), "--rounds",
+           str(args.rounds), "--cases", args.cases] + (["--sync-every-microbatch"] if args.sync_every_microbatch else [])
+    with open(Path(tmp) / "stderr.txt", "w+") as err:
+        code = subprocess.run(cmd, env=_env(), stderr=err, check=False).returncode
+        if code != 0 or not out.exists():
+            err.seek(0)
+            sys.stderr.write(err.read()[-8000:])
+            raise SystemExit(f"the benchmark job failed ({code})")
+    return json.loads(out.read_text())
+
+
+# ---- mode launch: one process group per run ----------------------------------------------------------------
+
+def _launch(cmd: list[str], metrics: Path) -> list[dict]:
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, check=False)
     if proc.returncode != 0 or not metrics.exists():
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
@@ -54,72 +126,89 @@ def _run(cmd: list[str], metrics: Path) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines() if line]
 
 
-def run_plait(strategy: str, steps: int, metrics: Path) -> list[dict]:
-    return _run([sys.executable, "-m", "plait.cli", "train", "--model", MODEL, "--strategy", strategy,
-                 "--nproc", "2", "--steps", str(steps), "--seq-len", str(SEQ), "--metrics-out", str(metrics)],
-                metrics)
+def run_launch(args: argparse.Namespace, tmp: str) -> list[dict]:
+    results = []
+    for rnd in range(args.rounds):
+        for case in args.cases.split(","):
+            for side in _order(rnd):
+                metrics = Path(tmp) / f"{case.replace(' ', '_')}-{side}-{rnd}.jsonl"
+                t0 = time.perf_counter()
+                if side == "plait":
+                    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", MODEL, "--strategy", CASES[case][0],
+                           "--nproc", "2", "--steps", str(args.steps), "--seq-len", str(SEQ),
+                           "--metrics-out", str(metrics)]
+                else:  # --standalone: torchrun picks a free port
+                    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            str(HERE / "handwritten_train.py"), "--metrics-out", str(metrics)]
+                           + _hand_args(case, args.steps, args.sync_every_microbatch))
+                records = _launch(cmd, metrics)
+                _progress(rnd, case, side, records, args.skip, time.perf_counter() - t0)
+                results.append({"round": rnd, "case": case, "side": side, "records": records})
+    return results
 
 
-def run_handwritten(strategy: str, mbs: int, steps: int, metrics: Path, sync_every: bool) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(HERE / "handwritten_train.py"), "--strategy", strategy, "--model", MODEL, "--seq", str(SEQ),
-           "--gbs", "8", "--mbs", str(mbs), "--steps", str(steps), "--metrics-out", str(metrics)]
-    return _run(cmd + (["--sync-every-microbatch"] if sync_every else []), metrics)
+# ---- report -----------------------------------------------------------------------------------------------
+
+def report(results: list[dict], args: argparse.Namespace, seconds: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    cases = args.cases.split(",")
+    hand = "hand-written" + (" (syncing every micro-batch)" if args.sync_every_microbatch else "")
+    table = Table(title=f"plait runtime vs {hand} ({args.mode}): {MODEL}, seq {SEQ}, gbs {GBS}, gloo, 2 ranks; "
+                        f"{args.rounds} runs per side, steps {args.skip}..{args.steps - 1} of each")
+    for col in ("strategy", "plait s/step", "hand s/step", "ratio", "paired ratio", "plait last loss",
+                "hand last loss"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    summary = {}
+    for case in cases:
+        pooled = {s: [] for s in SIDES}
+        per_round: dict[int, dict[str, float]] = {}
+        last = {}
+        for r in results:
+            if r["case"] != case:
+                continue
+            kept = [x["step_time_s"] for x in r["records"][args.skip:]]
+            pooled[r["side"]].extend(kept)
+            per_round.setdefault(r["round"], {})[r["side"]] = statistics.median(kept)
+            last[r["side"]] = r["records"][-1]["loss"]
+        p, h = statistics.median(pooled["plait"]), statistics.median(pooled["hand"])
+        paired = statistics.median(v["plait"] / v["hand"] for v in per_round.values())
+        summary[case] = {"plait_s": p, "hand_s": h, "ratio": p / h, "paired_ratio": paired,
+                         "plait_loss": last["plait"], "hand_loss": last["hand"]}
+        table.add_row(f"{case} ({CASES[case][0]})", f"{p:.3f}", f"{h:.3f}", f"{p / h:.3f}", f"{paired:.3f}",
+                      f"{last['plait']:.6f}", f"{last['hand']:.6f}")
+    console = Console(width=160)
+    console.print(table)
+    console.print(f"total {seconds:.0f} s; target ratio <= 1.05")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10, help="steps per run")
+    ap.add_argument("--mode", choices=("inprocess", "launch"), default="inprocess")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 6 inprocess, 10 launch)")
     ap.add_argument("--skip", type=int, default=2, help="warm-up steps dropped from each run")
-    ap.add_argument("--rounds", type=int, default=2, help="runs of each side (order alternates per round)")
-    ap.add_argument("--cases", default=",".join(CASES), help=f"subset of: {', '.join(CASES)}")
+    ap.add_argument("--rounds", type=int, default=None, help="runs per side and case (default 5 inprocess, 2 launch)")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of: {', '.join(CASES)}")
     ap.add_argument("--sync-every-microbatch", action="store_true",
-                    help="hand-written loop all-reduces gradients after every micro-batch, as plait does")
+                    help="the hand-written loop all-reduces gradients after every micro-batch, as plait does")
+    ap.add_argument("--json-out", help="also write the summary and every step record here")
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)  # set on the torchrun ranks of mode inprocess
     args = ap.parse_args()
-    cases = [c.strip() for c in args.cases.split(",")]
-    unknown = [c for c in cases if c not in CASES]
-    if unknown:
-        raise SystemExit(f"unknown case(s) {unknown}; choose from {list(CASES)}")
-
-    times: dict[tuple[str, str], list[float]] = {}
-    per_run: dict[tuple[str, str], list[float]] = {}
-    last: dict[tuple[str, str], dict] = {}
-    t_start = time.perf_counter()
+    if args.worker_out:
+        worker(args)
+        return
+    args.steps = args.steps or (6 if args.mode == "inprocess" else 10)
+    args.rounds = args.rounds or (5 if args.mode == "inprocess" else 2)
+    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    if unknown or args.steps <= args.skip:
+        raise SystemExit(f"unknown case(s) {unknown} (choose from {list(CASES)}) or --steps <= --skip")
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for rnd in range(args.rounds):
-            for case in cases:
-                plait_strategy, hw_strategy, mbs = CASES[case]
-                order = ("plait", "hand") if rnd % 2 == 0 else ("hand", "plait")
-                for side in order:
-                    metrics = Path(tmp) / f"{case.replace(' ', '_')}-{side}-{rnd}.jsonl"
-                    t0 = time.perf_counter()
-                    if side == "plait":
-                        records = run_plait(plait_strategy, args.steps, metrics)
-                    else:
-                        records = run_handwritten(hw_strategy, mbs, args.steps, metrics, args.sync_every_microbatch)
-                    kept = [r["step_time_s"] for r in records if r["step"] >= args.skip]
-                    times.setdefault((case, side), []).extend(kept)
-                    per_run.setdefault((case, side), []).append(statistics.median(kept))
-                    last[(case, side)] = records[-1]
-                    print(f"round {rnd} {case:13s} {side:5s}: median {statistics.median(kept):.3f} s/step, "
-                          f"last loss {records[-1]['loss']:.6f} (launch+run {time.perf_counter() - t0:.0f} s)",
-                          flush=True)
-
-    hand_label = "hand-written" + (" (sync every micro-batch)" if args.sync_every_microbatch else "")
-    table = Table(title=f"plait runtime vs {hand_label}: {MODEL}, seq {SEQ}, gbs 8, gloo, 2 ranks; "
-                        f"median step time over steps {args.skip}..{args.steps - 1} of {args.rounds} runs each")
-    for col in ("strategy", "plait s/step", "hand s/step", "ratio", "per-run medians (plait | hand)",
-                "plait last loss", "hand last loss"):
-        table.add_column(col, justify="left" if col == "strategy" else "right")
-    for case in cases:
-        p, h = statistics.median(times[(case, "plait")]), statistics.median(times[(case, "hand")])
-        runs = (" ".join(f"{x:.3f}" for x in per_run[(case, "plait")]) + " | "
-                + " ".join(f"{x:.3f}" for x in per_run[(case, "hand")]))
-        table.add_row(f"{case} ({CASES[case][0]})", f"{p:.3f}", f"{h:.3f}", f"{p / h:.3f}", runs,
-                      f"{last[(case, 'plait')]['loss']:.6f}", f"{last[(case, 'hand')]['loss']:.6f}")
-    console = Console(width=170)
-    console.print(table)
-    console.print(f"total {time.perf_counter() - t_start:.0f} s; target ratio <= 1.05")
+        results = (run_inprocess if args.mode == "inprocess" else run_launch)(args, tmp)
+    report(results, args, time.perf_counter() - t0)
 
 
 if __name__ == "__main__":
