@@ -73,6 +73,9 @@ TWO_RANKS = [
     ("tp=2,sp=1,recompute=selective,gbs=4", "tiny-llama"),
     ("tp=2,sp=1,gbs=4", "tiny-gpt"),
     ("dp=2,zero=3,recompute=full,gbs=4", "tiny-gpt"),
+    ("cp=2,gbs=4", "tiny-llama"),
+    ("cp=2,zero=3,recompute=full,gbs=4", "tiny-llama"),
+    ("cp=2,gbs=4", "tiny-gpt"),
 ]
 
 
@@ -84,6 +87,7 @@ def test_two_ranks_match_single_process(tmp_path, text, reference, strategy, mod
 
 FOUR_RANKS = [
     "dp=2,tp=2,gbs=4",
+    "dp=2,cp=2,zero=1,gbs=4",
     "pp=2,dp=2,zero=3,mbs=1,gbs=8",
     "pp=2,tp=2,sp=1,vpp=2,mbs=1,gbs=4",
 ]
@@ -97,7 +101,7 @@ def test_four_ranks_match_single_process(tmp_path, text, reference, strategy) ->
 
 @pytest.mark.parametrize("strategy,nproc,needle", [
     ("tp=3,gbs=6", 3, "tp=3"),
-    ("cp=2,gbs=4", 2, "context parallelism"),
+    ("cp=2,cp_mode=ring,gbs=4", 2, "ring"),
     ("dp=2,gbs=3", 2, "gbs=3"),
 ])
 def test_bad_plans_fail_fast_with_one_line(tmp_path, text, strategy, nproc, needle) -> None:

@@ -25,9 +25,9 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
             return (f"stage {si} mixes strategies across its layers, which the runtime does not execute yet; "
                     "use one strategy per stage")
         s = stage.strategies[0]
-        if s.cp > 1:
-            return f"stage {si} uses context parallelism (cp={s.cp}), which the runtime does not execute yet; use cp=1"
-        if (s.dp, s.tp, s.sp) != (first.dp, first.tp, first.sp) or len(stage.ranks) != len(stages[0].ranks):
+        if s.cp > 1 and s.cp_mode != "ulysses":
+            return f"stage {si} uses ring context parallelism, which the runtime does not execute yet; use cp_mode=ulysses"
+        if (s.dp, s.tp, s.sp, s.cp) != (first.dp, first.tp, first.sp, first.cp) or len(stage.ranks) != len(stages[0].ranks):
             return (f"stage {si} lays out its devices differently from stage 0 ({s.short()} vs {first.short()}); "
                     "the runtime needs one layout along the pipeline yet")
     return None

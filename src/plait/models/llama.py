@@ -85,20 +85,30 @@ class Attention(nn.Module):
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
         self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=out_bias)
 
+    context_parallel: object | None = None
+    """Set by the runtime for Ulysses context parallelism: a pair of functions (sequence chunk -> head
+    group, and back) applied around the attention core."""
+
     def forward(self, x: Tensor, freqs: Tensor | None = None) -> Tensor:
         """x [B, T, H], freqs [>=T, 2, D] (RoPE) or None (no rotation) -> [B, T, H]."""
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
+        if self.context_parallel is not None:  # whole sequence, some heads (positions are global now)
+            to_heads, _ = self.context_parallel
+            q, k, v = to_heads(q), to_heads(k), to_heads(v)
         if freqs is not None:
             q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, D]
         if (rep := q.shape[1] // k.shape[1]) > 1:  # GQA: query head j reads kv head j // rep (as HF)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         p = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2)
+        if self.context_parallel is not None:
+            _, to_sequence = self.context_parallel
+            out = to_sequence(out)
+        return self.wo(out.reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):
@@ -161,6 +171,10 @@ class Transformer(nn.Module):
     def _rope(self, device: torch.device | str | None = None) -> Tensor:
         return rope_cache(self.spec.head_dim, self.spec.max_seq_len, rope_theta(self.spec), device)
 
+    sequence_slice: tuple[int, int] | None = None
+    """Set by the runtime for context parallelism: the [start, end) token positions this rank keeps after
+    the embedding (the rest of the model sees only its chunk of every sequence)."""
+
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens [B, T] (or hidden [B, T, H] without tok_embeddings) -> logits float [B, T, V] (or hidden)."""
         h = tokens
@@ -168,6 +182,8 @@ class Transformer(nn.Module):
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
                 h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+            if self.sequence_slice is not None:
+                h = h[:, self.sequence_slice[0]: self.sequence_slice[1]]
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis)
         if self.norm is not None:

@@ -13,7 +13,6 @@ layout (grid search) is a candidate too, so the result is never worse than it.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -306,17 +305,14 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
            precision: str = "bf16", limits: SpaceLimits = DEFAULT_LIMITS, cal: Calibration | None = None,
            include_uniform: bool = True, runnable: bool = False, progress: Progress | None = None) -> SearchResult:
     """Search the fastest plan for `model` on `cluster` (see the module docstring). With `runnable`, only
-    plans this version's runtime executes (`plait.executable`): one strategy per stage, one layout along
-    the pipeline, no context parallelism."""
+    plans this version's runtime executes (`plait.executable`): one strategy per stage and one layout along
+    the pipeline."""
     if seq_len <= 0 or global_batch <= 0:  # callers validate; this guards the Python API
         raise PlaitError(f"seq_len and global_batch must be positive, got {seq_len} and {global_batch}")
     cal = cal or calibration_for(cluster.gpu.name)
     t0 = time.perf_counter()
     capacity = cluster.gpu.memory_bytes
     evaluated = 0
-
-    if runnable:
-        limits = dataclasses.replace(limits, context_parallel=False)
 
     def evaluate(plan: Plan) -> Candidate:
         nonlocal evaluated

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from plait.plan import Strategy
+from plait.runtime.ulysses import heads_to_seq, seq_to_heads
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
@@ -95,7 +96,8 @@ def apply_ac(model: nn.Module, mode: str) -> None:
 def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, tensor_parallel: bool) -> bool:
     """Data parallelism over `dp_mesh`: gradients all-reduced (ZeRO-0) or sharded with FSDP2 (ZeRO-1/2/3;
     only ZeRO-3 frees the gathered parameters after forward). Returns True when the caller must all-reduce
-    gradients itself (`sync_gradients`): composable `replicate` mis-scales DTensor gradients under TP."""
+    gradients itself (`sync_gradients`): composable `replicate` mis-scales DTensor gradients under TP and
+    takes no 2-D (dp x cp) mesh."""
     if dp_mesh.size() == 1:
         return False
     if zero == 0:
@@ -110,9 +112,9 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, tensor_parallel: 
     return False
 
 
-def sync_gradients(params: list[nn.Parameter], dp_mesh: DeviceMesh) -> None:
-    """Average gradients over the data-parallel group (the local shards of DTensor gradients)."""
-    group, size = dp_mesh.get_group(), dp_mesh.size()
+def sync_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average gradients over the ranks that share the weights (the local shards of DTensor gradients)."""
+    size = dist.get_world_size(group)
     for p in params:
         if p.grad is not None:
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
@@ -120,10 +122,22 @@ def sync_gradients(params: list[nn.Parameter], dp_mesh: DeviceMesh) -> None:
             local.div_(size)
 
 
-def parallelize_chunk(model: nn.Module, strategy: Strategy, mesh: DeviceMesh) -> bool:
-    """Apply `strategy` to a model chunk on its stage mesh (dims dp, cp, tp); True if gradients need
-    `sync_gradients` after backward."""
+def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, sequence_slice: tuple[int, int]) -> None:
+    """Ulysses context parallelism: this rank keeps one chunk of every sequence after the embedding, and
+    each attention core swaps it for the whole sequence of a head group (plait.runtime.ulysses)."""
+    model.sequence_slice = sequence_slice
+    swap = (partial(seq_to_heads, group=cp_group), partial(heads_to_seq, group=cp_group))
+    for block in model.layers.values():
+        block.attention.context_parallel = swap
+
+
+def parallelize_chunk(model: nn.Module, strategy: Strategy, mesh: DeviceMesh, weight_mesh: DeviceMesh,
+                      sequence_slice: tuple[int, int] | None) -> bool:
+    """Apply `strategy` to a model chunk on its stage mesh (dims dp, cp, tp); `weight_mesh` holds the ranks
+    that share its weights. True if gradients need `sync_gradients` after backward."""
+    if strategy.cp > 1 and sequence_slice is not None:
+        apply_cp(model, mesh["cp"].get_group(), sequence_slice)
     if strategy.tp > 1:
         apply_tp(model, mesh["tp"], strategy.sp)
     apply_ac(model, strategy.recompute)
-    return apply_dp(model, mesh["dp"], strategy.zero, strategy.tp > 1)
+    return apply_dp(model, weight_mesh, strategy.zero, strategy.tp > 1 or strategy.cp > 1)

@@ -34,6 +34,24 @@ class Placement:
     tp_index: int
     mesh: DeviceMesh  # dims ("dp", "cp", "tp") over this device group's ranks
     pp_group: dist.ProcessGroup | None  # ranks with the same (dp, cp, tp) coordinate along the pipeline
+    replica_group: dist.ProcessGroup | None  # ranks sharing this rank's weight shard (dp x cp), None if alone
+
+    @property
+    def weight_mesh(self) -> DeviceMesh:
+        """The mesh whose ranks hold the same weights (data and context parallel) for FSDP/DDP: HSDP
+        (replicate over dp, shard over cp) when both are > 1."""
+        s = self.strategy
+        if s.cp == 1:
+            return self.mesh["dp"]
+        return self.mesh["cp"] if s.dp == 1 else self.mesh["dp", "cp"]
+
+    def sequence_slice(self, seq_len: int) -> tuple[int, int] | None:
+        """The token positions this rank keeps under context parallelism (None without it)."""
+        cp = self.strategy.cp
+        if cp == 1:
+            return None
+        part = seq_len // cp
+        return (self.cp_index * part, (self.cp_index + 1) * part)
 
     @property
     def first(self) -> bool:
@@ -83,5 +101,14 @@ def place(plan: Plan, rank: int) -> Placement:
             group = dist.new_group(members)
             if i == idx:
                 pp_group = group
+    replica_group = None
+    for d in range(pp):  # the dp x cp groups of every stage, created by every rank in the same order
+        st = pipe.stages[d]
+        tp = st.strategies[0].tp
+        for i in range(tp):
+            members = list(st.ranks[i::tp])
+            group = dist.new_group(members) if len(members) > 1 else None
+            if d == mine and i == idx % tp:
+                replica_group = group
     chunks = tuple(range(mine, len(pipe.stages), pp))
-    return Placement(rank, 0, mine, pp, chunks, s, *coords, meshes[mine], pp_group)
+    return Placement(rank, 0, mine, pp, chunks, s, *coords, meshes[mine], pp_group, replica_group)

@@ -91,7 +91,8 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
             model.output = None
         if hf_checkpoint:
             load_hf_safetensors(model, hf_checkpoint)
-        manual_sync = parallelize_chunk(model, where.strategy, where.mesh)
+        manual_sync = parallelize_chunk(model, where.strategy, where.mesh, where.weight_mesh,
+                                        where.sequence_slice(plan.seq_len))
         chunks.append(model)
     return chunks, manual_sync
 
@@ -182,13 +183,14 @@ def run(cfg: TrainConfig, report=None) -> list[dict]:
             # This rank's sequences: micro-batch k holds [k*B, (k+1)*B); dp rank j takes its B/dp of them.
             rows = [shard(batch, k * pipe.micro_batch_size + where.dp_index * mb_per_rank, mb_per_rank)
                     for k in range(pipe.micro_batches)]
+            sl = where.sequence_slice(plan.seq_len) or (0, plan.seq_len)
             inputs = torch.cat([r.inputs for r in rows])
-            targets = torch.cat([r.targets for r in rows])
+            targets = torch.cat([r.targets for r in rows])[:, sl[0]: sl[1]]
             loss_sum = torch.zeros(2, dtype=torch.float64)
             if schedule is None:
                 for r in rows:
                     with autocast:
-                        loss = _loss(chunks[0](r.inputs), r.targets)
+                        loss = _loss(chunks[0](r.inputs), r.targets[:, sl[0]: sl[1]])
                     (loss / pipe.micro_batches).backward()
                     loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
             else:
@@ -201,8 +203,8 @@ def run(cfg: TrainConfig, report=None) -> list[dict]:
                         schedule.step(**kwargs)
                 for loss in losses:
                     loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
-            if manual_sync:
-                sync_gradients(params, where.mesh["dp"])
+            if manual_sync and where.replica_group is not None:
+                sync_gradients(params, where.replica_group)
             grad_norm = clip_grads(params, cfg.clip, where.pp_group)
             for optimizer in optimizers:
                 optimizer.step()

@@ -1,0 +1,36 @@
+"""Ulysses sequence (context) parallelism: all-to-alls that trade a sequence split for a head split.
+
+Outside attention each of the cp ranks holds a contiguous 1/cp of every sequence with all heads; for the
+attention core it needs the whole sequence for 1/cp of the heads. Both directions are one all-to-all
+over the cp group, differentiable (the backward is the opposite all-to-all).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = all_to_all_single_autograd(x.contiguous(), None, None, group)
+    return out.wait() if hasattr(out, "wait") else out
+
+
+def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[B, T/cp, H, D] (sequence chunk of this rank) -> [B, T, H/cp, D] (this rank's head group)."""
+    cp = dist.get_world_size(group)
+    b, t, h, d = x.shape
+    chunks = x.reshape(b, t, cp, h // cp, d).permute(2, 0, 1, 3, 4)  # [cp (head group), B, t, H/cp, D]
+    got = _all_to_all(chunks, group)  # [cp (sequence chunk), B, t, H/cp, D]
+    return got.permute(1, 0, 2, 3, 4).reshape(b, cp * t, h // cp, d)
+
+
+def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[B, T, H/cp, D] -> [B, T/cp, H, D]: the inverse of `seq_to_heads`."""
+    cp = dist.get_world_size(group)
+    b, t_full, h, d = x.shape
+    t = t_full // cp
+    chunks = x.reshape(b, cp, t, h, d).permute(1, 0, 2, 3, 4)  # [cp (sequence chunk), B, t, H/cp, D]
+    got = _all_to_all(chunks, group)  # [cp (head group), B, t, H/cp, D]
+    return got.permute(1, 2, 0, 3, 4).reshape(b, t, cp * h, d)
