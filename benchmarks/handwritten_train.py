@@ -18,8 +18,8 @@ gradient clipping by the global norm. Idiomatic details a hand-written loop has:
 micro-batches before the last (`set_requires_gradient_sync(False)`), one foreach norm with a single
 collective for clipping, loss kept on the device until one all-reduce per step.
 
-Rank 0 writes one JSON line per step: step, loss, step_time_s, tokens_per_s, grad_norm. `train(args)` runs the
-same loop inside an existing process group (`benchmarks/runtime_overhead.py` calls it between plait runs).
+Rank 0 writes one JSON line per step: step, loss, step_time_s, tokens_per_s, grad_norm. `Trainer(args).step(k)`
+runs one step inside an existing process group (`benchmarks/runtime_overhead.py` interleaves them with plait's).
 """
 
 from __future__ import annotations
@@ -109,37 +109,41 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def train(args: argparse.Namespace) -> list[dict]:
-    """Train under an initialised gloo process group; returns one record per step (the same on every rank)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dp = 1 if args.strategy == "tp" else world
-    dp_index = rank if dp > 1 else 0
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp" if args.strategy == "tp" else "dp",))
+class Trainer:
+    """The model, optimizer and data of one run, under an initialised gloo process group; `step(k)` runs
+    optimizer step k and returns its record (the same on every rank)."""
 
-    spec = load_model(args.model)
-    torch.manual_seed(args.seed)
-    model = build_model(spec, seed=args.seed)
-    if args.strategy == "tp":
-        tensor_parallel(model, mesh)
-    elif args.strategy == "ddp":
-        replicate(model, device_mesh=mesh)
-    else:
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh, reshard_after_forward=True)
-        fully_shard(model, mesh=mesh, reshard_after_forward=True)
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    micro = args.gbs // (args.mbs * dp)
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        rank, self.world = dist.get_rank(), dist.get_world_size()
+        dp = 1 if args.strategy == "tp" else self.world
+        self.dp, self.dp_index = dp, (rank if dp > 1 else 0)
+        mesh = init_device_mesh("cpu", (self.world,), mesh_dim_names=("tp" if args.strategy == "tp" else "dp",))
+        self.spec = load_model(args.model)
+        torch.manual_seed(args.seed)
+        model = build_model(self.spec, seed=args.seed)
+        if args.strategy == "tp":
+            tensor_parallel(model, mesh)
+        elif args.strategy == "ddp":
+            replicate(model, device_mesh=mesh)
+        else:
+            for block in model.layers.values():
+                fully_shard(block, mesh=mesh, reshard_after_forward=True)
+            fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        self.model = model
+        self.params = list(model.parameters())
+        self.optimizer = torch.optim.AdamW(self.params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        self.micro = args.gbs // (args.mbs * dp)
 
-    records = []
-    for step in range(args.steps):
+    def step(self, step: int) -> dict:
+        args, model, micro = self.args, self.model, self.micro
         t0 = time.perf_counter()
-        for group in optimizer.param_groups:
+        for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args.lr, args.warmup, args.steps)
-        inputs, targets = batch(step, args.seed, spec.vocab, args.seq, args.gbs)
+        inputs, targets = batch(step, args.seed, self.spec.vocab, args.seq, args.gbs)
         loss_sum = torch.zeros(())
         for k in range(micro):
-            lo = k * args.mbs * dp + dp_index * args.mbs
+            lo = k * args.mbs * self.dp + self.dp_index * args.mbs
             x, y = inputs[lo: lo + args.mbs], targets[lo: lo + args.mbs]
             if args.strategy != "tp" and not args.sync_every_microbatch:
                 model.set_requires_gradient_sync(k == micro - 1)
@@ -147,14 +151,19 @@ def train(args: argparse.Namespace) -> list[dict]:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             (loss / micro).backward()
             loss_sum += loss.detach()
-        grad_norm = clip_(params, args.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = clip_(self.params, args.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(loss_sum)
         elapsed = time.perf_counter() - t0
-        records.append({"step": step, "loss": float(loss_sum) / (micro * world), "step_time_s": elapsed,
-                        "tokens_per_s": args.gbs * args.seq / elapsed, "grad_norm": float(grad_norm)})
-    return records
+        return {"step": step, "loss": float(loss_sum) / (micro * self.world), "step_time_s": elapsed,
+                "tokens_per_s": args.gbs * args.seq / elapsed, "grad_norm": float(grad_norm)}
+
+
+def train(args: argparse.Namespace) -> list[dict]:
+    """Train under an initialised gloo process group; returns one record per step (the same on every rank)."""
+    trainer = Trainer(args)
+    return [trainer.step(k) for k in range(args.steps)]
 
 
 def main() -> None:

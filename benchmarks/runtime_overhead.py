@@ -1,6 +1,6 @@
 """Overhead of plait's training runtime over a plain hand-written PyTorch loop, on this machine (gloo, 2 ranks).
 
-    python benchmarks/runtime_overhead.py                 # ~4 minutes on 2 CPU cores
+    python benchmarks/runtime_overhead.py                 # ~3-4 minutes on 2 CPU cores
     python benchmarks/runtime_overhead.py --mode launch   # one `plait train` / torchrun launch per run
 
 Cases: DDP (composable `replicate`), FSDP2 ZeRO-3 (`fully_shard` per block + root) and TP
@@ -8,18 +8,20 @@ Cases: DDP (composable `replicate`), FSDP2 ZeRO-3 (`fully_shard` per block + roo
 the same PyTorch APIs, the same model (`plait.models.build_model`), data, micro-batching, AdamW, warm-up/cosine
 learning rate and gradient clipping, written as one would by hand (see its docstring).
 
-Mode `inprocess` (default): ONE `torchrun --standalone` job of 2 ranks runs, for every round and case, plait's
-training loop (`plait.runtime.train.run`, what `plait train` runs on each rank) and the hand-written loop
-(`handwritten_train.train`) back to back, in alternating order (plait first in even rounds, hand-written
-first in odd ones). Short alternating runs in one job keep both sides under the same background load and
-pay no launch cost, so more rounds fit. Mode `launch`: `plait train --strategy ...` and a torchrun launch of
-`handwritten_train.py` per run (end to end, including plait's worker and progress bar), fewer rounds.
+Mode `interleaved` (default): ONE `torchrun --standalone` job of 2 ranks. For every round and case it runs
+plait's training loop (`plait.runtime.train.run`, what `plait train` runs on each rank) and the hand-written
+loop (`handwritten_train.Trainer`) alternating STEP BY STEP (hand k, plait k in even rounds; plait k, hand k in
+odd ones): the hand-written step runs inside the per-step hook `_maybe_fail` of plait's loop, before plait
+starts its timer. Both sides then see the same background load, which on a shared 2-core machine swings step
+times by 2x between runs. (Without that hook, whole runs alternate.) Mode `launch`: `plait train --strategy`
+and a torchrun launch of `handwritten_train.py` per run, alternating (end to end, including plait's worker
+and progress bar; noisier).
 
 Both loops time a step the same way on rank 0: from the start of the step to after the all-reduce of its
 loss. The first `--skip` steps of every run are dropped. Columns: pooled median step time of each side, their
-ratio, the median over rounds of the per-round ratio (paired, so robust to load that drifts between
-rounds), and the ratio of the 25th percentiles (less sensitive to other processes stealing the CPUs: the
-load average is printed); the last-step losses of both sides must agree (same work). Target: ratio <= 1.05.
+ratio, the median of the per-step ratio (each plait step over the hand-written step next to it), and the
+ratio of the 25th percentiles (less sensitive to other processes stealing the CPUs: the load average is
+printed); the last-step losses of both sides must agree (same work). Target: ratio <= 1.05.
 """
 
 from __future__ import annotations
@@ -68,34 +70,56 @@ def _progress(rnd: int, case: str, side: str, records: list[dict], skip: int, se
           f"last loss {records[-1]['loss']:.6f} ({seconds:.0f} s)", flush=True)
 
 
-# ---- mode inprocess: the torchrun worker ------------------------------------------------------------------
+# ---- mode interleaved: the torchrun worker ----------------------------------------------------------------
 
 def worker(args: argparse.Namespace) -> None:
     import handwritten_train as hw
     import torch.distributed as dist
 
+    import plait.runtime.train as plait_train
     from plait.plan import uniform_plan
-    from plait.runtime.train import TrainConfig, init_distributed, run
     from plait.spec.cluster import local_ranks
     from plait.spec.model import load_model
 
-    init_distributed()  # plait's: gloo with a finite timeout, torch.set_num_threads(1)
+    plait_train.init_distributed()  # plait's: gloo with a finite timeout, torch.set_num_threads(1)
     rank = dist.get_rank()
     spec = load_model(MODEL)
+    # plait's loop calls `_maybe_fail(step, rank)` on every rank before it starts timing a step: wrapping it
+    # runs one hand-written step there, so the two loops alternate step by step.
+    hook = getattr(plait_train, "_maybe_fail", None)
     results = []
     for rnd in range(args.rounds):
         for case in args.cases.split(","):
-            for side in _order(rnd):
-                dist.barrier()
-                t0 = time.perf_counter()
-                if side == "plait":
-                    plan = uniform_plan(CASES[case][0], spec, local_ranks(2), SEQ)
-                    cfg = TrainConfig(model=MODEL, plan=json.loads(plan.model_dump_json()), steps=args.steps)
-                    records = run(cfg)  # rank 0 gets the records
-                else:
-                    records = hw.train(hw.parser().parse_args(_hand_args(case, args.steps, args.sync_every_microbatch)))
-                if rank == 0:
-                    _progress(rnd, case, side, records, args.skip, time.perf_counter() - t0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            hand = hw.Trainer(hw.parser().parse_args(_hand_args(case, args.steps, args.sync_every_microbatch)))
+            hand_records: list[dict] = []
+            plan = uniform_plan(CASES[case][0], spec, local_ranks(2), SEQ)
+            cfg = plait_train.TrainConfig(model=MODEL, plan=json.loads(plan.model_dump_json()), steps=args.steps)
+            if hook is not None:
+                lag = rnd % 2  # even rounds: hand k, plait k; odd rounds: plait k, hand k
+
+                def interleave(step: int, rank: int, hand=hand, out=hand_records, lag=lag) -> None:
+                    if step - lag >= 0:
+                        out.append(hand.step(step - lag))
+                    hook(step, rank)
+
+                plait_train._maybe_fail = interleave
+                try:
+                    plait_records = plait_train.run(cfg)  # rank 0 gets the records
+                finally:
+                    plait_train._maybe_fail = hook
+                hand_records += [hand.step(k) for k in range(len(hand_records), args.steps)]
+            else:  # no per-step hook in this version of plait: whole runs, alternating order
+                first_hand = rnd % 2 == 1
+                hand_records = [hand.step(k) for k in range(args.steps)] if first_hand else []
+                plait_records = plait_train.run(cfg)
+                hand_records = hand_records or [hand.step(k) for k in range(args.steps)]
+            del hand
+            if rank == 0:
+                seconds = time.perf_counter() - t0
+                for side, records in (("plait", plait_records), ("hand", hand_records)):
+                    _progress(rnd, case, side, records, args.skip, seconds)
                     results.append({"round": rnd, "case": case, "side": side, "records": records})
     if rank == 0:
         Path(args.worker_out).write_text(json.dumps(results))
@@ -103,7 +127,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def run_inprocess(args: argparse.Namespace, tmp: str) -> list[dict]:
+def run_interleaved(args: argparse.Namespace, tmp: str) -> list[dict]:
     out = Path(tmp) / "results.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
            "--worker-out", str(out), "--steps", str(args.steps), "--skip", str(args.skip), "--rounds",
@@ -169,17 +193,17 @@ def report(results: list[dict], args: argparse.Namespace, seconds: float, load: 
     summary = {}
     for case in cases:
         pooled = {s: [] for s in SIDES}
-        per_round: dict[int, dict[str, float]] = {}
+        per_step: dict[tuple[int, int], dict[str, float]] = {}
         last = {}
         for r in results:
             if r["case"] != case:
                 continue
-            kept = [x["step_time_s"] for x in r["records"][args.skip:]]
-            pooled[r["side"]].extend(kept)
-            per_round.setdefault(r["round"], {})[r["side"]] = statistics.median(kept)
+            for x in r["records"][args.skip:]:
+                pooled[r["side"]].append(x["step_time_s"])
+                per_step.setdefault((r["round"], x["step"]), {})[r["side"]] = x["step_time_s"]
             last[r["side"]] = r["records"][-1]["loss"]
         p, h = statistics.median(pooled["plait"]), statistics.median(pooled["hand"])
-        paired = statistics.median(v["plait"] / v["hand"] for v in per_round.values())
+        paired = statistics.median(v["plait"] / v["hand"] for v in per_step.values())
         p25 = _quantile(pooled["plait"], 0.25) / _quantile(pooled["hand"], 0.25)
         summary[case] = {"plait_s": p, "hand_s": h, "ratio": p / h, "paired_ratio": paired, "p25_ratio": p25,
                          "plait_loss": last["plait"], "hand_loss": last["hand"]}
@@ -195,27 +219,26 @@ def report(results: list[dict], args: argparse.Namespace, seconds: float, load: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("inprocess", "launch"), default="inprocess")
-    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 6 inprocess, 10 launch)")
+    ap.add_argument("--mode", choices=("interleaved", "launch"), default="interleaved")
+    ap.add_argument("--steps", type=int, default=10, help="steps per run")
     ap.add_argument("--skip", type=int, default=2, help="warm-up steps dropped from each run")
-    ap.add_argument("--rounds", type=int, default=None, help="runs per side and case (default 6 inprocess, 2 launch)")
+    ap.add_argument("--rounds", type=int, default=None, help="runs per side and case (default 3 interleaved, 2 launch)")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of: {', '.join(CASES)}")
     ap.add_argument("--sync-every-microbatch", action="store_true",
                     help="the hand-written loop all-reduces gradients after every micro-batch, as plait does")
     ap.add_argument("--json-out", help="also write the summary and every step record here")
-    ap.add_argument("--worker-out", help=argparse.SUPPRESS)  # set on the torchrun ranks of mode inprocess
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)  # set on the torchrun ranks of mode interleaved
     args = ap.parse_args()
     if args.worker_out:
         worker(args)
         return
-    args.steps = args.steps or (6 if args.mode == "inprocess" else 10)
-    args.rounds = args.rounds or (6 if args.mode == "inprocess" else 2)
+    args.rounds = args.rounds or (3 if args.mode == "interleaved" else 2)
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown or args.steps <= args.skip:
         raise SystemExit(f"unknown case(s) {unknown} (choose from {list(CASES)}) or --steps <= --skip")
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        results = (run_inprocess if args.mode == "inprocess" else run_launch)(args, tmp)
+        results = (run_interleaved if args.mode == "interleaved" else run_launch)(args, tmp)
     report(results, args, time.perf_counter() - t0, (load0, os.getloadavg()[0]))
 
 
