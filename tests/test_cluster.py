@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import expect_error
 
-from plait.errors import PlaitError
 from plait.spec.cluster import (
     DGX_LINKS,
     GB,
@@ -19,20 +19,6 @@ from plait.spec.cluster import (
     from_yaml,
     load_cluster,
 )
-
-
-def expect_error(fn, *needles: str) -> PlaitError:
-    """Call fn, require a one-line PlaitError (a ValueError) whose message contains every needle."""
-    with pytest.raises(PlaitError) as info:
-        fn()
-    err = info.value
-    assert isinstance(err, ValueError)
-    msg = str(err)
-    assert "\n" not in msg, f"message is not one line: {msg!r}"
-    for needle in needles:
-        assert needle in msg, f"{needle!r} not in {msg!r}"
-    return err
-
 
 # ---- shorthand -----------------------------------------------------------------------------------------
 

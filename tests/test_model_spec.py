@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import expect_error
 
 from plait.errors import PlaitError
 from plait.spec.model import (
@@ -23,17 +24,6 @@ from plait.spec.model import (
 PUBLISHED = Path("/work/shared/data/published/training-runs.json")
 
 
-def expect_error(fn, *needles: str) -> PlaitError:
-    """Call fn, require a one-line PlaitError (a ValueError) whose message contains every needle."""
-    with pytest.raises(PlaitError) as info:
-        fn()
-    err = info.value
-    assert isinstance(err, ValueError)
-    msg = str(err)
-    assert "\n" not in msg, f"message is not one line: {msg!r}"
-    for needle in needles:
-        assert needle in msg, f"{needle!r} not in {msg!r}"
-    return err
 
 
 # ---- presets ----------------------------------------------------------------------------------------

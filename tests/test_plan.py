@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import expect_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import plait.plan as plan_mod
-from plait.errors import PlaitError
 from plait.plan import (
     PLAN_VERSION,
     Pipeline,
@@ -28,20 +28,6 @@ from plait.plan import (
 )
 from plait.spec.cluster import load_cluster
 from plait.spec.model import PRESETS, ModelSpec, parse_inline
-
-
-def expect_error(fn, *needles: str) -> PlaitError:
-    """Call fn, require a one-line PlaitError (a ValueError) whose message contains every needle."""
-    with pytest.raises(PlaitError) as info:
-        fn()
-    err = info.value
-    assert isinstance(err, ValueError)
-    msg = str(err)
-    assert "\n" not in msg, f"message is not one line: {msg!r}"
-    for needle in needles:
-        assert needle in msg, f"{needle!r} not in {msg!r}"
-    return err
-
 
 GPT175 = PRESETS["gpt3-175b"]
 TINY = PRESETS["tiny-gpt"]  # 4 layers, hidden 128, 4 heads, seq 256
