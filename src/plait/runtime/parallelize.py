@@ -12,6 +12,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -115,11 +116,17 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, tensor_parallel: 
 def sync_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Average gradients over the ranks that share the weights (the local shards of DTensor gradients)."""
     size = dist.get_world_size(group)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(local, group=group)
-            local.div_(size)
+            by_dtype.setdefault(local.dtype, []).append(local)
+    for grads in by_dtype.values():  # one all-reduce per dtype over a flat buffer
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
 
 
 def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, sequence_slice: tuple[int, int]) -> None:
