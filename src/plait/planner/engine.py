@@ -16,7 +16,7 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -36,7 +36,7 @@ from plait.planner.baselines import Candidate, run_baseline
 from plait.planner.layerwise import solve_layers
 from plait.planner.space import SpaceLimits, divisors, pareto_front, stage_strategies
 from plait.simulate import Report, simulate
-from plait.spec.cluster import GIB, Cluster
+from plait.spec.cluster import Cluster
 from plait.spec.model import ModelSpec
 
 DEFAULT_LIMITS = SpaceLimits()
@@ -64,7 +64,6 @@ class SearchResult:
     evaluated: int
     search_time_s: float
     closest: Candidate | None = None  # when nothing fits: the plan with the least peak memory
-    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -375,9 +374,4 @@ def fewest_gpus(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: 
     return None
 
 
-def memory_needed_gib(result: SearchResult) -> float | None:
-    """Peak memory of the closest plan found (GiB), when nothing fits."""
-    return result.closest.report.peak_memory_gib if result.closest else None
-
-
-__all__ = ["GIB", "SearchResult", "fewest_gpus", "memory_needed_gib", "search"]
+__all__ = ["SearchResult", "fewest_gpus", "search"]
