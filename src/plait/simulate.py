@@ -277,7 +277,7 @@ def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | 
             parts["dp_comm_exposed"] = exposed + gather_t
             parts["optimizer"] = optimizer
             end = ends + exposed + gather_t + optimizer
-            memory = _memory(chunk_costs, alive[d], stage, plan, model, cluster, prec)
+            memory = _memory(chunk_costs, alive[d], stage, plan, prec)
             layers = tuple(pipe.stages[j].layers for j in range(d, len(costs), pp))
             groups.append(DeviceGroup(pi, d, stage.ranks, layers, memory, end, parts))
     critical = max(groups, key=lambda g: g.end_s)
@@ -319,8 +319,8 @@ def _recompute_flops(plan: Plan, model: ModelSpec) -> float:
     return total
 
 
-def _memory(costs: list[StageCost], activations: float, stage: Stage, plan: Plan, model: ModelSpec,
-            cluster: Cluster, prec: PrecisionBytes) -> MemoryTerms:
+def _memory(costs: list[StageCost], activations: float, stage: Stage, plan: Plan, prec: PrecisionBytes
+            ) -> MemoryTerms:
     weights = grads = optimizer = 0.0
     bucket = 0.0
     for cost in costs:

@@ -46,7 +46,7 @@ def elementwise_time(bytes_moved: float, gpu: GPU, cal: Calibration, kernels: in
 
 
 def flash_attention_time(batch_heads: int, seq_q: int, seq_kv: int, head_dim: int, causal: bool,
-                         gpu: GPU, cal: Calibration, peak_flops: float) -> tuple[float, float]:
+                         cal: Calibration, peak_flops: float) -> tuple[float, float]:
     """(forward, backward) seconds of a fused attention kernel over `batch_heads` (sequence, head) pairs."""
     work = cal.causal_work_fraction if causal else 1.0
     flops = 4.0 * batch_heads * seq_q * seq_kv * head_dim * work  # QK^T and PV

@@ -98,7 +98,7 @@ def block_time(s: Strategy, ctx: BlockContext) -> BlockTime:
     heads = m.heads // s.tp
     if m.attention == "flash":
         attn_f, attn_b = flash_attention_time(ctx.seqs * heads, ctx.seq_len // s.cp, ctx.seq_len, m.head_dim,
-                                              True, gpu, cal, peak)
+                                              True, cal, peak)
     else:
         attn_f, attn_b = eager_attention_time(ctx.seqs * heads // s.cp, ctx.seq_len, m.head_dim, m.dropout,
                                               gpu, cal, peak, eb)
