@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from plait.cost import comm
 from plait.cost.calibration import Calibration, calibration_for
-from plait.cost.comm import SINGLE, GroupShape
+from plait.cost.comm import GroupShape
 from plait.cost.compute import elementwise_time
 from plait.cost.head import embedding_time, head_activation_bytes, head_time
 from plait.cost.layer import BlockContext, BlockTime, block_activation_bytes, block_time
@@ -99,15 +99,6 @@ class Report:
         }
 
 
-def _context(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: PrecisionBytes, seq_len: int,
-             seqs: int, s: Strategy, ranks: tuple[int, ...], dp_ranks: tuple[int, ...]) -> BlockContext:
-    gpn = cluster.gpus_per_node
-    tp_group = GroupShape.of(ranks[: s.tp], gpn) if s.tp > 1 else SINGLE
-    cp_group = GroupShape.of(ranks[: s.tp * s.cp: s.tp], gpn) if s.cp > 1 else SINGLE
-    dp_group = GroupShape.of(dp_ranks, gpn) if len(dp_ranks) > 1 else SINGLE
-    return BlockContext(model, cluster, cal, prec, seq_len, seqs, tp_group, cp_group, dp_group)
-
-
 def _dp_ranks(plan: Plan, layer: int, s: Strategy, ranks: tuple[int, ...]) -> tuple[int, ...]:
     """Ranks holding the same shard of `layer` (tp coordinate 0: every dp and cp coordinate, since context
     parallel ranks hold the same weights and reduce their gradients too) across every pipeline."""
@@ -140,7 +131,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     stage_group = GroupShape.of(stage.ranks, cluster.gpus_per_node)
     layer = stage.layers[0]
     for s, count in stage.layer_strategies():
-        ctx = _context(model, cluster, cal, prec, plan.seq_len, pipe.micro_batch_size // s.dp, s, stage.ranks,
+        ctx = BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.micro_batch_size // s.dp, s, stage.ranks,
                        _dp_ranks(plan, layer, s, stage.ranks))
         bt: BlockTime = block_time(s, ctx)
         fwd += count * bt.forward_total
@@ -166,7 +157,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         layer += count
     first_s, last_s = stage.strategy(stage.layers[0]), stage.strategy(stage.layers[1] - 1)
     if stage_index == 0:
-        ctx = _context(model, cluster, cal, prec, plan.seq_len, pipe.micro_batch_size // first_s.dp, first_s,
+        ctx = BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.micro_batch_size // first_s.dp, first_s,
                        stage.ranks, _dp_ranks(plan, stage.layers[0], first_s, stage.ranks))
         et = embedding_time(first_s, ctx)
         fwd += et.forward + et.tp_comm / 2
@@ -175,7 +166,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         parts["tp_comm"] += et.tp_comm
         params.append((model.embedding_params / first_s.tp, first_s, stage.layers[0]))
     if last:
-        ctx = _context(model, cluster, cal, prec, plan.seq_len, pipe.micro_batch_size // last_s.dp, last_s,
+        ctx = BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.micro_batch_size // last_s.dp, last_s,
                        stage.ranks, _dp_ranks(plan, stage.layers[1] - 1, last_s, stage.ranks))
         ht = head_time(last_s, ctx)
         fwd += ht.forward + ht.tp_comm / 2
@@ -209,14 +200,8 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
             dp_group = GroupShape.of(_dp_ranks(plan, layer, s, stage.ranks), cluster.gpus_per_node)
             replicas = dp_group.size
             local_params += params / (replicas if s.zero >= 1 else 1)
-            if replicas == 1:
-                continue
-            if s.zero == 0:
-                reduce_t += comm.all_reduce(params * prec.grad, dp_group, cluster, cal)
-            elif s.zero == 1:
-                reduce_t += comm.reduce_scatter(params * prec.grad, dp_group, cluster, cal)
-            if s.zero in (1, 2):
-                gather_t += comm.all_gather(params * prec.param, dp_group, cluster, cal)
+            r, g = comm.gradient_sync(params, s.zero, dp_group, prec.grad, prec.param, cluster, cal)
+            reduce_t, gather_t = reduce_t + r, gather_t + g
     if model.tied_embeddings and len(plan.pipelines[0].stages) > 1:
         reduce_t += comm.all_reduce(model.vocab * model.hidden * prec.grad, GroupShape(2, 2, 1), cluster, cal)
     optimizer = elementwise_time(local_params * prec.optimizer_traffic, cluster.gpu, cal, kernels=4)

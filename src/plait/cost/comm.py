@@ -107,3 +107,20 @@ def p2p(nbytes: float, cross_node: bool, cluster: Cluster, cal: Calibration) -> 
     if cross_node:
         return nbytes / (cluster.inter.bandwidth * cal.network_efficiency) + cluster.inter.latency
     return nbytes / (cluster.intra.bandwidth * cal.nvlink_efficiency) + cluster.intra.latency
+
+
+def gradient_sync(params: float, zero: int, group: GroupShape, grad_bytes: int, param_bytes: int,
+                  cluster: Cluster, cal: Calibration) -> tuple[float, float]:
+    """(seconds reducing gradients before the optimizer, seconds gathering parameters after it) of once-per-
+    step data-parallel synchronisation of `params` parameters under a ZeRO stage. ZeRO-0 all-reduces,
+    ZeRO-1 reduce-scatters and re-gathers, ZeRO-2 only re-gathers (it reduce-scatters every micro-batch),
+    ZeRO-3 does neither (it gathers and reduces every micro-batch)."""
+    if group.size <= 1:
+        return 0.0, 0.0
+    reduce_t = 0.0
+    if zero == 0:
+        reduce_t = all_reduce(params * grad_bytes, group, cluster, cal)
+    elif zero == 1:
+        reduce_t = reduce_scatter(params * grad_bytes, group, cluster, cal)
+    gather_t = all_gather(params * param_bytes, group, cluster, cal) if zero in (1, 2) else 0.0
+    return reduce_t, gather_t

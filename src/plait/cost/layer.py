@@ -62,6 +62,17 @@ class BlockContext:
     cp_group: GroupShape
     dp_group: GroupShape  # ranks that share this block's weights (data and context parallel), every pipeline
 
+    @staticmethod
+    def for_ranks(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: PrecisionBytes, seq_len: int,
+                  seqs: int, s: Strategy, ranks: tuple[int, ...], dp_ranks: tuple[int, ...]) -> BlockContext:
+        """The context of strategy `s` on a stage's `ranks` (Megatron order: tp fastest, then cp, then dp);
+        `dp_ranks` are the ranks sharing its weights."""
+        gpn = cluster.gpus_per_node
+        tp_group = GroupShape.of(ranks[: s.tp], gpn) if s.tp > 1 else comm.SINGLE
+        cp_group = GroupShape.of(ranks[: s.tp * s.cp: s.tp], gpn) if s.cp > 1 else comm.SINGLE
+        dp_group = GroupShape.of(dp_ranks, gpn) if len(dp_ranks) > 1 else comm.SINGLE
+        return BlockContext(model, cluster, cal, prec, seq_len, seqs, tp_group, cp_group, dp_group)
+
 
 def _elementwise_bytes_per_token(model: ModelSpec, s: Strategy, eb: int) -> float:
     """Forward bytes moved per token by the block's memory-bound kernels on one device."""

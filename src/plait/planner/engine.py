@@ -131,24 +131,16 @@ class _Config:
         return other
 
     def _price(self, s: Strategy) -> _Priced:
-        gpn = self.cluster.gpus_per_node
         ranks = tuple(range(self.n))
-        tp_group = GroupShape.of(ranks[: s.tp], gpn) if s.tp > 1 else comm.SINGLE
-        cp_group = GroupShape.of(ranks[: s.tp * s.cp: s.tp], gpn) if s.cp > 1 else comm.SINGLE
-        dp_ranks = ranks[:: s.tp]
-        dp_group = GroupShape.of(dp_ranks, gpn) if len(dp_ranks) > 1 else comm.SINGLE
-        ctx = BlockContext(self.model, self.cluster, self.cal, self.prec, self.seq_len, self.mb // s.dp,
-                           tp_group, cp_group, dp_group)
+        ctx = BlockContext.for_ranks(self.model, self.cluster, self.cal, self.prec, self.seq_len, self.mb // s.dp,
+                                     s, ranks, ranks[:: s.tp])
+        dp_group = ctx.dp_group
         bt = block_time(s, ctx)
         params = self.model.block_params / s.tp
         replicas = dp_group.size
-        sync = 0.0
-        if replicas > 1 and s.zero in (0, 1):
-            reduce = comm.all_reduce if s.zero == 0 else comm.reduce_scatter
-            grad = reduce(params * self.prec.grad, dp_group, self.cluster, self.cal)
-            sync = max(0.0, grad - bt.backward * self.cal.overlap_efficiency)
-        if replicas > 1 and s.zero in (1, 2):
-            sync += comm.all_gather(params * self.prec.param, dp_group, self.cluster, self.cal)
+        grad, gather = comm.gradient_sync(params, s.zero, dp_group, self.prec.grad, self.prec.param, self.cluster,
+                                          self.cal)
+        sync = max(0.0, grad - bt.backward * self.cal.overlap_efficiency) + gather
         w, g, o = model_state_bytes(params, replicas, s.zero, self.prec)
         working = block_activation_bytes(s, ctx, "none") if s.recompute != "none" else 0.0
         return _Priced(s, bt.forward_total + bt.backward_total, sync, w + g + o, block_activation_bytes(s, ctx),
