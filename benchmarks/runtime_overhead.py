@@ -11,9 +11,9 @@ learning rate and gradient clipping, written as one would by hand (see its docst
 Mode `interleaved` (default): ONE `torchrun --standalone` job of 2 ranks. For every round and case it runs
 plait's training loop (`plait.runtime.train.run`, what `plait train` runs on each rank) and the hand-written
 loop (`handwritten_train.Trainer`) alternating STEP BY STEP (hand k, plait k in even rounds; plait k, hand k in
-odd ones): the hand-written step runs inside the per-step hook `_maybe_fail` of plait's loop, before plait
-starts its timer. Both sides then see the same background load, which on a shared 2-core machine swings step
-times by 2x between runs. (Without that hook, whole runs alternate.) Mode `launch`: `plait train --strategy`
+odd ones): the hand-written step runs in the `before_step` hook of plait's loop, before plait starts its
+timer. Both sides then see the same background load, which on a shared 2-core machine swings step times by
+2x between runs. Mode `launch`: `plait train --strategy`
 and a torchrun launch of `handwritten_train.py` per run, alternating (end to end, including plait's worker
 and progress bar; noisier).
 
@@ -84,9 +84,8 @@ def worker(args: argparse.Namespace) -> None:
     plait_train.init_distributed()  # plait's: gloo with a finite timeout, torch.set_num_threads(1)
     rank = dist.get_rank()
     spec = load_model(MODEL)
-    # plait's loop calls `_maybe_fail(step, rank)` on every rank before it starts timing a step: wrapping it
-    # runs one hand-written step there, so the two loops alternate step by step.
-    hook = getattr(plait_train, "_maybe_fail", None)
+    # plait's loop calls `before_step(step)` on every rank before it starts timing a step: running one
+    # hand-written step there makes the two loops alternate step by step.
     results = []
     for rnd in range(args.rounds):
         for case in args.cases.split(","):
@@ -96,25 +95,14 @@ def worker(args: argparse.Namespace) -> None:
             hand_records: list[dict] = []
             plan = uniform_plan(CASES[case][0], spec, local_ranks(2), SEQ)
             cfg = plait_train.TrainConfig(model=MODEL, plan=json.loads(plan.model_dump_json()), steps=args.steps)
-            if hook is not None:
-                lag = rnd % 2  # even rounds: hand k, plait k; odd rounds: plait k, hand k
+            lag = rnd % 2  # even rounds: hand k, plait k; odd rounds: plait k, hand k
 
-                def interleave(step: int, rank: int, hand=hand, out=hand_records, lag=lag) -> None:
-                    if step - lag >= 0:
-                        out.append(hand.step(step - lag))
-                    hook(step, rank)
+            def interleave(step: int, hand=hand, out=hand_records, lag=lag) -> None:
+                if step - lag >= 0:
+                    out.append(hand.step(step - lag))
 
-                plait_train._maybe_fail = interleave
-                try:
-                    plait_records = plait_train.run(cfg)  # rank 0 gets the records
-                finally:
-                    plait_train._maybe_fail = hook
-                hand_records += [hand.step(k) for k in range(len(hand_records), args.steps)]
-            else:  # no per-step hook in this version of plait: whole runs, alternating order
-                first_hand = rnd % 2 == 1
-                hand_records = [hand.step(k) for k in range(args.steps)] if first_hand else []
-                plait_records = plait_train.run(cfg)
-                hand_records = hand_records or [hand.step(k) for k in range(args.steps)]
+            plait_records = plait_train.run(cfg, before_step=interleave)  # rank 0 gets the records
+            hand_records += [hand.step(k) for k in range(len(hand_records), args.steps)]
             del hand
             if rank == 0:
                 seconds = time.perf_counter() - t0

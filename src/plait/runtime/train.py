@@ -148,8 +148,10 @@ def peak_memory_bytes() -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def run(cfg: TrainConfig, report=None) -> list[dict]:
-    """Train under an initialised process group; returns (on rank 0) one metrics dict per step."""
+def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
+    """Train under an initialised process group; returns (on rank 0) one metrics dict per step.
+    `report(record)` gets each step's metrics on rank 0; `before_step(step)` runs on every rank before a
+    step is timed."""
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = load_model(cfg.model)
     plan = Plan.model_validate(cfg.plan)
@@ -179,6 +181,8 @@ def run(cfg: TrainConfig, report=None) -> list[dict]:
     try:
         for step in range(start, cfg.steps):
             _maybe_fail(step, rank)
+            if before_step:
+                before_step(step)
             t0 = time.perf_counter()
             for optimizer in optimizers:
                 for group in optimizer.param_groups:
