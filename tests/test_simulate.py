@@ -123,6 +123,26 @@ def test_per_layer_strategies_pay_for_relayout() -> None:
     assert sum(r.breakdown.values()) == pytest.approx(r.iteration_time_s)
 
 
+def _two_stages(first: Strategy, second: Strategy) -> Plan:
+    stages = (Stage(layers=(0, 20), ranks=tuple(range(4)), strategies=(first,)),
+              Stage(layers=(20, 40), ranks=tuple(range(4, 8)), strategies=(second,)))
+    return Plan(model=GPT13.name, seq_len=2048, global_batch=32,
+                pipelines=(Pipeline(stages=stages, micro_batches=8, micro_batch_size=4),))
+
+
+def test_stages_laid_out_differently_pay_for_relayout_where_they_meet() -> None:
+    cluster = dgx(1, 8, "A100-80GB")
+
+    def relayout(first: Strategy, second: Strategy) -> float:  # paid by the receiving stage
+        return simulate(_two_stages(first, second), GPT13, cluster).devices[1].parts["relayout"]
+
+    assert relayout(Strategy(tp=4), Strategy(tp=4)) == 0
+    # tp4 -> dp2 x tp2: each rank keeps half of its copy going forward but gathers the gradient back
+    assert relayout(Strategy(tp=4), Strategy(dp=2, tp=2)) > 0
+    # splitting further is cheaper than gathering copies (a quarter vs three quarters received forward)
+    assert 0 < relayout(Strategy(dp=4), Strategy(dp=2, tp=2)) < relayout(Strategy(dp=4), Strategy(tp=4))
+
+
 def test_non_uniform_pipelines_wait_for_the_slowest() -> None:
     """Malleus-style: two data-parallel pipelines with different cuts and micro-batch counts, rank 15 unused."""
     s = Strategy(tp=2)

@@ -299,7 +299,7 @@ def plan_cmd(
     galvatron_out: Annotated[Path | None, typer.Option(
         "--galvatron-out", help="also write the plan as a Galvatron galvatron_config JSON")] = None,
     runnable: Annotated[bool, typer.Option(
-        "--runnable", help="only plans `plait train` executes today (no cp, one strategy per stage)")] = False,
+        "--runnable", help="only plans `plait train` executes (see plait.executable)")] = False,
 ) -> None:
     """Search the fastest plan that fits (or run a baseline planner)."""
     from plait.planner.baselines import BASELINES, run_baseline

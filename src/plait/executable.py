@@ -12,22 +12,26 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     if len(plan.pipelines) > 1:
         return "plans with several pipelines are not executable yet; use one pipeline"
     stages = plan.pipelines[0].stages
-    if model.tied_embeddings and len(stages) > 1:
-        return (f"{model.name} ties its embedding and LM head, which pipeline stages would split; the runtime "
-                "does not sync them across stages yet: use pp=1 or an untied model")
     pp = len(stages) // plan.chunks
     if pp > 1 and plan.pipelines[0].micro_batches < pp:
         return (f"the pipeline has {pp} stages but only {plan.pipelines[0].micro_batches} micro-batches; "
                 "torch.distributed.pipelining needs at least one per stage: lower mbs or raise gbs")
-    first = stages[0].strategies[0]
+    width = len(stages[0].ranks)
     for si, stage in enumerate(stages):
-        if len(set(stage.strategies)) > 1:
-            return (f"stage {si} mixes strategies across its layers, which the runtime does not execute yet; "
-                    "use one strategy per stage")
-        s = stage.strategies[0]
-        if s.cp > 1 and s.cp_mode != "ulysses":
-            return f"stage {si} uses ring context parallelism, which the runtime does not execute yet; use cp_mode=ulysses"
-        if (s.dp, s.tp, s.sp, s.cp) != (first.dp, first.tp, first.sp, first.cp) or len(stage.ranks) != len(stages[0].ranks):
-            return (f"stage {si} lays out its devices differently from stage 0 ({s.short()} vs {first.short()}); "
-                    "the runtime needs one layout along the pipeline yet")
+        for s in stage.strategies:
+            if s.cp > 1 and s.cp_mode != "ulysses":
+                return (f"stage {si} uses ring context parallelism, which the runtime does not execute yet; "
+                        "use cp_mode=ulysses")
+        if len(stage.ranks) != width:
+            return (f"stage {si} has {len(stage.ranks)} ranks and stage 0 has {width}; the runtime pairs stages "
+                    "rank by rank, so every stage needs the same number of ranks")
+    if model.tied_embeddings:
+        first, last = stages[0].strategies[0], stages[-1].strategies[-1]
+        if first.model_copy(update={"recompute": "none"}) != last.model_copy(update={"recompute": "none"}):
+            return (f"{model.name} ties its embedding and LM head, so the first and last layers must share one "
+                    f"layout ({first.short()} vs {last.short()})")
+        mixed = len({s.model_copy(update={"recompute": "none"}) for s in stages[0].strategies}) > 1
+        if len(stages) == 1 and mixed and first.zero > 0:
+            return (f"{model.name} ties its embedding and LM head, which FSDP cannot shard as two units of a stage "
+                    "with per-layer strategies; use zero=0 for its first and last layers")
     return None

@@ -19,6 +19,7 @@ from plait.cost.layer import BlockContext, BlockTime, block_activation_bytes, bl
 from plait.cost.memory import GRAD_BUCKET_BYTES, MemoryTerms, model_state_bytes, with_reserve
 from plait.cost.pipeline import PipelineResult, StageTimes, peak_weighted_in_flight, simulate_pipeline
 from plait.cost.precision import PRECISIONS, PrecisionBytes
+from plait.layout import Layout, received_fraction
 from plait.plan import Plan, Stage, Strategy, validate_plan
 from plait.spec.cluster import GIB, Cluster
 from plait.spec.model import ModelSpec
@@ -126,7 +127,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     act = working = 0.0
     params: list[tuple[float, Strategy, int]] = []
     buffers = 0.0
-    prev: Strategy | None = None
+    prev = pipe.stages[stage_index - 1].strategies[-1] if stage_index > 0 else None  # what arrives
     mb_bytes = pipe.micro_batch_size * plan.seq_len * model.hidden * eb  # one micro-batch's hidden state
     stage_group = GroupShape.of(stage.ranks, cluster.gpus_per_node)
     layer = stage.layers[0]
@@ -147,12 +148,15 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         params.append((count * model.block_params / s.tp, s, layer))
         if s.zero == 3 and ctx.dp_group.size > 1:  # FSDP keeps the current and the prefetched block unsharded
             buffers = max(buffers, 2 * model.block_params / s.tp * (prec.param + prec.grad))
-        if prev is not None and (prev.dp, prev.tp, prev.cp, prev.sp) != (s.dp, s.tp, s.cp, s.sp):
-            # Re-layout of the hidden state between differing strategies: an all-to-all over the stage.
-            t = comm.all_to_all(mb_bytes / len(stage.ranks), stage_group, cluster, cal)
-            fwd += t
-            bwd += t
-            parts["relayout"] += 2 * t
+        if prev is not None and Layout.of(prev) != Layout.of(s):
+            # Re-layout of the hidden state between differing strategies (or from the previous stage's):
+            # one exchange over the stage each way (plait.layout); the backward moves the gradient back.
+            a, b = Layout.of(prev), Layout.of(s)
+            f = comm.exchange(received_fraction(a, b) * mb_bytes, stage_group, cluster, cal)
+            g = comm.exchange(received_fraction(b, a) * mb_bytes, stage_group, cluster, cal)
+            fwd += f
+            bwd += g
+            parts["relayout"] += f + g
         prev = s
         layer += count
     first_s, last_s = stage.strategy(stage.layers[0]), stage.strategy(stage.layers[1] - 1)
@@ -179,10 +183,10 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     send = 0.0
     if not last:
         nxt = pipe.stages[stage_index + 1]
-        senders = min(len(stage.ranks), len(nxt.ranks))
+        piece = mb_bytes / (last_s.dp * Layout.of(last_s).token_parts)  # each rank sends its own piece
         cross = comm.nodes_of(stage.ranks, cluster.gpus_per_node) != comm.nodes_of(nxt.ranks, cluster.gpus_per_node)
-        send = comm.p2p(mb_bytes / senders, cross, cluster, cal)
-        buffers += 2 * mb_bytes / senders
+        send = comm.p2p(piece, cross, cluster, cal)
+        buffers += 2 * piece
     speed = max(cluster.speed_of(r) for r in stage.ranks) if cluster.speed else 1.0
     if speed != 1.0:
         fwd, bwd = fwd * speed, bwd * speed

@@ -85,17 +85,22 @@ reduce_scatter = all_gather
 
 
 def all_to_all(nbytes: float, group: GroupShape, cluster: Cluster, cal: Calibration) -> float:
-    """Seconds for an all-to-all where each rank holds `nbytes` and keeps 1/n of it.
+    """Seconds for an all-to-all where each rank holds `nbytes` and keeps 1/n of it."""
+    return exchange((group.size - 1) / group.size * nbytes if group.size > 1 else 0.0, group, cluster, cal)
+
+
+def exchange(nbytes: float, group: GroupShape, cluster: Cluster, cal: Calibration) -> float:
+    """Seconds for every rank to send `nbytes` in all, spread evenly over the other ranks of its group.
 
     Traffic that stays in the node runs on NVLink; traffic leaving it goes through the rank's own NIC.
     """
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    local = (group.per_node - 1) / n * nbytes / (cluster.intra.bandwidth * cal.nvlink_efficiency)
+    local = (group.per_node - 1) / (n - 1) * nbytes / (cluster.intra.bandwidth * cal.nvlink_efficiency)
     remote = 0.0
     if group.nodes > 1:
-        remote = (n - group.per_node) / n * nbytes / (cluster.inter.bandwidth * cal.network_efficiency)
+        remote = (n - group.per_node) / (n - 1) * nbytes / (cluster.inter.bandwidth * cal.network_efficiency)
     latency = cluster.inter.latency if group.nodes > 1 else cluster.intra.latency
     return max(local, remote) + latency
 

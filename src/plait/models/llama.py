@@ -175,6 +175,10 @@ class Transformer(nn.Module):
     """Set by the runtime for context parallelism: the [start, end) token positions this rank keeps after
     the embedding (the rest of the model sees only its chunk of every sequence)."""
 
+    relayouts: dict[str, Callable[[Tensor], Tensor]] | None = None
+    """Set by the runtime where consecutive layers (or stages) split the hidden state differently: a
+    function applied to the hidden state before each named layer."""
+
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens [B, T] (or hidden [B, T, H] without tok_embeddings) -> logits float [B, T, V] (or hidden)."""
         h = tokens
@@ -184,7 +188,9 @@ class Transformer(nn.Module):
                 h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
             if self.sequence_slice is not None:
                 h = h[:, self.sequence_slice[0]: self.sequence_slice[1]]
-        for layer in self.layers.values():
+        for name, layer in self.layers.items():
+            if self.relayouts and name in self.relayouts:
+                h = self.relayouts[name](h)
             h = layer(h, self.freqs_cis)
         if self.norm is not None:
             h = self.norm(h)

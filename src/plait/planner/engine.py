@@ -31,6 +31,7 @@ from plait.cost.pipeline import StageTimes, simulate_pipeline
 from plait.cost.precision import PRECISIONS
 from plait.errors import PlaitError
 from plait.executable import unsupported
+from plait.layout import Layout, received_fraction
 from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_plan
 from plait.planner.baselines import Candidate, run_baseline
 from plait.planner.layerwise import solve_layers
@@ -78,11 +79,6 @@ class _Priced:
     working: float  # transient bytes while recomputing
 
 
-def _layout(s: Strategy) -> tuple[int, int, int, bool]:
-    """How a strategy lays out activations: what neighbouring layers must agree on to skip a re-layout."""
-    return (s.dp, s.tp, s.cp, s.sp)
-
-
 def _micro_batch_counts(global_batch: int, pp: int) -> list[int]:
     """Micro-batch counts to try: divisors of the global batch from pp (or 1) up to ~16 x pp."""
     low = max(1, pp)
@@ -115,17 +111,25 @@ class _Config:
         self.in_flight = _in_flight(pp, m, schedule, chunks)
         strategies = stage_strategies(model, cluster, self.n, self.mb, seq_len, limits)
         self.priced = [self._price(s) for s in strategies]
-        ranks = tuple(range(self.n))
-        hidden_bytes = self.mb * seq_len * model.hidden * self.prec.activation
-        relayout = comm.all_to_all(hidden_bytes / self.n, GroupShape.of(ranks, cluster.gpus_per_node), cluster, cal)
-        self.relayout = 2 * m * relayout  # forward and backward, every micro-batch
+        self.stage_group = GroupShape.of(tuple(range(self.n)), cluster.gpus_per_node)
+        self.hidden_bytes = self.mb * seq_len * model.hidden * self.prec.activation  # one micro-batch
+        self._relayouts: dict[tuple[Layout, Layout], float] = {}
         self.uniform = False  # True: one strategy per stage (what the runtime executes today)
         self._solved: dict[tuple[int, int, bool, bool, float], tuple[float, list[Strategy]] | None] = {}
 
-    def restricted(self, layout: tuple[int, int, int, bool]) -> _Config:
+    def relayout(self, a: Layout, b: Layout) -> float:
+        """Seconds per iteration to re-layout the hidden state from `a` to `b` (forward and backward, every
+        micro-batch)."""
+        if (a, b) not in self._relayouts:
+            one_way = [comm.exchange(received_fraction(x, y) * self.hidden_bytes, self.stage_group, self.cluster,
+                                     self.cal) for x, y in ((a, b), (b, a))]
+            self._relayouts[a, b] = self.m * sum(one_way)
+        return self._relayouts[a, b]
+
+    def restricted(self, layout: Layout) -> _Config:
         """A copy limited to one (dp, tp, cp, sp) layout and one strategy per stage."""
         other = copy.copy(self)
-        other.priced = [p for p in self.priced if _layout(p.strategy) == layout]
+        other.priced = [p for p in self.priced if Layout.of(p.strategy) == layout]
         other.uniform = True
         other._solved = {}
         return other
@@ -199,8 +203,8 @@ class _Config:
         if self.uniform:  # switching strategy inside a stage is forbidden
             trans = np.array([[0.0 if a == b else np.inf for b in strategies] for a in strategies])
         else:
-            layouts = [_layout(s) for s in strategies]
-            trans = np.array([[0.0 if a == b else self.relayout for b in layouts] for a in layouts])
+            layouts = [Layout.of(s) for s in strategies]
+            trans = np.array([[self.relayout(a, b) for b in layouts] for a in layouts])
         sol = solve_layers(np.tile(times, (layers, 1)), np.tile(mems, (layers, 1)), trans, MEMORY_UNITS)
         if sol is None:
             return None
@@ -292,12 +296,21 @@ def _partition_search(cfg: _Config, capacity: float, evaluate: Callable[[Plan], 
     return best
 
 
+def _accept(plan: Plan, model: ModelSpec, runnable: bool, record: Callable[[Plan], None] | None) -> bool:
+    """Whether the search may price `plan` (and tell `record` it does)."""
+    if runnable and unsupported(plan, model) is not None:
+        return False
+    if record:
+        record(plan)
+    return True
+
+
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, *,
            precision: str = "bf16", limits: SpaceLimits = DEFAULT_LIMITS, cal: Calibration | None = None,
-           include_uniform: bool = True, runnable: bool = False, progress: Progress | None = None) -> SearchResult:
+           include_uniform: bool = True, runnable: bool = False, progress: Progress | None = None,
+           record: Callable[[Plan], None] | None = None) -> SearchResult:
     """Search the fastest plan for `model` on `cluster` (see the module docstring). With `runnable`, only
-    plans this version's runtime executes (`plait.executable`): one strategy per stage and one layout along
-    the pipeline."""
+    plans this version's runtime executes (`plait.executable`). `record` sees every plan the search prices."""
     if seq_len <= 0 or global_batch <= 0:  # callers validate; this guards the Python API
         raise PlaitError(f"seq_len and global_batch must be positive, got {seq_len} and {global_batch}")
     cal = cal or calibration_for(cluster.gpu.name)
@@ -309,6 +322,8 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
         nonlocal evaluated
         validate_plan(plan, model, cluster)
         evaluated += 1
+        if record:
+            record(plan)
         return Candidate(plan, simulate(plan, model, cluster, cal=cal, validate=False), "layerwise")
 
     configs = []
@@ -324,8 +339,8 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     for i, (pp, m, schedule, chunks) in enumerate(configs):
         cfg = _Config(model, cluster, cal, seq_len, global_batch, pp, m, schedule, chunks, precision, limits)
         variants = [cfg]
-        if runnable:
-            variants = [cfg.restricted(lay) for lay in sorted({_layout(p.strategy) for p in cfg.priced})]
+        if runnable and model.tied_embeddings:  # fallbacks whose first and last layers share a layout
+            variants += [cfg.restricted(lay) for lay in sorted({Layout.of(p.strategy) for p in cfg.priced})]
         for variant in variants:
             if not variant.priced:
                 continue
@@ -340,7 +355,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     if include_uniform:
         best_uniform, n = run_baseline("megatron-grid", model, cluster, seq_len, global_batch,
                                        progress=(lambda d, t: progress("uniform", d, t)) if progress else None,
-                                       cal=cal, accept=(lambda p: unsupported(p, model) is None) if runnable else None)
+                                       cal=cal, accept=lambda p: _accept(p, model, runnable, record))
         evaluated += n
     fitting = [c for c in (best_layerwise, best_uniform) if c is not None and c.report.fits]
     best = min(fitting, key=lambda c: c.key) if fitting else None

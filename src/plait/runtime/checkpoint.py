@@ -71,14 +71,35 @@ def save(directory: str | Path, step: int, chunks: list[torch.nn.Module],
     return final
 
 
+_TIED = ("output.weight", "tok_embeddings.weight")
+"""A head tied to the embedding is saved once under the embedding's name by a plan that keeps both on one
+stage; a plan that splits them onto two stages reads the head's copy from there."""
+
+
+def _names(state: dict, path: Path) -> dict[tuple[str, str], str]:
+    """The checkpoint key to read each (section, key) of `state` from: itself, or its tied alias when the
+    checkpoint lacks it."""
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    names = {}
+    for top, entries in state.items():
+        for key in entries:
+            alias = key.replace(*_TIED)
+            names[top, key] = alias if alias != key and f"{top}.{key}" not in saved else key
+    return names
+
+
 def load(path: Path, chunks: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
     """Load a checkpoint into this rank's chunks and optimizers, resharding to the current plan."""
     state, keys = _state(chunks, optimizers)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        names = _names(state, path)
+        request = {top: {names[top, k]: v for k, v in entries.items()} for top, entries in state.items()}
+        dcp.load(request, checkpoint_id=str(path))
     except Exception as exc:  # noqa: BLE001 -- DCP raises many types for missing or mismatched files
         raise PlaitError(f"cannot load checkpoint {str(path)!r}: {str(exc).splitlines()[0][:200]}; is it a "
                          "checkpoint of this model?") from None
+    for (top, key), name in names.items():  # tensors were filled in place; other values were replaced
+        state[top][key] = request[top][name]
     for m, o, (model_keys, optim_keys) in zip(chunks, optimizers, keys):
         set_state_dict(m, o, model_state_dict={k: state["model"][k] for k in model_keys},
                        optim_state_dict={k: state["optim"][k] for k in optim_keys}, options=_LOAD_OPTIONS)

@@ -2,7 +2,8 @@
 
 Order (as torchtitan): tensor/sequence parallel (DTensor `parallelize_module`), then activation
 recomputation (`checkpoint_wrapper`), then data parallel: DDP-style `replicate` for ZeRO-0, FSDP2
-`fully_shard` for ZeRO-1/2/3 (parameters resharded after forward only for ZeRO-3).
+`fully_shard` for ZeRO-1/2/3 (parameters resharded after forward only for ZeRO-3). A chunk whose layers
+use different strategies gets each strategy on its own layers, with re-layouts in between.
 """
 
 from __future__ import annotations
@@ -27,21 +28,24 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from plait.plan import Strategy
+from plait.runtime.placement import Chunk
+from plait.runtime.relayout import Relayout
 from plait.runtime.ulysses import heads_to_seq, seq_to_heads
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
-    """Megatron tensor parallelism on every block (q/k/v and MLP-in column-wise, out and MLP-down
-    row-wise), vocabulary-parallel embedding and LM head; with `sp` norms and residuals run sequence-
-    sharded and the hidden state between blocks is split along the sequence."""
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, layers: list[str], embedding: bool, head: bool
+             ) -> None:
+    """Megatron tensor parallelism on the named blocks (q/k/v and MLP-in column-wise, out and MLP-down
+    row-wise) and, when they belong to this strategy, the vocabulary-parallel embedding and LM head; with
+    `sp` norms and residuals run sequence-sharded and the hidden state between blocks is split along the
+    sequence."""
     seq = Shard(1) if sp else Replicate()
     top: dict[str, object] = {}
-    if model.tok_embeddings is not None:
+    if embedding and model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if model.norm is not None and sp:
+    if head and model.norm is not None and sp:
         top["norm"] = SequenceParallel()
-    if model.output is not None:
+    if head and model.output is not None:
         top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(), use_local_output=True)
     if top:
         tied = model.output is not None and model.tok_embeddings is not None and \
@@ -49,8 +53,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
         parallelize_module(model, tp_mesh, top)
         if tied:  # both became Shard(0) DTensors: share one parameter again
             model.output.weight = model.tok_embeddings.weight
-    first = True
-    for block in model.layers.values():
+    for i, name in enumerate(layers):
+        block = model.layers[name]
         plan: dict[str, object] = {
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
@@ -64,10 +68,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
                 "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             }
-            if first and model.tok_embeddings is not None:  # the embedding hands over the full sequence
+            if i == 0 and embedding and model.tok_embeddings is not None:  # the embedding hands over the full sequence
                 plan[""] = PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None),
                                               use_local_output=True)
-        first = False
         parallelize_module(block, tp_mesh, plan)
 
 
@@ -81,28 +84,27 @@ def _keep_gemm_outputs(ctx: object, op: object, *args: object, **kwargs: object)
     return CheckpointPolicy.MUST_SAVE if op in _GEMM_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(model: nn.Module, mode: str) -> None:
-    """Recompute each block's activations in backward (`full`) or only its attention core (`selective`)."""
+def apply_ac(model: nn.Module, mode: str, layers: list[str]) -> None:
+    """Recompute the named blocks' activations in backward (`full`) or only their attention core (`selective`)."""
     if mode == "none":
         return
-    for name, block in list(model.layers.items()):
-        if mode == "full":
-            model.layers[name] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-        else:
-            model.layers[name] = checkpoint_wrapper(
-                block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                context_fn=partial(create_selective_checkpoint_contexts, _keep_gemm_outputs))
+    for name in layers:
+        context = {} if mode == "full" else {"context_fn": partial(create_selective_checkpoint_contexts,
+                                                                   _keep_gemm_outputs)}
+        model.layers[name] = checkpoint_wrapper(model.layers[name], checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                **context)
 
 
-def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, tensor_parallel: bool) -> bool:
-    """Data parallelism over `dp_mesh`: gradients all-reduced (ZeRO-0) or sharded with FSDP2 (ZeRO-1/2/3;
-    only ZeRO-3 frees the gathered parameters after forward). Returns True when the caller must all-reduce
-    gradients itself (`sync_gradients`): composable `replicate` mis-scales DTensor gradients under TP and
-    takes no 2-D (dp x cp) mesh."""
+def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, hand_sync: bool) -> bool:
+    """Data parallelism of a whole chunk over `dp_mesh`: gradients all-reduced (ZeRO-0) or sharded with
+    FSDP2 (ZeRO-1/2/3; only ZeRO-3 frees the gathered parameters after forward). Returns True when the
+    caller must all-reduce gradients itself (`sync_gradients`), which ZeRO-0 asks for with `hand_sync`:
+    composable `replicate` mis-scales DTensor gradients under TP, takes no 2-D (dp x cp) mesh, and its
+    reducer is not told about a pipeline schedule's several forwards before the backwards."""
     if dp_mesh.size() == 1:
         return False
     if zero == 0:
-        if tensor_parallel:
+        if hand_sync:
             return True
         replicate(model, device_mesh=dp_mesh)
         return False
@@ -110,6 +112,23 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, tensor_parallel: 
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+    return False
+
+
+def apply_dp_segment(model: nn.Module, layers: list[str], edges: list[nn.Module], dp_mesh: DeviceMesh,
+                     zero: int) -> bool:
+    """Data parallelism of some blocks (and the embedding or head modules `edges`) of a chunk whose layers
+    use different strategies: FSDP2 per block and per edge module (ZeRO-1/2/3), or, for ZeRO-0,
+    True: the caller all-reduces their gradients (`sync_gradients`)."""
+    if dp_mesh.size() == 1:
+        return False
+    if zero == 0:
+        return True
+    reshard = zero == 3
+    for name in layers:
+        fully_shard(model.layers[name], mesh=dp_mesh, reshard_after_forward=reshard)
+    for edge in edges:
+        fully_shard(edge, mesh=dp_mesh, reshard_after_forward=reshard)
     return False
 
 
@@ -129,22 +148,55 @@ def sync_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None
             g.copy_(synced)
 
 
-def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, sequence_slice: tuple[int, int]) -> None:
-    """Ulysses context parallelism: this rank keeps one chunk of every sequence after the embedding, and
-    each attention core swaps it for the whole sequence of a head group (plait.runtime.ulysses)."""
-    model.sequence_slice = sequence_slice
+def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str]) -> None:
+    """Ulysses context parallelism on the named blocks: each attention core swaps this rank's chunk of
+    every sequence for the whole sequence of a head group (plait.runtime.ulysses)."""
     swap = (partial(seq_to_heads, group=cp_group), partial(heads_to_seq, group=cp_group))
-    for block in model.layers.values():
-        block.attention.context_parallel = swap
+    for name in layers:
+        model.layers[name].attention.context_parallel = swap
 
 
-def parallelize_chunk(model: nn.Module, strategy: Strategy, mesh: DeviceMesh, weight_mesh: DeviceMesh,
-                      sequence_slice: tuple[int, int] | None) -> bool:
-    """Apply `strategy` to a model chunk on its stage mesh (dims dp, cp, tp); `weight_mesh` holds the ranks
-    that share its weights. True if gradients need `sync_gradients` after backward."""
-    if strategy.cp > 1 and sequence_slice is not None:
-        apply_cp(model, mesh["cp"].get_group(), sequence_slice)
-    if strategy.tp > 1:
-        apply_tp(model, mesh["tp"], strategy.sp)
-    apply_ac(model, strategy.recompute)
-    return apply_dp(model, weight_mesh, strategy.zero, strategy.tp > 1 or strategy.cp > 1)
+def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: bool
+                      ) -> list[tuple[list[nn.Parameter], dist.ProcessGroup]]:
+    """Apply each segment's strategy to its layers of a model chunk (the embedding goes with the first
+    segment, the head with the last), re-layout the hidden state where segments (or the previous stage)
+    split it differently, and return the (parameters, group) whose gradients need `sync_gradients`."""
+    segments = chunk.segments
+    names = [[str(i) for i in range(*seg.layers)] for seg in segments]
+    relayouts = {}
+    previous = chunk.input_layout
+    for seg, layers in zip(segments, names):
+        if previous is not None and previous != seg.layout:
+            assert chunk.group is not None  # a one-rank stage has one layout
+            relayouts[layers[0]] = Relayout(previous, seg.layout, chunk.position, chunk.ranks, chunk.group)
+        previous = seg.layout
+    model.relayouts = relayouts or None
+    first = segments[0]
+    if first.strategy.cp > 1 and model.tok_embeddings is not None:
+        model.sequence_slice = first.sequence_slice(seq_len)
+    for k, (seg, layers) in enumerate(zip(segments, names)):
+        s = seg.strategy
+        if s.cp > 1:
+            apply_cp(model, seg.mesh["cp"].get_group(), layers)
+        if s.tp > 1:
+            apply_tp(model, seg.mesh["tp"], s.sp, layers, embedding=k == 0, head=k == len(segments) - 1)
+        apply_ac(model, s.recompute, layers)
+    manual = []
+    if len(segments) == 1:
+        hand_sync = first.strategy.tp > 1 or first.strategy.cp > 1 or pipelined
+        if apply_dp(model, first.weight_mesh, first.strategy.zero, hand_sync):
+            manual.append((list(model.parameters()), first.replica_group))
+        return manual
+    synced: set[int] = set()  # a tied embedding and head are one parameter: sync it once
+    for k, (seg, layers) in enumerate(zip(segments, names)):
+        edges = []
+        if k == 0:
+            edges += [m for m in (model.tok_embeddings, model.pos_embeddings) if m is not None]
+        if k == len(segments) - 1:
+            edges += [m for m in (model.norm, model.output) if m is not None]
+        if apply_dp_segment(model, layers, edges, seg.weight_mesh, seg.strategy.zero):
+            params = [p for name in layers for p in model.layers[name].parameters()]
+            params += [p for m in edges for p in m.parameters() if id(p) not in synced]
+            synced.update(id(p) for p in params)
+            manual.append((params, seg.replica_group))
+    return manual

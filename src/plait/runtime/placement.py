@@ -1,8 +1,10 @@
 """Where a rank sits in a plan, and the process groups it needs.
 
-Every rank builds every stage's DeviceMesh (dims dp, cp, tp over the stage's ranks, Megatron order) and
-every pipeline group in the same order, because creating a process group is collective over the world.
-What the runtime cannot execute yet is refused here, before any group is created.
+A rank runs one or more chunks (pipeline stages; several with interleaving). A chunk is cut into segments,
+runs of consecutive layers with the same strategy; each segment has a DeviceMesh (dims dp, cp, tp over the
+stage's ranks, Megatron order) and, for hand-synced gradients, a group of the ranks that share its weights.
+Creating a process group is collective over the world, so every rank builds every stage's groups in the
+same order. What the runtime cannot execute yet is refused before any group is created.
 """
 
 from __future__ import annotations
@@ -15,26 +17,24 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.errors import PlaitError
 from plait.executable import unsupported
+from plait.layout import Layout
 from plait.plan import Plan, Strategy
 from plait.spec.model import ModelSpec
 
 
 @dataclass(frozen=True)
-class Placement:
-    """This rank's share of a plan."""
+class Segment:
+    """Consecutive layers [start, end) of a chunk that share one strategy, with this rank's groups for it."""
 
-    rank: int
-    pipeline: int
-    group: int  # device group (stage position) in its pipeline
-    pp: int  # device groups per pipeline
-    chunks: tuple[int, ...]  # global chunk (stage) indices this rank runs, in model order
+    layers: tuple[int, int]
     strategy: Strategy
-    dp_index: int
-    cp_index: int
-    tp_index: int
-    mesh: DeviceMesh  # dims ("dp", "cp", "tp") over this device group's ranks
-    pp_group: dist.ProcessGroup | None  # ranks with the same (dp, cp, tp) coordinate along the pipeline
+    position: int  # this rank's index in the stage's rank list
+    mesh: DeviceMesh  # dims ("dp", "cp", "tp") over the stage's ranks
     replica_group: dist.ProcessGroup | None  # ranks sharing this rank's weight shard (dp x cp), None if alone
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.of(self.strategy)
 
     @property
     def weight_mesh(self) -> DeviceMesh:
@@ -45,20 +45,62 @@ class Placement:
             return self.mesh["dp"]
         return self.mesh["cp"] if s.dp == 1 else self.mesh["dp", "cp"]
 
+    def batch_rows(self, sequences: int) -> tuple[int, int]:
+        """(first, count) of this rank's sequences in a micro-batch of `sequences`."""
+        dp_index = self.layout.coords(self.position)[0]
+        count = sequences // self.strategy.dp
+        return dp_index * count, count
+
     def sequence_slice(self, seq_len: int) -> tuple[int, int] | None:
         """The token positions this rank keeps under context parallelism (None without it)."""
         cp = self.strategy.cp
         if cp == 1:
             return None
+        cp_index = self.layout.coords(self.position)[1]
         part = seq_len // cp
-        return (self.cp_index * part, (self.cp_index + 1) * part)
+        return (cp_index * part, (cp_index + 1) * part)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One pipeline stage of the model on this rank."""
+
+    index: int  # stage index in the pipeline, in model order
+    ranks: tuple[int, ...]
+    position: int
+    segments: tuple[Segment, ...]
+    group: dist.ProcessGroup | None  # all ranks of the stage (for re-layouts), None if alone
+    input_layout: Layout | None  # layout of the hidden state the previous stage hands over (None: embedding)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This rank's share of a plan."""
+
+    rank: int
+    pipeline: int
+    group: int  # device group (stage position) in its pipeline
+    pp: int  # device groups per pipeline
+    chunks: tuple[Chunk, ...]  # the stages this rank runs, in model order
+    pp_group: dist.ProcessGroup | None  # ranks at the same position of every device group along the pipeline
+    tied_group: dist.ProcessGroup | None  # first- and last-stage ranks at this position, when they share weights
 
     @property
     def first(self) -> bool:
-        return self.chunks[0] == 0
+        return self.chunks[0].index == 0
 
     def last(self, plan: Plan) -> bool:
-        return self.chunks[-1] == len(plan.pipelines[self.pipeline].stages) - 1
+        return self.chunks[-1].index == len(plan.pipelines[self.pipeline].stages) - 1
+
+    @property
+    def input_segment(self) -> Segment:
+        """The segment that embeds the tokens (meaningful on the first stage)."""
+        return self.chunks[0].segments[0]
+
+    @property
+    def output_segment(self) -> Segment:
+        """The segment that computes the logits and the loss (meaningful on the last stage)."""
+        return self.chunks[-1].segments[-1]
 
 
 def check_executable(plan: Plan, model: ModelSpec, world_size: int) -> None:
@@ -73,42 +115,73 @@ def check_executable(plan: Plan, model: ModelSpec, world_size: int) -> None:
         raise PlaitError(reason)
 
 
-def place(plan: Plan, rank: int) -> Placement:
-    """Build all groups (collectively) and return this rank's placement."""
+class _Groups:
+    """Process groups and meshes built once per distinct set of ranks (collective, same order everywhere)."""
+
+    def __init__(self) -> None:
+        self.meshes: dict[tuple, DeviceMesh] = {}
+        self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
+    def group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        key = tuple(sorted(ranks))
+        if key not in self.groups:
+            self.groups[key] = dist.new_group(list(key)) if len(key) > 1 else None
+        return self.groups[key]
+
+    def mesh(self, ranks: tuple[int, ...], layout: Layout) -> DeviceMesh:
+        key = (ranks, layout.dp, layout.cp, layout.tp)
+        if key not in self.meshes:
+            grid = torch.tensor(ranks).view(layout.dp, layout.cp, layout.tp)
+            self.meshes[key] = DeviceMesh("cuda" if torch.cuda.is_available() else "cpu", grid,
+                                          mesh_dim_names=("dp", "cp", "tp"))
+            for i in range(layout.tp):  # the dp x cp groups that share a weight shard
+                self.group(ranks[i::layout.tp])
+        return self.meshes[key]
+
+
+def _segments(stage_layers: tuple[int, int], strategies: list[tuple[Strategy, int]]) -> list[tuple[tuple[int, int], Strategy]]:
+    out, start = [], stage_layers[0]
+    for strategy, count in strategies:
+        out.append(((start, start + count), strategy))
+        start += count
+    return out
+
+
+def place(plan: Plan, rank: int, tied_embeddings: bool = False) -> Placement:
+    """Build all groups (collectively) and return this rank's placement. With `tied_embeddings` and
+    several stages, the first stage's embedding and the last stage's head are copies of one weight whose
+    gradients are summed over the tied groups (Megatron's embedding group)."""
     pipe = plan.pipelines[0]
     pp = len(pipe.stages) // plan.chunks
-    mine = None
-    meshes = []
-    for d in range(pp):
-        stage = pipe.stages[d]
-        s = stage.strategies[0]
-        ranks = torch.tensor(stage.ranks).view(s.dp, s.cp, s.tp)
-        meshes.append(DeviceMesh("cpu" if not torch.cuda.is_available() else "cuda", ranks,
-                                 mesh_dim_names=("dp", "cp", "tp")))
+    groups = _Groups()
+    chunks: list[Chunk] = []
+    previous: Layout | None = None
+    for j, stage in enumerate(pipe.stages):
+        segments = []
+        for layers, strategy in _segments(stage.layers, stage.layer_strategies()):
+            layout = Layout.of(strategy)
+            mesh = groups.mesh(stage.ranks, layout)
+            if rank in stage.ranks:
+                position = stage.ranks.index(rank)
+                replica = groups.group(stage.ranks[position % layout.tp::layout.tp])
+                segments.append(Segment(layers, strategy, position, mesh, replica))
+        stage_group = groups.group(stage.ranks)
         if rank in stage.ranks:
-            mine = d
-    if mine is None:
+            chunks.append(Chunk(j, stage.ranks, stage.ranks.index(rank), tuple(segments), stage_group, previous))
+        previous = Layout.of(stage.strategy(stage.layers[1] - 1))
+    if not chunks:
         raise PlaitError(f"rank {rank} has no stage in the plan")
-    stage = pipe.stages[mine]
-    s = stage.strategies[0]
-    idx = stage.ranks.index(rank)
-    coords = (idx // (s.tp * s.cp), (idx // s.tp) % s.cp, idx % s.tp)
+    mine = chunks[0].index % pp
     pp_group = None
-    if pp > 1:
-        per_group = len(stage.ranks)
-        for i in range(per_group):
-            members = [pipe.stages[d].ranks[i] for d in range(pp)]
-            group = dist.new_group(members)
-            if i == idx:
+    if pp > 1:  # its own groups: pipeline sends must not queue behind a stage's collectives
+        for i in range(len(pipe.stages[0].ranks)):
+            group = dist.new_group(sorted(pipe.stages[d].ranks[i] for d in range(pp)))
+            if i == chunks[0].position:
                 pp_group = group
-    replica_group = None
-    for d in range(pp):  # the dp x cp groups of every stage, created by every rank in the same order
-        st = pipe.stages[d]
-        tp = st.strategies[0].tp
-        for i in range(tp):
-            members = list(st.ranks[i::tp])
-            group = dist.new_group(members) if len(members) > 1 else None
-            if d == mine and i == idx % tp:
-                replica_group = group
-    chunks = tuple(range(mine, len(pipe.stages), pp))
-    return Placement(rank, 0, mine, pp, chunks, s, *coords, meshes[mine], pp_group, replica_group)
+    tied_group = None
+    if tied_embeddings and len(pipe.stages) > 1:
+        for i, (a, b) in enumerate(zip(pipe.stages[0].ranks, pipe.stages[-1].ranks)):
+            group = dist.new_group(sorted((a, b)))
+            if rank in (a, b) and i == chunks[0].position:
+                tied_group = group
+    return Placement(rank, 0, mine, pp, tuple(chunks), pp_group, tied_group)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from plait.errors import PlaitError
@@ -70,13 +71,15 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_checkpoint: str | None = None
-                 ) -> tuple[list[torch.nn.Module], bool]:
+                 ) -> tuple[list[torch.nn.Module], list[tuple[list[torch.nn.Parameter], dist.ProcessGroup]]]:
     """This rank's model chunks: the full model initialised from `seed`, cut to each chunk's layers, then
-    parallelised with the chunk's strategy; and whether gradients need a manual data-parallel sync."""
+    parallelised with the chunk's strategies; and the (parameters, group) whose gradients need a manual
+    data-parallel sync."""
     stages = plan.pipelines[where.pipeline].stages
     chunks = []
-    manual_sync = False
-    for j in where.chunks:
+    manual_sync = []
+    for chunk in where.chunks:
+        j = chunk.index
         model = build_model(spec)
         model.init_weights(seed)
         start, end = stages[j].layers
@@ -91,8 +94,7 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
             model.output = None
         if hf_checkpoint:
             load_hf_safetensors(model, hf_checkpoint)
-        manual_sync = parallelize_chunk(model, where.strategy, where.mesh, where.weight_mesh,
-                                        where.sequence_slice(plan.seq_len))
+        manual_sync += parallelize_chunk(model, chunk, plan.seq_len, pipelined=where.pp > 1)
         chunks.append(model)
     return chunks, manual_sync
 
@@ -101,13 +103,17 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
+def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None,
+               uncounted: torch.nn.Parameter | None = None) -> float:
     """Clip by the global gradient norm over every shard and stage; returns the norm before clipping.
+    `uncounted` is clipped but left out of the norm (the second copy of a tied weight).
 
     One fused norm per device mesh (a single collective each, torchtitan-style) and one fused multiply."""
     grads = [p.grad for p in params if p.grad is not None]
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for g in grads:
+        if uncounted is not None and g is uncounted.grad:
+            continue
         by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     square = torch.zeros((), dtype=torch.float64)
     for mesh, group in by_mesh.items():
@@ -124,6 +130,33 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group: dist
     return float(total)
 
 
+def _tied_weight(chunks: list[torch.nn.Module], where: Placement, plan: Plan) -> torch.nn.Parameter | None:
+    """This rank's copy of an embedding table that the first and last stages share, if it has one."""
+    if where.tied_group is None:
+        return None
+    return chunks[0].tok_embeddings.weight if where.first else chunks[-1].output.weight
+
+
+def _sum_tied_grad(weight: torch.nn.Parameter, group: dist.ProcessGroup) -> None:
+    """Add the head's gradient of a tied embedding table to the embedding's, and back (same shards on
+    both ends: a sharded embedding's gradient comes back replicated, so it is first sharded like the weight)."""
+    grad = weight.grad
+    if isinstance(grad, DTensor):
+        if grad.placements != weight.placements:
+            grad = weight.grad = grad.redistribute(placements=weight.placements)
+        grad = grad.to_local()
+    dist.all_reduce(grad, group=group)
+
+
+def _gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """Turn the data-parallel gradient reduction of every FSDP unit (or of `replicate`) on or off."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_requires_gradient_sync(enabled, recurse=False)
+    if not units and hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+
+
 def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro_batches: int):
     from torch.distributed.pipelining import (
         PipelineStage,
@@ -134,7 +167,7 @@ def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro
 
     n_stages = len(plan.pipelines[where.pipeline].stages)
     device = torch.device("cpu")
-    stages = [PipelineStage(m, j, n_stages, device, group=where.pp_group) for m, j in zip(chunks, where.chunks)]
+    stages = [PipelineStage(m, c.index, n_stages, device, group=where.pp_group) for m, c in zip(chunks, where.chunks)]
     if plan.schedule == "interleaved" and plan.chunks > 1:
         return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=_loss)
     kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
@@ -162,9 +195,10 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
     autocast = torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16,
                               enabled=cfg.dtype == "bf16")
     torch.manual_seed(cfg.seed)
-    where = place(plan, rank)
+    where = place(plan, rank, spec.tied_embeddings)
     chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint)
     params = [p for m in chunks for p in m.parameters()]
+    tied = _tied_weight(chunks, where, plan)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
                   for m in chunks]
     start = 0
@@ -172,10 +206,13 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
         start, path = found
         checkpoint.load(path, chunks, optimizers)
     pipe = plan.pipelines[where.pipeline]
-    mb_per_rank = pipe.micro_batch_size // where.strategy.dp
     source = TokenSource(spec.vocab, plan.seq_len, plan.global_batch, cfg.seed, cfg.data)
     schedule = _schedule(plan, chunks, where, pipe.micro_batches) if where.pp > 1 else None
     is_last = where.last(plan)
+    # The embedding reads its layout's sequences; the loss reads the head's layout's sequences and tokens.
+    in_first, in_count = where.input_segment.batch_rows(pipe.micro_batch_size)
+    out_first, out_count = where.output_segment.batch_rows(pipe.micro_batch_size)
+    sl = where.output_segment.sequence_slice(plan.seq_len) or (0, plan.seq_len)
     metrics: list[dict] = []
     out = _open_metrics(cfg.metrics_out, start) if rank == 0 else None
     try:
@@ -188,37 +225,38 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(step, cfg)
             batch = source.batch(step)
-            # This rank's sequences: micro-batch k holds [k*B, (k+1)*B); dp rank j takes its B/dp of them.
-            rows = [shard(batch, k * pipe.micro_batch_size + where.dp_index * mb_per_rank, mb_per_rank)
-                    for k in range(pipe.micro_batches)]
-            sl = where.sequence_slice(plan.seq_len) or (0, plan.seq_len)
-            inputs = torch.cat([r.inputs for r in rows])
-            targets = torch.cat([r.targets for r in rows])[:, sl[0]: sl[1]]
+            # Micro-batch k holds sequences [k*B, (k+1)*B); a layout with data-parallel degree dp gives each
+            # of its dp parts B/dp of them.
+            micro = range(0, pipe.samples, pipe.micro_batch_size)
+            inputs = [shard(batch, k + in_first, in_count).inputs for k in micro]
+            targets = [shard(batch, k + out_first, out_count).targets[:, sl[0]: sl[1]] for k in micro]
             loss_sum = torch.zeros(2, dtype=torch.float64)
             if schedule is None:
-                for i, r in enumerate(rows):
-                    last = i == len(rows) - 1  # reduce gradients once, after the last micro-batch
-                    if hasattr(chunks[0], "set_requires_gradient_sync"):
-                        chunks[0].set_requires_gradient_sync(last)
+                for i, (x, y) in enumerate(zip(inputs, targets)):
+                    last = i == len(inputs) - 1  # reduce gradients once, after the last micro-batch
+                    _gradient_sync(chunks[0], last)
                     with autocast:
-                        loss = _loss(chunks[0](r.inputs), r.targets[:, sl[0]: sl[1]])
+                        loss = _loss(chunks[0](x), y)
                     (loss / pipe.micro_batches).backward()
                     loss_sum[0] += loss.detach().double()
                     loss_sum[1] += 1
             else:
                 losses: list[torch.Tensor] = []
-                kwargs = {"target": targets, "losses": losses} if is_last else {}
+                kwargs = {"target": torch.cat(targets), "losses": losses} if is_last else {}
                 with autocast:
                     if where.first:
-                        schedule.step(inputs, **kwargs)
+                        schedule.step(torch.cat(inputs), **kwargs)
                     else:
                         schedule.step(**kwargs)
                 for loss in losses:
                     loss_sum[0] += loss.detach().double()
                     loss_sum[1] += 1
-            if manual_sync and where.replica_group is not None:
-                sync_gradients(params, where.replica_group)
-            grad_norm = clip_grads(params, cfg.clip, where.pp_group)
+            for synced, group in manual_sync:
+                if group is not None:
+                    sync_gradients(synced, group)
+            if tied is not None and tied.grad is not None:
+                _sum_tied_grad(tied, where.tied_group)
+            grad_norm = clip_grads(params, cfg.clip, where.pp_group, uncounted=None if where.first else tied)
             for optimizer in optimizers:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

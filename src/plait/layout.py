@@ -1,0 +1,112 @@
+"""How a layer strategy splits the hidden state over its stage, and what changing strategy moves.
+
+A strategy splits a micro-batch's hidden state [B, T, H] over the n ranks of its stage, by their position
+i in the stage's rank list (Megatron order: tp fastest, then cp, then dp). Position i holds the sequences
+of its data-parallel part and the tokens of its context chunk, and with Megatron sequence parallelism only
+its tensor-parallel part of that chunk; positions that differ in tp alone (without sp) hold copies.
+
+Between consecutive layers (or pipeline stages) whose layouts differ, every position must end with its new
+piece. `exchange` says who sends what: a position keeps what it already holds, and a piece held by several
+replicas is sent by one of them (spread over the receivers). The runtime executes it as one all-to-all;
+the cost model prices the same bytes (`received_fraction`), so planner and runtime agree on the traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from math import lcm
+
+from plait.plan import Strategy
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    """How a strategy splits a [B, T, ...] activation over its stage's positions."""
+
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    sp: bool = False
+
+    @staticmethod
+    def of(strategy: Strategy) -> Layout:
+        return Layout(strategy.dp, strategy.cp, strategy.tp, strategy.sp and strategy.tp > 1)
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.cp * self.tp
+
+    def coords(self, position: int) -> tuple[int, int, int]:
+        """(dp, cp, tp) coordinates of a position in the stage's rank list."""
+        return position // (self.tp * self.cp), (position // self.tp) % self.cp, position % self.tp
+
+    @property
+    def token_parts(self) -> int:
+        """Parts the sequence is cut into (context chunks, each cut again by sp)."""
+        return self.cp * (self.tp if self.sp else 1)
+
+    @property
+    def data_degree(self) -> int:
+        """Replicas over which this layout's weights average their gradients (dp x cp)."""
+        return self.dp * self.cp
+
+    def piece(self, position: int, batch: int, tokens: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """([first, end) sequences, [first, end) tokens) of a [batch, tokens, ...] activation held by
+        `position`."""
+        d, c, t = self.coords(position)
+        part = c * self.tp + t if self.sp else c
+        b, n = batch // self.dp, tokens // self.token_parts
+        return (d * b, (d + 1) * b), (part * n, (part + 1) * n)
+
+
+@dataclass(frozen=True)
+class Block:
+    """Sequences [b0, b1) x tokens [t0, t1) of the whole activation that `sender` gives `receiver`."""
+
+    sender: int
+    receiver: int
+    batch: tuple[int, int]
+    tokens: tuple[int, int]
+
+    @property
+    def cells(self) -> int:
+        return (self.batch[1] - self.batch[0]) * (self.tokens[1] - self.tokens[0])
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+@lru_cache(maxsize=4096)
+def exchange(src: Layout, dst: Layout, batch: int, tokens: int) -> tuple[Block, ...]:
+    """Every block moved (or kept: sender == receiver) so that each position of a stage holding `src`
+    pieces of a [batch, tokens, ...] activation ends with its `dst` piece."""
+    n = src.devices
+    holders: dict[tuple, list[int]] = {}
+    for j in range(n):
+        holders.setdefault(src.piece(j, batch, tokens), []).append(j)
+    blocks = []
+    for i in range(n):
+        want_b, want_t = dst.piece(i, batch, tokens)
+        for (have_b, have_t), owners in holders.items():
+            b, t = _overlap(want_b, have_b), _overlap(want_t, have_t)
+            if b is None or t is None:
+                continue
+            sender = i if i in owners else owners[i % len(owners)]
+            blocks.append(Block(sender, i, b, t))
+    return tuple(blocks)
+
+
+def received_fraction(src: Layout, dst: Layout) -> float:
+    """The most any position receives from others when switching from `src` to `dst`, as a fraction of
+    the whole activation (0 when the layouts are equal)."""
+    if src == dst:
+        return 0.0
+    batch, tokens = lcm(src.dp, dst.dp), lcm(src.token_parts, dst.token_parts)
+    got = [0] * src.devices
+    for block in exchange(src, dst, batch, tokens):
+        if block.sender != block.receiver:
+            got[block.receiver] += block.cells
+    return max(got) / (batch * tokens)

@@ -1,0 +1,46 @@
+"""What the runtime refuses (and the planner's --runnable search avoids): one line naming the cause."""
+
+from __future__ import annotations
+
+from plait.executable import unsupported
+from plait.plan import Pipeline, Plan, Stage, Strategy
+from plait.spec.model import PRESETS
+
+S = Strategy
+
+
+def plan(model: str, stages: list[Stage], pipelines: int = 1, micro_batches: int = 4) -> Plan:
+    pipe = Pipeline(stages=tuple(stages), micro_batches=micro_batches, micro_batch_size=2)
+    return Plan(model=model, seq_len=64, global_batch=8 * pipelines, pipelines=(pipe,) * pipelines)
+
+
+def test_per_layer_mixes_and_differently_laid_out_stages_run() -> None:
+    p = plan("tiny-llama", [Stage(layers=(0, 2), ranks=(0, 1), strategies=(S(dp=2), S(tp=2, sp=True))),
+                            Stage(layers=(2, 4), ranks=(2, 3), strategies=(S(cp=2, zero=3),))])
+    assert unsupported(p, PRESETS["tiny-llama"]) is None
+
+
+def test_tied_embeddings_across_stages_need_one_layout_at_both_ends() -> None:
+    same = plan("tiny-gpt", [Stage(layers=(0, 2), ranks=(0, 1), strategies=(S(tp=2),)),
+                             Stage(layers=(2, 4), ranks=(2, 3), strategies=(S(dp=2), S(tp=2, recompute="full")))])
+    assert unsupported(same, PRESETS["tiny-gpt"]) is None
+    other = plan("tiny-gpt", [Stage(layers=(0, 2), ranks=(0, 1), strategies=(S(tp=2),)),
+                              Stage(layers=(2, 4), ranks=(2, 3), strategies=(S(dp=2),))])
+    assert "ties its embedding" in unsupported(other, PRESETS["tiny-gpt"])
+    sharded_mix = plan("tiny-gpt", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(
+        S(dp=2, zero=3), S(tp=2), S(tp=2), S(dp=2, zero=3)))])
+    assert "zero=0" in unsupported(sharded_mix, PRESETS["tiny-gpt"])
+
+
+def test_refusals_name_their_cause() -> None:
+    llama = PRESETS["tiny-llama"]
+    two = plan("tiny-llama", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(S(dp=2),))], pipelines=2)
+    assert "several pipelines" in unsupported(two, llama)
+    ring = plan("tiny-llama", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(S(cp=2, cp_mode="ring"),))])
+    assert "ring" in unsupported(ring, llama)
+    widths = plan("tiny-llama", [Stage(layers=(0, 2), ranks=(0,), strategies=(S(),)),
+                                 Stage(layers=(2, 4), ranks=(1, 2), strategies=(S(dp=2),))])
+    assert "same number of ranks" in unsupported(widths, llama)
+    few = plan("tiny-llama", [Stage(layers=(0, 2), ranks=(0,), strategies=(S(),)),
+                              Stage(layers=(2, 4), ranks=(1,), strategies=(S(),))], micro_batches=1)
+    assert "micro-batches" in unsupported(few, llama)
