@@ -392,6 +392,71 @@ def plan_cmd(
         out.print(table)
 
 
+@app.command(name="profile")
+def profile_cmd(
+    model: Annotated[str, typer.Option("--model", help="preset, config.json or inline spec whose layers to measure")],
+    nproc: Annotated[int, typer.Option("--nproc", help="ranks to measure collectives with (group sizes up to it)")] = 2,
+    out_path: Annotated[Path, typer.Option("--out", help="the profile JSON to write")] = Path("profile.json"),
+    quick: Annotated[bool, typer.Option("--quick", help="fewer sizes and repetitions (seconds, not minutes)")] = False,
+    gpu_type: Annotated[str | None, typer.Option(
+        "--gpu-type", help="the cluster device type the profile applies to (default: CPU, or the CUDA name)")] = None,
+) -> None:
+    """Measure this machine (device, the model's layers, collectives) and write a profile for --profile."""
+    import time
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from plait.profile.run import profile
+
+    try:
+        m = load_model(model)
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                       TimeElapsedColumn(), console=err, transient=True)
+        tasks: dict[str, int] = {}
+
+        def update(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(f"measuring {phase}", total=total)
+            bar.update(tasks[phase], completed=done, total=total)
+
+        t0 = time.perf_counter()
+        with bar:
+            result = profile(m, nproc, quick=quick, gpu_type=gpu_type, progress=update)
+        result.save(out_path)
+    except PlaitError as exc:
+        fail(str(exc))
+        return
+    print_profile(result)
+    out.print(f"profiled in {time.perf_counter() - t0:.0f} s; written to {out_path}")
+
+
+def print_profile(p) -> None:
+    """Device, layer curves and collective curves of a profile, as tables."""
+    d = p.device
+    out.print(f"[bold]{d.name}[/] ({d.kind}, applies to device type {d.gpu_type}): {d.peak_flops / 1e9:,.1f} GFLOP/s "
+              f"per rank, copy {d.memory_bandwidth / 1e9:,.1f} GB/s, {d.memory_bytes / GIB:,.1f} GiB per rank, "
+              f"process {p.process_bytes / 2**20:,.0f} MiB")
+    layers = Table(title="layers (one micro-batch on one rank)", box=box.SIMPLE_HEAD)
+    for col in ("part", "tp", "recompute", "fwd us/token", "bwd us/token", "fwd ns/token/seq", "act bytes/token"):
+        layers.add_column(col, justify="right" if col not in ("part", "recompute") else "left")
+    for lp in p.layers:
+        layers.add_row(f"block of {lp.model}", str(lp.tp), lp.recompute, f"{lp.forward.per_token_s * 1e6:.2f}",
+                       f"{lp.backward.per_token_s * 1e6:.2f}", f"{lp.forward.per_token_seq_s * 1e9:.3f}",
+                       f"{lp.activation_bytes_per_token:,.0f}")
+    for e in p.edges:
+        layers.add_row(f"{e.part} of {e.model}", str(e.tp), "-", f"{e.forward.per_token_s * 1e6:.2f}",
+                       f"{e.backward.per_token_s * 1e6:.2f}", f"{e.forward.per_token_seq_s * 1e9:.3f}", "-")
+    out.print(layers)
+    coll = Table(title="collectives (seconds = latency + bytes per rank / bandwidth)", box=box.SIMPLE_HEAD)
+    for col in ("op", "ranks", "latency us", "bandwidth GB/s"):
+        coll.add_column(col, justify="left" if col == "op" else "right")
+    for c in p.collectives:
+        coll.add_row(c.op, str(c.ranks), f"{c.latency_s * 1e6:,.0f}", f"{c.bandwidth / 1e9:.2f}")
+    out.print(coll)
+    out.print(f"overlap: compute x{p.overlap.compute_slowdown:.2f}, communication x{p.overlap.comm_slowdown:.2f} "
+              "when both run at once")
+
+
 @app.command(name="train")
 def train_cmd(
     model: Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama: spec")],

@@ -7,6 +7,10 @@ on real hardware (`plait profile`) replaces these defaults for the GPU type it w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from plait.cost.measured import Measured
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class Calibration:
     overlap_efficiency: float = 0.9
     """Fraction of an overlap window that background communication can actually use (SM and memory
     contention with the compute it hides behind)."""
+    measured: Measured | None = None
+    """Costs measured by `plait profile` on this device type (`plait.cost.measured`), preferred to the
+    analytic formulas wherever they cover a case."""
 
 
 DEFAULT_CALIBRATION = Calibration()

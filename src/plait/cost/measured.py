@@ -1,0 +1,79 @@
+"""Measured costs from a profile, which the cost model looks up before its analytic formulas.
+
+`calibrate(profile)` turns a profile into the device type it measured (a `GPU` whose peaks are the measured
+GEMM rate and copy bandwidth, links fitted from the measured collectives) and a `Calibration` that carries
+the lookups: a block's or edge's measured time curve for the model and tensor-parallel width, a collective's
+measured latency and bandwidth for the group size. Whatever the profile lacks falls back to the analytic
+model. A profile applies to its own device type only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from plait.cost.calibration import Calibration, calibration_for
+from plait.errors import PlaitError
+from plait.profile.schema import CollectiveCurve, EdgeProfile, LayerProfile, Profile
+from plait.spec.cluster import GPU, Cluster, Link
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one object per loaded profile
+class Measured:
+    """Lookups into one profile."""
+
+    gpu_type: str
+    process_bytes: float
+    compute_slowdown: float
+    comm_slowdown: float
+    blocks: dict[tuple[str, int, str], LayerProfile] = field(default_factory=dict)
+    edges: dict[tuple[str, str, int], EdgeProfile] = field(default_factory=dict)
+    collectives: dict[tuple[str, int, int], CollectiveCurve] = field(default_factory=dict)
+
+    def block(self, model: str, tp: int, recompute: str = "none") -> LayerProfile | None:
+        return self.blocks.get((model, tp, recompute))
+
+    def edge(self, model: str, part: str, tp: int) -> EdgeProfile | None:
+        return self.edges.get((model, part, tp))
+
+    def collective(self, op: str, ranks: int, nodes: int, nbytes: float) -> float | None:
+        """Seconds of a measured collective, or None if this group size was not measured."""
+        curve = self.collectives.get((op, ranks, nodes))
+        return curve.at(nbytes) if curve is not None else None
+
+
+def measured_of(profile: Profile) -> Measured:
+    return Measured(
+        gpu_type=profile.device.gpu_type, process_bytes=profile.process_bytes,
+        compute_slowdown=profile.overlap.compute_slowdown, comm_slowdown=profile.overlap.comm_slowdown,
+        blocks={(lp.model, lp.tp, lp.recompute): lp for lp in profile.layers},
+        edges={(e.model, e.part, e.tp): e for e in profile.edges},
+        collectives={(c.op, c.ranks, c.nodes): c for c in profile.collectives})
+
+
+def device_of(profile: Profile) -> GPU:
+    """The profiled device as a device type: measured GEMM rate (for every precision) and copy bandwidth."""
+    d = profile.device
+    return GPU(d.gpu_type, d.peak_flops, d.peak_flops, d.memory_bytes, d.memory_bandwidth, 1)
+
+
+def link_of(profile: Profile) -> Link | None:
+    """The intra-node link as the smallest measured all-reduce sees it: bus bandwidth and latency."""
+    pairs = [c for c in profile.collectives if c.op == "all_reduce" and c.nodes == 1]
+    if not pairs:
+        return None
+    c = min(pairs, key=lambda c: c.ranks)
+    bus = c.bandwidth * 2 * (c.ranks - 1) / c.ranks  # an all-reduce moves 2(n-1)/n of the bytes per rank
+    return Link(bus, c.latency_s)
+
+
+def calibrate(profile: Profile, cluster: Cluster, base: Calibration | None = None) -> tuple[Cluster, Calibration]:
+    """`cluster` with the profiled device type and links, and a calibration that prefers measured costs.
+    Refuses a cluster of another device type."""
+    if cluster.gpu.name != profile.device.gpu_type:
+        raise PlaitError(f"the profile measured device type {profile.device.gpu_type!r} but the cluster has "
+                         f"{cluster.gpu.name!r}; profile that device, or give a cluster of "
+                         f"{profile.device.gpu_type!r}")
+    link = link_of(profile)
+    cluster = replace(cluster, gpu=device_of(profile), intra=link or cluster.intra)
+    cal = base or calibration_for(cluster.gpu.name)
+    return cluster, replace(cal, measured=measured_of(profile), nvlink_efficiency=1.0 if link else cal.nvlink_efficiency)

@@ -1,0 +1,150 @@
+"""The profile file: what `plait profile` measured on one device type, in a versioned JSON schema.
+
+Units: seconds, bytes, bytes/s. Every curve keeps the samples it was fitted to, so a reader can check the
+fit. A profile applies to one device type (`device.gpu_type`) and never silently to another.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from plait.errors import PlaitError
+from plait.plan import write_atomically
+
+PROFILE_VERSION = 1
+
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Device(_Frozen):
+    """Where the profile was measured."""
+
+    kind: Literal["cpu", "cuda"]
+    gpu_type: str = Field(description="the cluster device type it applies to, e.g. CPU or H100-80GB")
+    name: str = Field(description="what the hardware calls itself (CPU model, CUDA device name)")
+    threads: int = Field(1, ge=1, description="compute threads per rank")
+    memory_bytes: float = Field(gt=0, description="memory per rank the planner may use")
+    peak_flops: float = Field(gt=0, description="FLOP/s of a large fp32 GEMM on one rank")
+    memory_bandwidth: float = Field(gt=0, description="bytes/s of a large copy on one rank")
+    torch: str = Field(description="torch version")
+
+
+class Curve(_Frozen):
+    """seconds = intercept_s + per_token_s * tokens + per_token_seq_s * tokens * seq_len (the last term is
+    attention's quadratic part), for one micro-batch on one device."""
+
+    intercept_s: float = 0.0
+    per_token_s: float = 0.0
+    per_token_seq_s: float = 0.0
+
+    def at(self, tokens: float, seq_len: float) -> float:
+        return max(0.0, self.intercept_s + self.per_token_s * tokens + self.per_token_seq_s * tokens * seq_len)
+
+
+class LayerSample(_Frozen):
+    """One measurement of a transformer block (or the embedding/head): a micro-batch of `seqs` sequences of
+    `seq_len` tokens."""
+
+    seqs: int
+    seq_len: int
+    forward_s: float
+    backward_s: float
+    activation_bytes: float = Field(description="bytes saved for backward")
+
+
+class LayerProfile(_Frozen):
+    """A block of `model` with its weights split `tp` ways (heads/tp, ffn/tp), as a function of tokens."""
+
+    model: str
+    tp: int = 1
+    recompute: Literal["none", "selective", "full"] = "none"
+    forward: Curve
+    backward: Curve
+    activation_bytes_per_token: float = Field(description="bytes saved for backward per token")
+    samples: tuple[LayerSample, ...] = ()
+
+
+class EdgeProfile(_Frozen):
+    """The embedding ("embedding") or final norm + LM head + loss ("head") of `model`, measured as the
+    difference between models of different layer counts."""
+
+    model: str
+    part: Literal["embedding", "head"]
+    tp: int = 1
+    forward: Curve
+    backward: Curve
+    samples: tuple[LayerSample, ...] = ()
+
+
+class CollectiveSample(_Frozen):
+    bytes: float = Field(description="bytes per rank (the input of all-reduce/reduce-scatter/all-to-all, "
+                                     "the output of all-gather, the message of p2p)")
+    seconds: float
+
+
+class CollectiveCurve(_Frozen):
+    """seconds = latency_s + bytes / bandwidth for one collective over `ranks` ranks on `nodes` nodes."""
+
+    op: CollectiveOp
+    ranks: int = Field(ge=2)
+    nodes: int = Field(1, ge=1)
+    latency_s: float = Field(ge=0)
+    bandwidth: float = Field(gt=0, description="bytes/s of the per-rank size")
+    samples: tuple[CollectiveSample, ...] = ()
+
+    def at(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+
+class Overlap(_Frozen):
+    """How much compute and communication slow each other down when they run at the same time."""
+
+    compute_slowdown: float = Field(1.0, ge=1.0, description="compute time overlapped / alone")
+    comm_slowdown: float = Field(1.0, ge=1.0, description="communication time overlapped / alone")
+
+
+class Profile(_Frozen):
+    """Everything measured on one device type."""
+
+    version: int = PROFILE_VERSION
+    device: Device
+    process_bytes: float = Field(0.0, ge=0, description="memory of a rank before any model state: the "
+                                                        "interpreter and libraries (CPU) or the CUDA context")
+    layers: tuple[LayerProfile, ...] = ()
+    edges: tuple[EdgeProfile, ...] = ()
+    collectives: tuple[CollectiveCurve, ...] = ()
+    overlap: Overlap = Overlap()
+
+    def save(self, path: str | Path) -> None:
+        write_atomically(Path(path), self.model_dump_json(indent=1) + "\n")
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile; one-line errors for a missing, corrupt, or newer-versioned file."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as exc:
+        raise PlaitError(f"cannot read profile {str(path)!r}: {exc.strerror}; run `plait profile` first") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise PlaitError(f"profile {str(path)!r} is not valid JSON; re-run `plait profile`") from None
+    if not isinstance(raw, dict):
+        raise PlaitError(f"profile {str(path)!r} is not a profile object; re-run `plait profile`")
+    version = raw.get("version")
+    if version != PROFILE_VERSION:
+        raise PlaitError(f"profile {str(path)!r} has schema version {version!r}; this plait reads version "
+                         f"{PROFILE_VERSION}: re-run `plait profile`")
+    try:
+        return Profile.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise PlaitError(f"profile {str(path)!r}: {where}: {err['msg']}; re-run `plait profile`") from None
