@@ -9,9 +9,25 @@ import sys
 import pytest
 from helpers import expect_error
 
-from plait.cost.measured import calibrate
-from plait.profile.schema import PROFILE_VERSION, load_profile
+from plait.cost import comm
+from plait.cost.comm import GroupShape
+from plait.cost.layer import BlockContext, block_activation_bytes, block_time
+from plait.cost.measured import calibrate, profiled_cluster
+from plait.cost.precision import PRECISIONS
+from plait.errors import PlaitError
+from plait.plan import Strategy, uniform_plan
+from plait.profile.schema import (
+    PROFILE_VERSION,
+    CollectiveCurve,
+    Curve,
+    Device,
+    LayerProfile,
+    Profile,
+    load_profile,
+)
+from plait.simulate import simulate
 from plait.spec.cluster import dgx
+from plait.spec.model import PRESETS
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +76,39 @@ def test_profile_needs_two_ranks() -> None:
     proc = subprocess.run([sys.executable, "-m", "plait.cli", "profile", "--model", "tiny-llama", "--nproc", "1"],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2 and "--nproc" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _synthetic() -> Profile:
+    device = Device(kind="cpu", gpu_type="CPU", name="test", memory_bytes=8 * 2**30, peak_flops=1e11,
+                    memory_bandwidth=1e10, torch="2.13")
+    curve = Curve(intercept_s=1e-4, per_token_s=1e-6, per_token_seq_s=1e-9)
+    block = LayerProfile(model="tiny-llama", tp=1, forward=curve, backward=curve.model_copy(
+        update={"per_token_s": 2e-6}), activation_bytes_per_token=1000.0)
+    full = block.model_copy(update={"recompute": "full", "backward": curve.model_copy(update={"per_token_s": 3e-6}),
+                                    "activation_bytes_per_token": 512.0})
+    ar = CollectiveCurve(op="all_reduce", ranks=2, latency_s=1e-4, bandwidth=1e9)
+    return Profile(device=device, process_bytes=300 * 2**20, layers=(block, full), collectives=(ar,))
+
+
+def test_the_cost_model_prefers_measured_costs() -> None:
+    p = _synthetic()
+    cluster, cal = calibrate(p, profiled_cluster(p, "1x2xCPU"))
+    assert cluster.gpu.name == "CPU" and cluster.gpu.peak_flops == 1e11
+    spec = PRESETS["tiny-llama"]
+    prec = PRECISIONS["fp32"]
+    ctx = BlockContext.for_ranks(spec, cluster, cal, prec, 64, 2, Strategy(), (0,), (0,))
+    bt = block_time(Strategy(), ctx)
+    tokens = 2 * 64
+    assert bt.forward == pytest.approx(1e-4 + 1e-6 * tokens + 1e-9 * tokens * 64)
+    assert bt.backward == pytest.approx(1e-4 + 2e-6 * tokens + 1e-9 * tokens * 64)
+    full = block_time(Strategy(recompute="full"), ctx)
+    assert full.recompute == pytest.approx(1e-6 * tokens)  # measured backward with recompute less without
+    assert block_activation_bytes(Strategy(recompute="full"), ctx) == pytest.approx(512 * tokens)
+    group = GroupShape.of((0, 1), 2)
+    assert comm.all_reduce(1e6, group, cluster, cal) == pytest.approx(1e-4 + 1e6 / 1e9)
+    assert comm.all_gather(1e6, group, cluster, cal) > 0  # not measured: the analytic model on the fitted link
+    report = simulate(uniform_plan("dp=2,gbs=4,precision=fp32", spec, cluster, 64), spec, cluster, cal=cal)
+    assert all(d.memory.reserve >= 300 * 2**20 for d in report.devices)
+    with pytest.raises(PlaitError, match="one node"):
+        profiled_cluster(p, "2x2xCPU")
+    assert profiled_cluster(p, "1x8xA100-80GB") is None

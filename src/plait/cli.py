@@ -51,9 +51,23 @@ def parse_slow(text: str | None) -> dict[int, float]:
     return slow
 
 
-def load_inputs(model: str, cluster: str, memory_gib: float | None, slow: str | None) -> tuple[ModelSpec, Cluster]:
+def load_inputs(model: str, cluster: str, memory_gib: float | None, slow: str | None,
+                profile: Path | None = None, galvatron_profile: str | None = None):
+    """(model, cluster, calibration or None) from the command line; a `plait profile` file calibrates the
+    cluster's device type (and names it: `1x4xCPU`)."""
     m = load_model(model)
-    c = load_cluster(cluster)
+    cal = None
+    if profile is not None:
+        from plait.cost.measured import calibrate, profiled_cluster
+        from plait.profile.schema import load_profile
+
+        if galvatron_profile:
+            raise PlaitError("give one of --profile or --galvatron-profile")
+        measured = load_profile(profile)
+        c, cal = calibrate(measured, profiled_cluster(measured, cluster) or load_cluster(cluster))
+    else:
+        c = load_cluster(cluster)
+        cal = load_calibration(galvatron_profile, m, c)
     if memory_gib is not None:
         if not (math.isfinite(memory_gib) and memory_gib > 0):
             raise PlaitError(f"--memory-gib must be a positive number of GiB, got {memory_gib}")
@@ -63,7 +77,7 @@ def load_inputs(model: str, cluster: str, memory_gib: float | None, slow: str | 
             c = c.with_slow(parse_slow(slow))
         except PlaitError as exc:
             raise PlaitError(f"--slow: {exc}") from None
-    return m, c
+    return m, c, cal
 
 
 def load_calibration(spec: str | None, model: ModelSpec, cluster: Cluster):
@@ -199,11 +213,12 @@ def simulate_cmd(
     memory_gib: Annotated[float | None, typer.Option("--memory-gib", help="device memory override, GiB")] = None,
     galvatron_profile: Annotated[str | None, typer.Option(
         "--galvatron-profile", help="calibrate from Galvatron profiles: GPU:MODEL_DIR[:HARDWARE_DIR]")] = None,
+    profile: Annotated[Path | None, typer.Option("--profile", help="calibrate from a `plait profile` file")] = None,
 ) -> None:
     """Predict iteration time, throughput, MFU and memory of one plan (a plait plan, a Galvatron
     galvatron_config_*.json, or --strategy)."""
     try:
-        m, c = load_inputs(model, cluster, memory_gib, slow)
+        m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile)
         if (plan is None) == (strategy is None):
             raise PlaitError("give exactly one of --plan FILE or --strategy \"tp=..,pp=..,dp=..\"")
         if seq_len is not None and seq_len <= 0:
@@ -213,7 +228,7 @@ def simulate_cmd(
         else:
             p = uniform_plan(strategy or "", m, c, seq_len or m.max_seq_len)
         validate_plan(p, m, c)
-        report = simulate(p, m, c, cal=load_calibration(galvatron_profile, m, c), record=timeline is not None)
+        report = simulate(p, m, c, cal=cal, record=timeline is not None)
         if timeline is not None:
             from plait.viz import combined
 
@@ -254,8 +269,9 @@ def print_plan(plan: Plan) -> None:
     out.print(table)
 
 
-def _search_progress():
-    """A transient rich progress bar on stderr, and the callback that drives it."""
+def _search_progress(label: str = "searching ({} plans)"):
+    """A transient rich progress bar on stderr, and the callback `update(phase, done, total)` that drives
+    it (one bar per phase, described by `label` with the phase filled in)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -264,7 +280,7 @@ def _search_progress():
 
     def update(phase: str, done: int, total: int) -> None:
         if phase not in tasks:
-            tasks[phase] = bar.add_task(f"searching ({phase} plans)", total=total)
+            tasks[phase] = bar.add_task(label.format(phase), total=total)
         bar.update(tasks[phase], completed=done, total=total)
 
     return bar, update
@@ -300,13 +316,14 @@ def plan_cmd(
         "--galvatron-out", help="also write the plan as a Galvatron galvatron_config JSON")] = None,
     runnable: Annotated[bool, typer.Option(
         "--runnable", help="only plans `plait train` executes (see plait.executable)")] = False,
+    profile: Annotated[Path | None, typer.Option("--profile", help="calibrate from a `plait profile` file")] = None,
 ) -> None:
     """Search the fastest plan that fits (or run a baseline planner)."""
     from plait.planner.baselines import BASELINES, run_baseline
     from plait.planner.engine import fewest_gpus, search
 
     try:
-        m, c = load_inputs(model, cluster, memory_gib, slow)
+        m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile)
         seq = seq_len if seq_len is not None else m.max_seq_len
         if seq <= 0 or global_batch <= 0:
             raise PlaitError(f"--seq-len and --global-batch must be positive, got {seq} and {global_batch}")
@@ -314,7 +331,6 @@ def plan_cmd(
             raise PlaitError(f"--baseline {baseline!r} is unknown; choose one of {', '.join(BASELINES)}")
         if precision not in ("bf16", "fp16", "fp32"):
             raise PlaitError(f"--precision must be bf16, fp16 or fp32, got {precision!r}")
-        cal = load_calibration(galvatron_profile, m, c)
         bar, update = _search_progress()
         with bar:
             if baseline is not None:
@@ -404,21 +420,11 @@ def profile_cmd(
     """Measure this machine (device, the model's layers, collectives) and write a profile for --profile."""
     import time
 
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from plait.profile.run import profile
 
     try:
         m = load_model(model)
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                       TimeElapsedColumn(), console=err, transient=True)
-        tasks: dict[str, int] = {}
-
-        def update(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = bar.add_task(f"measuring {phase}", total=total)
-            bar.update(tasks[phase], completed=done, total=total)
-
+        bar, update = _search_progress("measuring {}")
         t0 = time.perf_counter()
         with bar:
             result = profile(m, nproc, quick=quick, gpu_type=gpu_type, progress=update)

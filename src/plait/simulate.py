@@ -266,7 +266,7 @@ def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | 
             parts["dp_comm_exposed"] = exposed + gather_t
             parts["optimizer"] = optimizer
             end = ends + exposed + gather_t + optimizer
-            memory = _memory(chunk_costs, alive[d], stage, plan, prec)
+            memory = _memory(chunk_costs, alive[d], stage, plan, prec, cal)
             layers = tuple(pipe.stages[j].layers for j in range(d, len(costs), pp))
             groups.append(DeviceGroup(pi, d, stage.ranks, layers, memory, end, parts))
     critical = max(groups, key=lambda g: g.end_s)
@@ -308,8 +308,8 @@ def _recompute_flops(plan: Plan, model: ModelSpec) -> float:
     return total
 
 
-def _memory(costs: list[StageCost], activations: float, stage: Stage, plan: Plan, prec: PrecisionBytes
-            ) -> MemoryTerms:
+def _memory(costs: list[StageCost], activations: float, stage: Stage, plan: Plan, prec: PrecisionBytes,
+            cal: Calibration) -> MemoryTerms:
     weights = grads = optimizer = 0.0
     bucket = 0.0
     for cost in costs:
@@ -321,4 +321,4 @@ def _memory(costs: list[StageCost], activations: float, stage: Stage, plan: Plan
                 bucket = 2 * GRAD_BUCKET_BYTES
     activations += max(c.working_bytes for c in costs)
     buffers = max(c.buffer_bytes for c in costs) + bucket
-    return with_reserve(weights, grads, optimizer, activations, buffers)
+    return with_reserve(weights, grads, optimizer, activations, buffers, cal)

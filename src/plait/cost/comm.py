@@ -64,24 +64,38 @@ def _latency(group: GroupShape, cluster: Cluster) -> float:
     return (group.per_node - 1) * cluster.intra.latency + inter
 
 
+def _measured(op: str, nbytes: float, group: GroupShape, cal: Calibration) -> float | None:
+    """Seconds of a collective that the calibration's profile measured for this group size, else None."""
+    return cal.measured.collective(op, group.size, group.nodes, nbytes) if cal.measured is not None else None
+
+
 def all_reduce(nbytes: float, group: GroupShape, cluster: Cluster, cal: Calibration) -> float:
     """Seconds to all-reduce `nbytes` over `group` (ring: 2 (n-1)/n of the data through each rank)."""
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if (t := _measured("all_reduce", nbytes, group, cal)) is not None:
+        return t
     return 2 * (n - 1) / n * nbytes / bus_bandwidth(group, cluster, cal) + 2 * _latency(group, cluster)
 
 
 def all_gather(nbytes: float, group: GroupShape, cluster: Cluster, cal: Calibration) -> float:
     """Seconds to all-gather a buffer of `nbytes` in all ((n-1)/n of it into each rank)."""
+    return _gather_or_scatter("all_gather", nbytes, group, cluster, cal)
+
+
+def reduce_scatter(nbytes: float, group: GroupShape, cluster: Cluster, cal: Calibration) -> float:
+    """Seconds to reduce-scatter a buffer of `nbytes` in all: the bytes of an all-gather, the other way."""
+    return _gather_or_scatter("reduce_scatter", nbytes, group, cluster, cal)
+
+
+def _gather_or_scatter(op: str, nbytes: float, group: GroupShape, cluster: Cluster, cal: Calibration) -> float:
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if (t := _measured(op, nbytes, group, cal)) is not None:
+        return t
     return (n - 1) / n * nbytes / bus_bandwidth(group, cluster, cal) + _latency(group, cluster)
-
-
-reduce_scatter = all_gather
-"""Reduce-scatter moves the same bytes as all-gather, in the other direction."""
 
 
 def all_to_all(nbytes: float, group: GroupShape, cluster: Cluster, cal: Calibration) -> float:
@@ -97,6 +111,8 @@ def exchange(nbytes: float, group: GroupShape, cluster: Cluster, cal: Calibratio
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if (t := _measured("all_to_all", nbytes * n / (n - 1), group, cal)) is not None:
+        return t  # an all-to-all of that input sends exactly nbytes
     local = (group.per_node - 1) / (n - 1) * nbytes / (cluster.intra.bandwidth * cal.nvlink_efficiency)
     remote = 0.0
     if group.nodes > 1:
@@ -109,6 +125,8 @@ def p2p(nbytes: float, cross_node: bool, cluster: Cluster, cal: Calibration) -> 
     """Seconds to send `nbytes` from one rank to another."""
     if nbytes <= 0:
         return 0.0
+    if cal.measured is not None and not cross_node and (t := cal.measured.collective("p2p", 2, 1, nbytes)):
+        return t
     if cross_node:
         return nbytes / (cluster.inter.bandwidth * cal.network_efficiency) + cluster.inter.latency
     return nbytes / (cluster.intra.bandwidth * cal.nvlink_efficiency) + cluster.intra.latency

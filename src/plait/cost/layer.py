@@ -117,7 +117,13 @@ def block_time(s: Strategy, ctx: BlockContext) -> BlockTime:
     elem_f = elementwise_time(tokens * _elementwise_bytes_per_token(m, s, eb), gpu, cal, kernels=8)
     forward = fwd_gemm + attn_f + elem_f
     backward = bwd_gemm + attn_b + 2 * elem_f
+    if cal.measured is not None and (measured := cal.measured.block(m.name, s.tp)) is not None:
+        forward = measured.forward.at(tokens, ctx.seq_len)  # one rank's share, attention included
+        backward = measured.backward.at(tokens, ctx.seq_len)
     recompute = {"none": 0.0, "selective": attn_f, "full": forward}[s.recompute]
+    if s.recompute != "none" and cal.measured is not None and \
+            (with_rc := cal.measured.block(m.name, s.tp, s.recompute)) is not None:
+        recompute = max(0.0, with_rc.backward.at(tokens, ctx.seq_len) - backward)
 
     # Tensor parallelism: per pass two all-reduces (or, with sp, an all-gather and a reduce-scatter of the
     # same total traffic) of the full hidden state of the device's tokens.
@@ -157,11 +163,18 @@ def block_time(s: Strategy, ctx: BlockContext) -> BlockTime:
     )
 
 
+MEASURED_ACTIVATION_BYTES = 4
+"""Bytes per element of the activations a profile counts (`plait profile` measures fp32 blocks)."""
+
+
 def block_activation_bytes(s: Strategy, ctx: BlockContext, recompute: str | None = None) -> float:
     """Bytes one block keeps for backward for one micro-batch on one device (Korthikanti's terms)."""
     m, eb = ctx.model, ctx.prec.activation
-    a = m.activation_bytes(recompute or s.recompute)  # type: ignore[arg-type]
     tokens = ctx.seqs * ctx.seq_len / s.cp
+    measured = ctx.cal.measured.block(m.name, s.tp, recompute or s.recompute) if ctx.cal.measured else None
+    if measured is not None and not s.sp:  # measured in fp32: 16-bit keeps half (masks aside)
+        return tokens * measured.activation_bytes_per_token * eb / MEASURED_ACTIVATION_BYTES
+    a = m.activation_bytes(recompute or s.recompute)  # type: ignore[arg-type]
     replicated_div = s.tp if s.sp else 1
     scale = eb / 2  # the formulas count 16-bit activations
     per_token = ((a.replicated * scale + a.replicated_masks) / replicated_div

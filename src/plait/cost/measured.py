@@ -9,6 +9,7 @@ model. A profile applies to its own device type only.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 
 from plait.cost.calibration import Calibration, calibration_for
@@ -64,6 +65,20 @@ def link_of(profile: Profile) -> Link | None:
     c = min(pairs, key=lambda c: c.ranks)
     bus = c.bandwidth * 2 * (c.ranks - 1) / c.ranks  # an all-reduce moves 2(n-1)/n of the bytes per rank
     return Link(bus, c.latency_s)
+
+
+def profiled_cluster(profile: Profile, ref: str) -> Cluster | None:
+    """`NODESxGPUSxTYPE` whose TYPE is the profile's device type, as a cluster of that device (None for other
+    references). Only one node is measured: several nodes need a profile of the network between them."""
+    m = re.match(r"^(\d+)x(\d+)x(.+)$", ref)
+    if not m or m.group(3) != profile.device.gpu_type:
+        return None
+    nodes, per_node = int(m.group(1)), int(m.group(2))
+    link = link_of(profile)
+    if link is None or nodes > 1:
+        raise PlaitError(f"the profile measured no links for {ref!r} (it covers one node of "
+                         f"{profile.device.gpu_type!r} and its collectives); use 1x{per_node}x{m.group(3)}")
+    return Cluster(ref, nodes, per_node, device_of(profile), link, link)
 
 
 def calibrate(profile: Profile, cluster: Cluster, base: Calibration | None = None) -> tuple[Cluster, Calibration]:

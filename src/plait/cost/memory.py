@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from plait.cost.calibration import Calibration
 from plait.cost.precision import PrecisionBytes
 
 CUDA_CONTEXT_BYTES = 0.75 * 1024**3
@@ -48,8 +49,14 @@ def model_state_bytes(params: float, dp: int, zero: int, prec: PrecisionBytes) -
     return weights, grads, optimizer
 
 
-def with_reserve(weights: float, grads: float, optimizer: float, activations: float, buffers: float) -> MemoryTerms:
-    """MemoryTerms with the allocator's fragmentation and the CUDA context added as `reserve`."""
+def context_bytes(cal: Calibration) -> float:
+    """Memory a rank holds outside the model: the profiled process (CPU) or context, else the CUDA context."""
+    return cal.measured.process_bytes if cal.measured is not None else CUDA_CONTEXT_BYTES
+
+
+def with_reserve(weights: float, grads: float, optimizer: float, activations: float, buffers: float,
+                 cal: Calibration) -> MemoryTerms:
+    """MemoryTerms with the allocator's fragmentation and the context (`context_bytes`) added as `reserve`."""
     allocated = weights + grads + optimizer + activations + buffers
     return MemoryTerms(weights, grads, optimizer, activations, buffers,
-                       CUDA_CONTEXT_BYTES + FRAGMENTATION_FRACTION * allocated)
+                       context_bytes(cal) + FRAGMENTATION_FRACTION * allocated)

@@ -26,7 +26,7 @@ from plait.cost.calibration import Calibration, calibration_for
 from plait.cost.comm import GroupShape
 from plait.cost.head import head_activation_bytes
 from plait.cost.layer import BlockContext, block_activation_bytes, block_time
-from plait.cost.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, GRAD_BUCKET_BYTES, model_state_bytes
+from plait.cost.memory import FRAGMENTATION_FRACTION, GRAD_BUCKET_BYTES, context_bytes, model_state_bytes
 from plait.cost.pipeline import StageTimes, simulate_pipeline
 from plait.cost.precision import PRECISIONS
 from plait.errors import PlaitError
@@ -153,7 +153,7 @@ class _Config:
     def budget(self, device: int, capacity: float) -> float:
         """Bytes a device group can give its blocks: capacity less context, fragmentation and the
         embedding/head with their buffers (priced with the cheapest-memory strategy)."""
-        usable = (capacity - CUDA_CONTEXT_BYTES) / (1 + FRAGMENTATION_FRACTION)
+        usable = (capacity - context_bytes(self.cal)) / (1 + FRAGMENTATION_FRACTION)
         cheapest = min(self.priced, key=lambda p: p.states).strategy
         replicas = self.n // cheapest.tp
         extra = 2 * GRAD_BUCKET_BYTES + 2 * self.mb * self.seq_len * self.model.hidden * self.prec.activation / self.n
