@@ -79,7 +79,7 @@ def test_profile_needs_two_ranks() -> None:
 
 
 def _synthetic() -> Profile:
-    device = Device(kind="cpu", gpu_type="CPU", name="test", memory_bytes=8 * 2**30, peak_flops=1e11,
+    device = Device(kind="cpu", gpu_type="CPU", name="test", cores=2, memory_bytes=8 * 2**30, peak_flops=1e11,
                     memory_bandwidth=1e10, torch="2.13")
     curve = Curve(intercept_s=1e-4, per_token_s=1e-6, per_token_seq_s=1e-9)
     block = LayerProfile(model="tiny-llama", tp=1, forward=curve, backward=curve.model_copy(
@@ -109,6 +109,11 @@ def test_the_cost_model_prefers_measured_costs() -> None:
     assert comm.all_gather(1e6, group, cluster, cal) > 0  # not measured: the analytic model on the fitted link
     report = simulate(uniform_plan("dp=2,gbs=4,precision=fp32", spec, cluster, 64), spec, cluster, cal=cal)
     assert all(d.memory.reserve >= 300 * 2**20 for d in report.devices)
+    # four ranks on two cores: each computes at half speed
+    crowded, crowded_cal = calibrate(p, profiled_cluster(p, "1x4xCPU"))
+    ctx4 = BlockContext.for_ranks(spec, crowded, crowded_cal, prec, 64, 2, Strategy(), (0,), (0,))
+    assert block_time(Strategy(), ctx4).forward == pytest.approx(2 * bt.forward)
+    assert crowded.gpu.peak_flops == 0.5e11
     with pytest.raises(PlaitError, match="one node"):
         profiled_cluster(p, "2x2xCPU")
     assert profiled_cluster(p, "1x8xA100-80GB") is None

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from plait.executable import unsupported
-from plait.plan import Pipeline, Plan, Stage, Strategy
+from plait.plan import Pipeline, Plan, Stage, Strategy, uniform_plan
 from plait.spec.model import PRESETS
 
 STEPS = 5
@@ -47,13 +47,51 @@ def train(tmp: Path, text: Path, strategy: str, nproc: int, model: str = "tiny-l
     return proc
 
 
+def train_together(tmp: Path, text: Path, nproc: int, cases: dict[str, tuple[str, Plan | str]]
+                   ) -> tuple[subprocess.CompletedProcess, dict[str, list[float]]]:
+    """Run every case (model, plan or --strategy text) one after the other in ONE torchrun job of `nproc`
+    ranks (launching a job costs more than training a tiny model); the losses of each case that finished."""
+    import os
+
+    from plait.runtime.train import TrainConfig
+    from plait.spec.cluster import local_ranks
+    from plait.spec.model import load_model
+
+    paths, outs = [], {}
+    for i, (key, (model, plan)) in enumerate(cases.items()):
+        if isinstance(plan, str):
+            plan = uniform_plan(plan, load_model(model), local_ranks(nproc), SEQ)
+        outs[key] = tmp / f"metrics-{i}.jsonl"
+        cfg = TrainConfig(model=model, plan=json.loads(plan.model_dump_json()), steps=STEPS, lr=0.01,
+                          data=str(text), metrics_out=str(outs[key]))
+        paths.append(tmp / f"config-{i}.json")
+        paths[-1].write_text(cfg.to_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+           "plait.runtime.worker", *map(str, paths)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=1500,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    losses = {key: [json.loads(line)["loss"] for line in out.read_text().splitlines()]
+              for key, out in outs.items() if out.exists()}
+    return proc, losses
+
+
+def _losses(runs: tuple[subprocess.CompletedProcess, dict[str, list[float]]], key: str) -> list[float]:
+    proc, losses = runs
+    assert key in losses and len(losses[key]) == STEPS, proc.stderr[-3000:]
+    return losses[key]
+
+
+REFERENCE = [("tiny-llama", 4), ("tiny-llama", 8), ("tiny-gpt", 4), ("tiny-gpt", 8)]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text) -> dict[tuple[str, int], list[float]]:
     """Single-process loss curves by (model, global batch)."""
-    tmp = tmp_path_factory.mktemp("reference")
+    runs = train_together(tmp_path_factory.mktemp("reference"), text, 1,
+                          {f"{m} {g}": (m, f"dp=1,gbs={g}") for m, g in REFERENCE})
     ref = {}
-    for model, gbs in (("tiny-llama", 4), ("tiny-llama", 8), ("tiny-gpt", 4), ("tiny-gpt", 8)):
-        losses = train(tmp, text, f"dp=1,gbs={gbs}", 1, model).losses
+    for model, gbs in REFERENCE:
+        losses = _losses(runs, f"{model} {gbs}")
         assert losses[-1] < losses[0] - 0.5, "the reference must learn, or the comparison proves little"
         ref[(model, gbs)] = losses
     return ref
@@ -83,12 +121,6 @@ TWO_RANKS = [
 ]
 
 
-@pytest.mark.parametrize("strategy,model", TWO_RANKS)
-def test_two_ranks_match_single_process(tmp_path, text, reference, strategy, model) -> None:
-    gbs = int(strategy.split("gbs=")[1].split(",")[0])
-    assert_same(train(tmp_path, text, strategy, 2, model).losses, reference[(model, gbs)])
-
-
 FOUR_RANKS = [
     ("dp=2,tp=2,gbs=4", "tiny-llama"),
     ("dp=2,cp=2,zero=1,gbs=4", "tiny-llama"),
@@ -98,12 +130,6 @@ FOUR_RANKS = [
     ("pp=2,dp=2,mbs=2,gbs=8", "tiny-gpt"),  # embedding and head tied across stages
     ("pp=2,tp=2,sp=1,vpp=2,mbs=2,gbs=8", "tiny-gpt"),
 ]
-
-
-@pytest.mark.parametrize("strategy,model", FOUR_RANKS)
-def test_four_ranks_match_single_process(tmp_path, text, reference, strategy, model) -> None:
-    gbs = int(strategy.split("gbs=")[1].split(",")[0])
-    assert_same(train(tmp_path, text, strategy, 4, model).losses, reference[(model, gbs)])
 
 
 def _plan(stages: list[tuple[tuple[int, int], tuple[int, ...], tuple[Strategy, ...]]], micro_batches: int,
@@ -132,21 +158,38 @@ MIXED = {  # per-layer strategies inside a stage, and stages laid out differentl
 }
 
 
-@pytest.mark.parametrize("name", list(MIXED))
-def test_mixed_plans_match_single_process(tmp_path, text, reference, name) -> None:
-    """Per-layer strategies re-layout the hidden state between layers and stages with single-process numerics."""
-    plan, nproc = MIXED[name]
-    assert unsupported(plan, PRESETS["tiny-llama"]) is None
-    assert len(plan.ranks) == nproc
-    path = tmp_path / "plan.json"
-    plan.save(path)
-    out = tmp_path / "m.jsonl"
-    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", "tiny-llama", "--plan", str(path), "--steps",
-           str(STEPS), "--lr", "0.01", "--data", str(text), "--metrics-out", str(out)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [json.loads(line)["loss"] for line in out.read_text().splitlines()]
-    assert_same(losses, reference[("tiny-llama", plan.global_batch)])
+def _gbs(strategy: str) -> int:
+    return int(strategy.split("gbs=")[1].split(",")[0])
+
+
+CASES = {  # every numerics case by name: (ranks, model, plan or --strategy text)
+    **{f"{m} {st}": (2, m, st) for st, m in TWO_RANKS},
+    **{f"{m} {st}": (4, m, st) for st, m in FOUR_RANKS},
+    **{name: (nproc, "tiny-llama", plan) for name, (plan, nproc) in MIXED.items()},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, text) -> dict[int, tuple[subprocess.CompletedProcess, dict[str, list[float]]]]:
+    """All numerics cases, one torchrun job per rank count."""
+    out = {}
+    for nproc in (2, 4):
+        cases = {name: (model, plan) for name, (n, model, plan) in CASES.items() if n == nproc}
+        if nproc == 4:
+            cases |= {f"searched at {gib} GiB": ("tiny-llama", searched(gib)[0]) for gib in SEARCH_MEMORY_GIB}
+        out[nproc] = train_together(tmp_path_factory.mktemp(f"ranks{nproc}"), text, nproc, cases)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_plan_matches_single_process(runs, reference, name) -> None:
+    """Each parallel dimension, their mixes, and per-layer plans that re-layout the hidden state between
+    layers and stages train to the single-process losses."""
+    nproc, model, plan = CASES[name]
+    if isinstance(plan, Plan):
+        assert unsupported(plan, PRESETS[model]) is None and len(plan.ranks) == nproc
+    gbs = plan.global_batch if isinstance(plan, Plan) else _gbs(plan)
+    assert_same(_losses(runs[nproc], name), reference[(model, gbs)])
 
 
 @pytest.mark.parametrize("strategy,nproc,needle", [
@@ -262,23 +305,25 @@ def test_starts_from_hugging_face_weights(tmp_path, text) -> None:
     assert abs(first - float(expected)) / float(expected) < 1e-5
 
 
-@pytest.mark.parametrize("memory_gib", [80.0, 0.76])
-def test_searched_plans_run_and_match(tmp_path, text, reference, memory_gib) -> None:
-    """The planner <-> runtime contract: every plan the search prices for a tiny model on 4 ranks is one the
-    runtime executes, and the plan it picks trains and reproduces the single-process losses."""
+SEARCH_MEMORY_GIB = (80.0, 0.76)  # everything fits / only interleaved tp2+sp pipelines fit
+
+
+def searched(memory_gib: float) -> tuple[Plan, list[Plan]]:
+    """The plan the search picks for tiny-llama on 4 ranks, and every plan it priced on the way."""
     from plait.planner.engine import search
     from plait.spec.cluster import local_ranks
 
-    spec = PRESETS["tiny-llama"]
     priced: list[Plan] = []
-    result = search(spec, local_ranks(4).with_memory(memory_gib), SEQ, 8, record=priced.append)
+    result = search(PRESETS["tiny-llama"], local_ranks(4).with_memory(memory_gib), SEQ, 8, record=priced.append)
     assert result.plan is not None and priced
-    assert [unsupported(p, spec) for p in priced + [result.plan]] == [None] * (len(priced) + 1)
-    path = tmp_path / "plan.json"
-    result.plan.save(path)
-    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", "tiny-llama", "--plan", str(path), "--steps",
-           str(STEPS), "--lr", "0.01", "--data", str(text), "--metrics-out", str(tmp_path / "m.jsonl")]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert_same(losses, reference[("tiny-llama", 8)])
+    return result.plan, priced
+
+
+@pytest.mark.parametrize("memory_gib", SEARCH_MEMORY_GIB)
+def test_searched_plans_run_and_match(runs, reference, memory_gib) -> None:
+    """The planner <-> runtime contract: every plan the search prices for a tiny model on 4 ranks is one the
+    runtime executes, and the plan it picks trains and reproduces the single-process losses."""
+    plan, priced = searched(memory_gib)
+    spec = PRESETS["tiny-llama"]
+    assert [unsupported(p, spec) for p in priced + [plan]] == [None] * (len(priced) + 1)
+    assert_same(_losses(runs[4], f"searched at {memory_gib} GiB"), reference[("tiny-llama", 8)])

@@ -41,7 +41,8 @@ def head_time(s: Strategy, ctx: BlockContext) -> EdgeTime:
     loss = elementwise_time(LOSS_PASSES * logits, gpu, cal, kernels=4)
     norm = elementwise_time(2 * tokens * m.hidden * eb / (s.tp if s.sp else 1), gpu, cal)
     if cal.measured is not None and (measured := cal.measured.edge(m.name, "head", s.tp)) is not None:
-        fwd, bwd, loss, norm = measured.forward.at(tokens, ctx.seq_len), measured.backward.at(tokens, ctx.seq_len), 0.0, 0.0
+        fwd, bwd = (cal.measured.seconds(c, tokens, ctx.seq_len) for c in (measured.forward, measured.backward))
+        loss = norm = 0.0
     # Gathering the hidden state (sp) and reducing input gradients, plus the loss's max/sum all-reduces.
     tp = 2 * comm.all_reduce(tokens * m.hidden * eb, ctx.tp_group, ctx.cluster, cal)
     tp += 2 * comm.all_reduce(tokens * 4, ctx.tp_group, ctx.cluster, cal)
@@ -55,8 +56,8 @@ def embedding_time(s: Strategy, ctx: BlockContext) -> EdgeTime:
     lookup = elementwise_time(2 * tokens * m.hidden * eb, gpu, cal, kernels=2)
     tp = comm.all_reduce(tokens * m.hidden * eb, ctx.tp_group, ctx.cluster, cal)
     if cal.measured is not None and (measured := cal.measured.edge(m.name, "embedding", s.tp)) is not None:
-        return EdgeTime(forward=measured.forward.at(tokens, ctx.seq_len),
-                        backward=measured.backward.at(tokens, ctx.seq_len), tp_comm=tp)
+        return EdgeTime(forward=cal.measured.seconds(measured.forward, tokens, ctx.seq_len),
+                        backward=cal.measured.seconds(measured.backward, tokens, ctx.seq_len), tp_comm=tp)
     return EdgeTime(forward=lookup, backward=2 * lookup, tp_comm=tp)
 
 

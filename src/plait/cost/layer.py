@@ -118,12 +118,12 @@ def block_time(s: Strategy, ctx: BlockContext) -> BlockTime:
     forward = fwd_gemm + attn_f + elem_f
     backward = bwd_gemm + attn_b + 2 * elem_f
     if cal.measured is not None and (measured := cal.measured.block(m.name, s.tp)) is not None:
-        forward = measured.forward.at(tokens, ctx.seq_len)  # one rank's share, attention included
-        backward = measured.backward.at(tokens, ctx.seq_len)
+        forward = cal.measured.seconds(measured.forward, tokens, ctx.seq_len)  # one rank's share, attention included
+        backward = cal.measured.seconds(measured.backward, tokens, ctx.seq_len)
     recompute = {"none": 0.0, "selective": attn_f, "full": forward}[s.recompute]
     if s.recompute != "none" and cal.measured is not None and \
             (with_rc := cal.measured.block(m.name, s.tp, s.recompute)) is not None:
-        recompute = max(0.0, with_rc.backward.at(tokens, ctx.seq_len) - backward)
+        recompute = max(0.0, cal.measured.seconds(with_rc.backward, tokens, ctx.seq_len) - backward)
 
     # Tensor parallelism: per pass two all-reduces (or, with sp, an all-gather and a reduce-scatter of the
     # same total traffic) of the full hidden state of the device's tokens.

@@ -14,18 +14,20 @@ from dataclasses import dataclass, field, replace
 
 from plait.cost.calibration import Calibration, calibration_for
 from plait.errors import PlaitError
-from plait.profile.schema import CollectiveCurve, EdgeProfile, LayerProfile, Profile
+from plait.profile.schema import CollectiveCurve, Curve, EdgeProfile, LayerProfile, Profile
 from plait.spec.cluster import GPU, Cluster, Link
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: one object per loaded profile
 class Measured:
-    """Lookups into one profile."""
+    """Lookups into one profile. `share` stretches measured compute when more ranks than CPU cores run on a
+    node (each rank then gets cores / ranks of a core)."""
 
     gpu_type: str
     process_bytes: float
     compute_slowdown: float
     comm_slowdown: float
+    share: float = 1.0
     blocks: dict[tuple[str, int, str], LayerProfile] = field(default_factory=dict)
     edges: dict[tuple[str, str, int], EdgeProfile] = field(default_factory=dict)
     collectives: dict[tuple[str, int, int], CollectiveCurve] = field(default_factory=dict)
@@ -36,25 +38,33 @@ class Measured:
     def edge(self, model: str, part: str, tp: int) -> EdgeProfile | None:
         return self.edges.get((model, part, tp))
 
+    def seconds(self, curve: Curve, tokens: float, seq_len: float) -> float:
+        """A measured compute curve at this micro-batch, stretched by the node's core sharing."""
+        return self.share * curve.at(tokens, seq_len)
+
     def collective(self, op: str, ranks: int, nodes: int, nbytes: float) -> float | None:
         """Seconds of a measured collective, or None if this group size was not measured."""
         curve = self.collectives.get((op, ranks, nodes))
         return curve.at(nbytes) if curve is not None else None
 
 
-def measured_of(profile: Profile) -> Measured:
+def measured_of(profile: Profile, ranks_per_node: int = 1) -> Measured:
+    d = profile.device
     return Measured(
-        gpu_type=profile.device.gpu_type, process_bytes=profile.process_bytes,
+        gpu_type=d.gpu_type, process_bytes=profile.process_bytes,
+        share=max(1.0, ranks_per_node / d.cores) if d.kind == "cpu" else 1.0,
         compute_slowdown=profile.overlap.compute_slowdown, comm_slowdown=profile.overlap.comm_slowdown,
         blocks={(lp.model, lp.tp, lp.recompute): lp for lp in profile.layers},
         edges={(e.model, e.part, e.tp): e for e in profile.edges},
         collectives={(c.op, c.ranks, c.nodes): c for c in profile.collectives})
 
 
-def device_of(profile: Profile) -> GPU:
-    """The profiled device as a device type: measured GEMM rate (for every precision) and copy bandwidth."""
+def device_of(profile: Profile, ranks_per_node: int = 1) -> GPU:
+    """The profiled device as a device type: measured GEMM rate (for every precision) and copy bandwidth,
+    shared when more CPU ranks than cores run on a node."""
     d = profile.device
-    return GPU(d.gpu_type, d.peak_flops, d.peak_flops, d.memory_bytes, d.memory_bandwidth, 1)
+    share = max(1.0, ranks_per_node / d.cores) if d.kind == "cpu" else 1.0
+    return GPU(d.gpu_type, d.peak_flops / share, d.peak_flops / share, d.memory_bytes, d.memory_bandwidth / share, 1)
 
 
 def link_of(profile: Profile) -> Link | None:
@@ -78,7 +88,7 @@ def profiled_cluster(profile: Profile, ref: str) -> Cluster | None:
     if link is None or nodes > 1:
         raise PlaitError(f"the profile measured no links for {ref!r} (it covers one node of "
                          f"{profile.device.gpu_type!r} and its collectives); use 1x{per_node}x{m.group(3)}")
-    return Cluster(ref, nodes, per_node, device_of(profile), link, link)
+    return Cluster(ref, nodes, per_node, device_of(profile, per_node), link, link)
 
 
 def calibrate(profile: Profile, cluster: Cluster, base: Calibration | None = None) -> tuple[Cluster, Calibration]:
@@ -89,6 +99,7 @@ def calibrate(profile: Profile, cluster: Cluster, base: Calibration | None = Non
                          f"{cluster.gpu.name!r}; profile that device, or give a cluster of "
                          f"{profile.device.gpu_type!r}")
     link = link_of(profile)
-    cluster = replace(cluster, gpu=device_of(profile), intra=link or cluster.intra)
+    cluster = replace(cluster, gpu=device_of(profile, cluster.gpus_per_node), intra=link or cluster.intra)
     cal = base or calibration_for(cluster.gpu.name)
-    return cluster, replace(cal, measured=measured_of(profile), nvlink_efficiency=1.0 if link else cal.nvlink_efficiency)
+    return cluster, replace(cal, measured=measured_of(profile, cluster.gpus_per_node),
+                            nvlink_efficiency=1.0 if link else cal.nvlink_efficiency)

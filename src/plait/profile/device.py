@@ -66,5 +66,5 @@ def measure_device(ranks: int, gpu_type: str | None = None) -> Device:
         name = _cpu_name()
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / ranks
     return Device(kind="cuda" if cuda else "cpu", gpu_type=gpu_type or ("CPU" if not cuda else name), name=name,
-                  threads=1 if not cuda else threads, memory_bytes=memory, peak_flops=flops,
+                  threads=1 if not cuda else threads, cores=os.cpu_count() or 1, memory_bytes=memory, peak_flops=flops,
                   memory_bandwidth=bandwidth, torch=torch.__version__)

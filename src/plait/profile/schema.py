@@ -31,6 +31,8 @@ class Device(_Frozen):
     gpu_type: str = Field(description="the cluster device type it applies to, e.g. CPU or H100-80GB")
     name: str = Field(description="what the hardware calls itself (CPU model, CUDA device name)")
     threads: int = Field(1, ge=1, description="compute threads per rank")
+    cores: int = Field(1, ge=1, description="CPU cores the ranks of a node share (CPU only: more ranks than "
+                                            "cores share them)")
     memory_bytes: float = Field(gt=0, description="memory per rank the planner may use")
     peak_flops: float = Field(gt=0, description="FLOP/s of a large fp32 GEMM on one rank")
     memory_bandwidth: float = Field(gt=0, description="bytes/s of a large copy on one rank")

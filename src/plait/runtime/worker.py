@@ -1,4 +1,7 @@
-"""Entry point of every torchrun rank: `python -m plait.runtime.worker CONFIG.json`."""
+"""Entry point of every torchrun rank: `python -m plait.runtime.worker CONFIG.json [CONFIG.json ...]`.
+
+Several configs run one after the other in the same job (same ranks), which saves the launch of a job
+per run (tests and benchmarks)."""
 
 from __future__ import annotations
 
@@ -12,22 +15,24 @@ from plait.runtime.train import TrainConfig, init_distributed, run
 
 
 def main(argv: list[str]) -> int:
-    cfg = TrainConfig.from_json(Path(argv[0]).read_text())
+    configs = [TrainConfig.from_json(Path(path).read_text()) for path in argv]
     init_distributed()
     rank = dist.get_rank()
     try:
-        if rank == 0:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        for cfg in configs:
+            if rank == 0:
+                from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-            bar = Progress(TextColumn("training"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                           TextColumn("{task.description}"), TimeElapsedColumn())
-            with bar:
-                task = bar.add_task("", total=cfg.steps)
-                run(cfg, report=lambda r: bar.update(task, advance=1, description=f"loss {r['loss']:.4f} "
-                                                     f"{r['tokens_per_s']:,.0f} tok/s"))
-        else:
-            run(cfg)
-        dist.barrier()
+                bar = Progress(TextColumn("training"), BarColumn(),
+                               TextColumn("{task.completed}/{task.total} steps"), TextColumn("{task.description}"),
+                               TimeElapsedColumn())
+                with bar:
+                    task = bar.add_task("", total=cfg.steps)
+                    run(cfg, report=lambda r, t=task, b=bar: b.update(
+                        t, advance=1, description=f"loss {r['loss']:.4f} {r['tokens_per_s']:,.0f} tok/s"))
+            else:
+                run(cfg)
+            dist.barrier()
         return 0
     except PlaitError as exc:
         if rank == 0:
