@@ -136,10 +136,12 @@ def _check_args(nproc: int, sizes: tuple[int, ...]) -> None:
 
 def measure_collectives(nproc: int, *, sizes: tuple[int, ...] | None = None, quick: bool = False,
                         progress: Callable[[int, int], None] | None = None,
-                        timeout_s: float | None = None) -> tuple[list[CollectiveCurve], Overlap]:
+                        timeout_s: float | None = None) -> tuple[list[CollectiveCurve], Overlap, float]:
     """Measure all-reduce, all-gather, reduce-scatter, all-to-all and p2p on this machine with `nproc`
     ranks launched through torchrun, for every group size 2..nproc that the machine offers (powers of two
     and nproc itself; one node here, so nodes=1), and the overlap slowdown of compute and communication.
+    Returns the curves, the overlap and the resident bytes of a rank with the runtime loaded and its
+    process group up (what a training rank holds before its model).
 
     `sizes`: bytes per rank (default `DEFAULT_SIZES`, or `QUICK_SIZES` with `quick`, which also takes fewer
     repetitions). `progress(done, total)` is called with 0 first and once per finished item. `timeout_s`:
@@ -171,7 +173,7 @@ def measure_collectives(nproc: int, *, sizes: tuple[int, ...] | None = None, qui
     if done != len(items):
         raise PlaitError(f"collective measurement with {nproc} ranks finished {done} of {len(items)} items; "
                          "re-run it")
-    return _curves(result, nproc), _overlap(result)
+    return _curves(result, nproc), _overlap(result), float(result.get("process_bytes", 0.0))
 
 
 def run_job(cmd: list[str], timeout_s: float, on_line: Callable[[str], None], *, what: str) -> None:

@@ -307,13 +307,18 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     rank = int(os.environ.get("RANK", "0"))
     try:
+        import torch.distributed.pipelining  # everything a training rank loads
+
+        import plait.runtime.parallelize  # noqa: F401
+        from plait.profile.layers import process_bytes
         from plait.runtime.train import init_distributed
 
         sizes = [int(s) for s in args.sizes.split(",")]
         init_distributed()
         torch.set_num_threads(1)
         rank = dist.get_rank()
-        result = measure(sizes, args.quick)
+        resident = process_bytes()  # a rank with the runtime loaded and the process group up, no model yet
+        result = measure(sizes, args.quick) | {"process_bytes": resident}
         if rank == 0:
             write_atomically(args.out, json.dumps(result) + "\n")
         _barrier(None, rank_device())  # before destroy: avoids a rare abort at exit (see the notes)

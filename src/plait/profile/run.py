@@ -19,7 +19,7 @@ def profile(spec: ModelSpec, nproc: int, *, quick: bool = False, gpu_type: str |
     the collectives of every group size up to `nproc`, and the overlap slowdown."""
     from plait.profile.collectives import measure_collectives
     from plait.profile.device import measure_device
-    from plait.profile.layers import measure_layers, process_bytes
+    from plait.profile.layers import measure_layers
 
     if nproc < 2:
         raise PlaitError(f"--nproc must be at least 2 to measure collectives, got {nproc}")
@@ -27,7 +27,7 @@ def profile(spec: ModelSpec, nproc: int, *, quick: bool = False, gpu_type: str |
     tps = tuple(t for t in (1, 2, 4, 8) if t <= nproc and spec.heads % t == 0 and spec.kv_heads % t == 0)
     layers, edges = measure_layers(spec, tps=tps, quick=quick,
                                    progress=(lambda d, t: progress("layers", d, t)) if progress else None)
-    collectives, overlap = measure_collectives(
+    collectives, overlap, rank_bytes = measure_collectives(
         nproc, quick=quick, progress=(lambda d, t: progress("collectives", d, t)) if progress else None)
-    return Profile(device=device, process_bytes=process_bytes(), layers=tuple(layers), edges=tuple(edges),
+    return Profile(device=device, process_bytes=rank_bytes, layers=tuple(layers), edges=tuple(edges),
                    collectives=tuple(collectives), overlap=overlap)
