@@ -107,9 +107,9 @@ torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 def quick_two_ranks():
     calls: list[tuple[int, int]] = []
     start = time.perf_counter()
-    curves, overlap, rank_bytes = measure_collectives(2, quick=True,
-                                                      progress=lambda done, total: calls.append((done, total)))
-    return curves, overlap, calls, time.perf_counter() - start, rank_bytes
+    job = measure_collectives(2, quick=True, progress=lambda done, total: calls.append((done, total)))
+    assert job.strategies == []  # only with a model
+    return job.curves, job.overlap, calls, time.perf_counter() - start, job.process_bytes
 
 
 def test_real_measurement_with_two_ranks(quick_two_ranks):

@@ -10,8 +10,9 @@ import pytest
 import torch
 from helpers import expect_error
 
-from plait.profile.layers import fit_curve, measure_layers, process_bytes
+from plait.profile.layers import fit_curve, measure_layers
 from plait.profile.schema import EdgeProfile, LayerProfile
+from plait.runtime.memory import resident_bytes
 from plait.spec.model import ModelSpec, load_model
 
 QUICK_BUDGET_S = 30.0
@@ -175,9 +176,9 @@ def test_rejects_bad_modes_and_points() -> None:
     expect_error(lambda: measure_layers(spec, points=((0, 64),)), "seqs >= 1")
 
 
-def test_process_bytes_follows_resident_memory() -> None:
-    before = process_bytes()
+def test_resident_bytes_follows_resident_memory() -> None:
+    before = resident_bytes()
     assert 10 * 2**20 < before < 2**40
     block = torch.ones(16 * 2**20)  # 64 MiB, touched
-    assert process_bytes() - before > 32 * 2**20
+    assert resident_bytes() - before > 32 * 2**20
     del block

@@ -70,9 +70,10 @@ def train_together(tmp: Path, text: Path, nproc: int, cases: dict[str, tuple[str
            "plait.runtime.worker", *map(str, paths)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    losses = {key: [json.loads(line)["loss"] for line in out.read_text().splitlines()]
-              for key, out in outs.items() if out.exists()}
-    return proc, losses
+    records = {key: [json.loads(line) for line in out.read_text().splitlines()] for key, out in outs.items()
+               if out.exists()}
+    proc.first_records = {key: r[0] for key, r in records.items() if r}  # type: ignore[attr-defined]
+    return proc, {key: [r["loss"] for r in rs] for key, rs in records.items()}
 
 
 def _losses(runs: tuple[subprocess.CompletedProcess, dict[str, list[float]]], key: str) -> list[float]:
@@ -190,6 +191,29 @@ def test_every_plan_matches_single_process(runs, reference, name) -> None:
         assert unsupported(plan, PRESETS[model]) is None and len(plan.ranks) == nproc
     gbs = plan.global_batch if isinstance(plan, Plan) else _gbs(plan)
     assert_same(_losses(runs[nproc], name), reference[(model, gbs)])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama dp=2,gbs=4", "tiny-llama tp=2,gbs=4", "tiny-llama pp=2,mbs=1,gbs=4",
+                                  "tiny-llama dp=2,zero=3,gbs=4"])
+def test_train_reports_the_memory_terms_simulate_predicts(runs, name) -> None:
+    """`plait train` measures each rank's peak as simulate's terms: weights, grads and optimizer state are
+    what the plan predicts (ZeRO-3 shards all three), activations were kept, and the terms add up."""
+    from plait.simulate import simulate
+    from plait.spec.cluster import local_ranks
+
+    nproc, model, strategy = CASES[name]
+    spec = PRESETS[model]
+    plan = uniform_plan(f"{strategy},precision=fp32", spec, local_ranks(nproc), SEQ)  # the runs train in fp32
+    predicted = simulate(plan, spec, local_ranks(nproc))
+    proc, _ = runs[nproc]
+    by_rank = proc.first_records[name]["memory_terms"]
+    assert len(by_rank) == nproc
+    for rank, t in enumerate(by_rank):
+        p = next(d for d in predicted.devices if rank in d.ranks).memory
+        for term, expected in (("weights", p.weights), ("grads", p.gradients), ("optim", p.optimizer)):
+            assert t[term] == pytest.approx(expected, rel=0.02, abs=4096), (rank, term, t, p)
+        assert t["activ"] > 0 and t["reserve"] > 50 * 2**20
+        assert sum(t[k] for k in ("weights", "grads", "optim", "activ", "buf", "reserve")) >= t["total"] * 0.999
 
 
 @pytest.mark.parametrize("strategy,nproc,needle", [

@@ -183,17 +183,20 @@ def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster)
         if value > 0:
             bd.add_row(key, _fmt_s(value), f"{value / report.iteration_time_s:.1%}")
     out.print(bd)
-    mem = Table(title="memory per device (GiB)", box=box.SIMPLE_HEAD)
+    from plait.cost.memory import unit
+
+    name, size = unit(max(d.memory.total for d in report.devices))
+    mem = Table(title=f"memory per device ({name})", box=box.SIMPLE_HEAD)
     multi = len(plan.pipelines) > 1
     for col in ("pipe",) * multi + ("stage", "ranks", "layers", "weights", "grads", "optim", "activ", "buf",
                                     "reserve", "total"):
         mem.add_column(col, justify="right", no_wrap=True)
     for d in report.devices[:16]:
         t = d.memory
-        total = f"{t.total / GIB:.1f}" if t.total <= cluster.gpu.memory_bytes else f"[red]{t.total / GIB:.1f}[/]"
+        total = f"{t.total / size:.1f}" if t.total <= cluster.gpu.memory_bytes else f"[red]{t.total / size:.1f}[/]"
         mem.add_row(*(str(d.pipeline),) * multi, str(d.index), f"{d.ranks[0]}-{d.ranks[-1]}",
                     ",".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in d.layers),
-                    *(f"{v / GIB:.1f}" for v in (t.weights, t.gradients, t.optimizer, t.activations, t.buffers,
+                    *(f"{v / size:.1f}" for v in (t.weights, t.gradients, t.optimizer, t.activations, t.buffers,
                                                   t.reserve)), total)
     if len(report.devices) > 16:
         mem.caption = f"first 16 of {len(report.devices)} device groups"
@@ -417,7 +420,7 @@ def profile_cmd(
     gpu_type: Annotated[str | None, typer.Option(
         "--gpu-type", help="the cluster device type the profile applies to (default: CPU, or the CUDA name)")] = None,
 ) -> None:
-    """Measure this machine (device, the model's layers, collectives) and write a profile for --profile."""
+    """Measure this machine and the runtime's parallel strategies on it; write a profile for --profile."""
     import time
 
     from plait.profile.run import profile
@@ -461,6 +464,20 @@ def print_profile(p) -> None:
     out.print(coll)
     out.print(f"overlap: compute x{p.overlap.compute_slowdown:.2f}, communication x{p.overlap.comm_slowdown:.2f} "
               "when both run at once")
+    if p.strategies:
+        strat = Table(title="a block under each parallel strategy, as the runtime runs it (wall time, "
+                            "communication included)", box=box.SIMPLE_HEAD)
+        for col in ("strategy", "group", "busy ranks", "seqs x seq_len", "fwd ms", "bwd ms"):
+            strat.add_column(col, justify="left" if col == "strategy" else "right")
+        for sp in p.strategies:
+            big = max(sp.samples, key=lambda x: x.seqs * x.seq_len)
+            tokens = big.seqs * big.seq_len
+            strat.add_row(sp.kind, str(sp.group), str(sp.ranks), f"{big.seqs} x {big.seq_len}",
+                          f"{sp.forward.at(tokens, big.seq_len) * 1e3:.1f}", f"{sp.backward.at(tokens, big.seq_len) * 1e3:.1f}")
+        out.print(strat)
+    if p.optimizer is not None:
+        out.print(f"optimizer step (clip + AdamW + zero grads): {p.optimizer.intercept_s * 1e3:.1f} ms + "
+                  f"{p.optimizer.per_param_s * 1e9:.2f} ns per parameter")
 
 
 @app.command(name="train")

@@ -15,7 +15,7 @@ from plait.cost.calibration import Calibration, calibration_for
 from plait.cost.comm import GroupShape
 from plait.cost.compute import elementwise_time
 from plait.cost.head import embedding_time, head_activation_bytes, head_time
-from plait.cost.layer import BlockContext, BlockTime, block_activation_bytes, block_time
+from plait.cost.layer import BlockContext, BlockTime, block_activation_bytes, block_time, runtime_kinds
 from plait.cost.memory import GRAD_BUCKET_BYTES, MemoryTerms, model_state_bytes, with_reserve
 from plait.cost.pipeline import PipelineResult, StageTimes, peak_weighted_in_flight, simulate_pipeline
 from plait.cost.precision import PRECISIONS, PrecisionBytes
@@ -209,7 +209,26 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
     if model.tied_embeddings and len(plan.pipelines[0].stages) > 1:
         reduce_t += comm.all_reduce(model.vocab * model.hidden * prec.grad, GroupShape(2, 2, 1), cluster, cal)
     optimizer = elementwise_time(local_params * prec.optimizer_traffic, cluster.gpu, cal, kernels=4)
+    if cal.measured is not None and cal.measured.optimizer_curve(model.name) is not None:
+        optimizer = _measured_optimizer(costs, plan, stage, model, cluster, cal)
     return reduce_t, gather_t, optimizer
+
+
+def _measured_optimizer(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpec, cluster: Cluster,
+                        cal: Calibration) -> float:
+    """Seconds of the profiled optimizer step (clipping, AdamW, zeroing) over a device's parameters, each at
+    the per-parameter rate of the layout its strategy gives it (DTensor shards cost more per parameter
+    than plain tensors), plus the largest fixed part."""
+    per_param = fixed = 0.0
+    for cost in costs:
+        for params, s, layer in cost.params:
+            replicas = len(_dp_ranks(plan, layer, s, stage.ranks))
+            kinds = runtime_kinds(s, replicas) or ([("zero", "zero3", replicas)] if s.zero and replicas > 1 else [])
+            found = cal.measured.optimizer_curve(model.name, *(kinds[0][1:] if kinds else ("none", 1)))
+            curve, stretch = found
+            per_param += stretch * curve.per_param_s * params / (replicas if s.zero >= 1 else 1)
+            fixed = max(fixed, stretch * curve.intercept_s)
+    return per_param + fixed
 
 
 def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | None = None,

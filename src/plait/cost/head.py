@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from plait.cost import comm
 from plait.cost.compute import elementwise_time, gemm_time
-from plait.cost.layer import BlockContext
+from plait.cost.layer import BlockContext, measured_overheads
 from plait.plan import Strategy
 
 LOGIT_BYTES = 4
@@ -41,12 +41,26 @@ def head_time(s: Strategy, ctx: BlockContext) -> EdgeTime:
     loss = elementwise_time(LOSS_PASSES * logits, gpu, cal, kernels=4)
     norm = elementwise_time(2 * tokens * m.hidden * eb / (s.tp if s.sp else 1), gpu, cal)
     if cal.measured is not None and (measured := cal.measured.edge(m.name, "head", s.tp)) is not None:
-        fwd, bwd = (cal.measured.seconds(c, tokens, ctx.seq_len) for c in (measured.forward, measured.backward))
+        fwd, bwd = (cal.measured.seconds(c, tokens, ctx.seq_len, m.name)
+                    for c in (measured.forward, measured.backward))
         loss = norm = 0.0
     # Gathering the hidden state (sp) and reducing input gradients, plus the loss's max/sum all-reduces.
     tp = 2 * comm.all_reduce(tokens * m.hidden * eb, ctx.tp_group, ctx.cluster, cal)
     tp += 2 * comm.all_reduce(tokens * 4, ctx.tp_group, ctx.cluster, cal)
-    return EdgeTime(forward=fwd + loss / 2 + norm, backward=bwd + loss / 2 + 2 * norm, tp_comm=tp)
+    return _with_runtime(EdgeTime(forward=fwd + loss / 2 + norm, backward=bwd + loss / 2 + 2 * norm, tp_comm=tp),
+                         s, ctx, "head")
+
+
+def _with_runtime(t: EdgeTime, s: Strategy, ctx: BlockContext, part: str) -> EdgeTime:
+    """`t` with what the profile measured the runtime's parallel machinery to add to this edge: the tensor-
+    parallel part replaces the analytic collectives, the rest (ZeRO-3 gathers, context-parallel slicing)
+    is added to forward and backward."""
+    runtime = measured_overheads(s, ctx, part)
+    if not runtime:
+        return t
+    tp = sum(runtime.pop("tp")) if "tp" in runtime else t.tp_comm
+    return EdgeTime(forward=t.forward + sum(f for f, _ in runtime.values()),
+                    backward=t.backward + sum(b for _, b in runtime.values()), tp_comm=tp)
 
 
 def embedding_time(s: Strategy, ctx: BlockContext) -> EdgeTime:
@@ -56,8 +70,9 @@ def embedding_time(s: Strategy, ctx: BlockContext) -> EdgeTime:
     lookup = elementwise_time(2 * tokens * m.hidden * eb, gpu, cal, kernels=2)
     tp = comm.all_reduce(tokens * m.hidden * eb, ctx.tp_group, ctx.cluster, cal)
     if cal.measured is not None and (measured := cal.measured.edge(m.name, "embedding", s.tp)) is not None:
-        return EdgeTime(forward=cal.measured.seconds(measured.forward, tokens, ctx.seq_len),
-                        backward=cal.measured.seconds(measured.backward, tokens, ctx.seq_len), tp_comm=tp)
+        return _with_runtime(EdgeTime(forward=cal.measured.seconds(measured.forward, tokens, ctx.seq_len, m.name),
+                                      backward=cal.measured.seconds(measured.backward, tokens, ctx.seq_len, m.name),
+                                      tp_comm=tp), s, ctx, "embedding")
     return EdgeTime(forward=lookup, backward=2 * lookup, tp_comm=tp)
 
 

@@ -6,6 +6,9 @@ data and context parallelism), the attention core (flash or eager), and memory-b
 tensor-parallel degree only under sequence parallelism. Communication: Megatron tensor-parallel
 collectives (2 forward, 2 backward; repeated by full recompute), Ulysses all-to-alls or ring K/V passes for
 context parallelism, and ZeRO-2/3 per-micro-batch gathers and reduce-scatters that overlap with compute.
+With a profile, measured compute replaces the arithmetic, and what the runtime's tensor, Ulysses and ZeRO-3
+machinery was measured to add to a block replaces that dimension's analytic communication
+(`measured_overheads`).
 """
 
 from __future__ import annotations
@@ -118,24 +121,28 @@ def block_time(s: Strategy, ctx: BlockContext) -> BlockTime:
     forward = fwd_gemm + attn_f + elem_f
     backward = bwd_gemm + attn_b + 2 * elem_f
     if cal.measured is not None and (measured := cal.measured.block(m.name, s.tp)) is not None:
-        forward = cal.measured.seconds(measured.forward, tokens, ctx.seq_len)  # one rank's share, attention included
-        backward = cal.measured.seconds(measured.backward, tokens, ctx.seq_len)
+        # one rank's share, attention included
+        forward = cal.measured.seconds(measured.forward, tokens, ctx.seq_len, m.name)
+        backward = cal.measured.seconds(measured.backward, tokens, ctx.seq_len, m.name)
     recompute = {"none": 0.0, "selective": attn_f, "full": forward}[s.recompute]
     if s.recompute != "none" and cal.measured is not None and \
             (with_rc := cal.measured.block(m.name, s.tp, s.recompute)) is not None:
-        recompute = max(0.0, cal.measured.seconds(with_rc.backward, tokens, ctx.seq_len) - backward)
+        recompute = max(0.0, cal.measured.seconds(with_rc.backward, tokens, ctx.seq_len, m.name) - backward)
 
     # Tensor parallelism: per pass two all-reduces (or, with sp, an all-gather and a reduce-scatter of the
     # same total traffic) of the full hidden state of the device's tokens.
     act_bytes = tokens * m.tp_comm_elements_per_token * eb
-    tp_one = comm.all_reduce(act_bytes, ctx.tp_group, ctx.cluster, cal)
-    tp_fwd = 2 * tp_one
-    tp_passes = 3 if s.recompute == "full" else 2
+    tp_fwd = tp_bwd = 2 * comm.all_reduce(act_bytes, ctx.tp_group, ctx.cluster, cal)
+    runtime = measured_overheads(s, ctx)
+    if "tp" in runtime:
+        tp_fwd, tp_bwd = runtime["tp"]
 
     # Context parallelism.
     cp_fwd = cp_bwd = 0.0
     if s.cp > 1:
-        if s.cp_mode == "ulysses":
+        if "cp" in runtime:
+            cp_fwd, cp_bwd = runtime["cp"]
+        elif s.cp_mode == "ulysses":
             a2a = comm.all_to_all(tokens * m.ulysses_elements_per_token // s.tp * eb, ctx.cp_group, ctx.cluster, cal)
             cp_fwd, cp_bwd = a2a, a2a
         else:  # ring: cp-1 K/V block passes hidden behind the block attention they feed
@@ -150,17 +157,57 @@ def block_time(s: Strategy, ctx: BlockContext) -> BlockTime:
     # ZeRO-2 reduce-scatters gradients each micro-batch. Prefetching hides them behind the block's compute.
     zero_fwd = zero_bwd = 0.0
     params = m.block_params // s.tp
-    if ctx.dp_group.size > 1 and s.zero >= 2:
+    if "zero3" in runtime:
+        zero_fwd, zero_bwd = runtime["zero3"]
+    elif ctx.dp_group.size > 1 and s.zero >= 2:
         rs = comm.reduce_scatter(params * ctx.prec.grad, ctx.dp_group, ctx.cluster, cal)
         gather = comm.all_gather(params * ctx.prec.param, ctx.dp_group, ctx.cluster, cal) if s.zero == 3 else 0.0
         zero_fwd = max(0.0, gather - forward * cal.overlap_efficiency)
         zero_bwd = max(0.0, gather + rs - (backward + recompute) * cal.overlap_efficiency)
 
+    tp_recompute = tp_fwd if s.recompute == "full" else 0.0
     return BlockTime(
         forward=forward, backward=backward, recompute=recompute,
-        tp_comm=tp_passes * tp_fwd, cp_comm=cp_fwd + cp_bwd + cp_recompute, zero_comm=zero_fwd + zero_bwd,
-        forward_comm=tp_fwd + cp_fwd + zero_fwd,
+        tp_comm=tp_fwd + tp_bwd + tp_recompute, cp_comm=cp_fwd + cp_bwd + cp_recompute,
+        zero_comm=zero_fwd + zero_bwd, forward_comm=tp_fwd + cp_fwd + zero_fwd,
     )
+
+
+def runtime_kinds(s: Strategy, dp_size: int) -> list[tuple[str, str, int]]:
+    """(dimension, profiled strategy kind, group size) of each parallel dimension of `s` whose runtime
+    machinery a profile times: tensor ("tp": kind tp or tp_sp), Ulysses ("cp") and ZeRO-3 ("zero3") over
+    the `dp_size` ranks that share the weights."""
+    out = []
+    if s.tp > 1:
+        out.append(("tp", "tp_sp" if s.sp else "tp", s.tp))
+    if s.cp > 1 and s.cp_mode == "ulysses":
+        out.append(("cp", "cp", s.cp))
+    if s.zero == 3 and dp_size > 1:
+        out.append(("zero3", "zero3", dp_size))
+    return out
+
+
+def measured_overheads(s: Strategy, ctx: BlockContext, part: str = "block") -> dict[str, tuple[float, float]]:
+    """(forward, backward) seconds that the runtime's tensor ("tp"), Ulysses ("cp") and ZeRO-3 ("zero3")
+    machinery adds to a block (or to the "embedding" or "head"), where the profile timed it under that
+    strategy: the measured wall time less the measured compute of the same shard (communication,
+    DTensor/FSDP overhead and contention for the cores, as they were). Missing where not timed."""
+    measured = ctx.cal.measured
+    if measured is None:
+        return {}
+    m, seq_len = ctx.model, ctx.seq_len
+    tokens = ctx.seqs * seq_len / s.cp  # this device's tokens outside attention
+    out = {}
+    for dim, kind, group in runtime_kinds(s, ctx.dp_group.size):
+        shard_tp = s.tp if dim == "tp" else 1
+        lookup = ctx.seqs * seq_len if dim == "cp" else tokens  # a cp timing is keyed by the whole sequences
+        timed = measured.strategy(m.name, kind, group, lookup, seq_len, part)
+        local = measured.block(m.name, shard_tp) if part == "block" else measured.edge(m.name, part, shard_tp)
+        if timed is None or local is None:
+            continue
+        compute = [measured.seconds(c, tokens, seq_len, m.name) for c in (local.forward, local.backward)]
+        out[dim] = (max(0.0, timed[0] - compute[0]), max(0.0, timed[1] - compute[1]))
+    return out
 
 
 MEASURED_ACTIVATION_BYTES = 4

@@ -3,8 +3,9 @@
 `calibrate(profile)` turns a profile into the device type it measured (a `GPU` whose peaks are the measured
 GEMM rate and copy bandwidth, links fitted from the measured collectives) and a `Calibration` that carries
 the lookups: a block's or edge's measured time curve for the model and tensor-parallel width, a collective's
-measured latency and bandwidth for the group size. Whatever the profile lacks falls back to the analytic
-model. A profile applies to its own device type only.
+measured latency and bandwidth for the group size, a block, edge or optimizer step as the runtime ran it
+under a parallel strategy, and how much a rank slows down beside busy neighbours. Whatever the profile
+lacks falls back to the analytic model. A profile applies to its own device type only.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from dataclasses import dataclass, field, replace
 
 from plait.cost.calibration import Calibration, calibration_for
 from plait.errors import PlaitError
-from plait.profile.schema import CollectiveCurve, Curve, EdgeProfile, LayerProfile, Profile
+from plait.profile.schema import (
+    CollectiveCurve,
+    Curve,
+    EdgeProfile,
+    LayerProfile,
+    OptimizerCurve,
+    Profile,
+    StrategyProfile,
+)
 from plait.spec.cluster import GPU, Cluster, Link
 
 
@@ -28,9 +37,13 @@ class Measured:
     compute_slowdown: float
     comm_slowdown: float
     share: float = 1.0
+    cores: int = 1
+    ranks_per_node: int = 1
     blocks: dict[tuple[str, int, str], LayerProfile] = field(default_factory=dict)
     edges: dict[tuple[str, str, int], EdgeProfile] = field(default_factory=dict)
     collectives: dict[tuple[str, int, int], CollectiveCurve] = field(default_factory=dict)
+    strategies: dict[tuple[str, str, int], list[StrategyProfile]] = field(default_factory=dict)
+    optimizer: OptimizerCurve | None = None
 
     def block(self, model: str, tp: int, recompute: str = "none") -> LayerProfile | None:
         return self.blocks.get((model, tp, recompute))
@@ -38,9 +51,55 @@ class Measured:
     def edge(self, model: str, part: str, tp: int) -> EdgeProfile | None:
         return self.edges.get((model, part, tp))
 
-    def seconds(self, curve: Curve, tokens: float, seq_len: float) -> float:
-        """A measured compute curve at this micro-batch, stretched by the node's core sharing."""
-        return self.share * curve.at(tokens, seq_len)
+    def seconds(self, curve: Curve, tokens: float, seq_len: float, model: str | None = None) -> float:
+        """A measured compute curve (one rank alone) at this micro-batch, slowed by the ranks computing beside
+        it on the node (`contention`)."""
+        return self.contention(model, tokens, seq_len) * curve.at(tokens, seq_len)
+
+    def contention(self, model: str | None, tokens: float, seq_len: float) -> float:
+        """How much slower a rank computes `model`'s block when every rank of the node computes at once than
+        alone: the profile's plain-block timing with that many busy ranks over its one-rank curve, or the
+        node's core sharing (ranks / cores) where the profile has no such timing."""
+        found = self.strategy_profile(model, "none", 1) if model and self.ranks_per_node > 1 else None
+        alone = self.block(model, 1) if model else None
+        if found is None or alone is None:
+            return self.share
+        sp, stretch = found
+        single = alone.forward.at(tokens, seq_len) + alone.backward.at(tokens, seq_len)
+        busy = sp.forward.at(tokens, seq_len) + sp.backward.at(tokens, seq_len)
+        return stretch * busy / single if single > 0 and busy > 0 else self.share
+
+    def strategy_profile(self, model: str, kind: str, group: int) -> tuple[StrategyProfile, float] | None:
+        """The timing of `model` under a parallel strategy kind over `group` ranks taken with the number of
+        busy ranks nearest this node's, and the stretch to apply to it (the ratio of core sharing, CPU)."""
+        found = self.strategies.get((model, kind, group))
+        if not found:
+            return None
+        best = min(found, key=lambda sp: (abs(sp.ranks - self.ranks_per_node), -sp.ranks))
+        stretch = self.share / max(1.0, best.ranks / self.cores) if self.cores > 1 or self.share > 1 else 1.0
+        return best, stretch
+
+    def strategy(self, model: str, kind: str, group: int, tokens: float, seq_len: float, part: str = "block"
+                 ) -> tuple[float, float] | None:
+        """(forward, backward) wall seconds of one block (or `part` "embedding" / "head") under a parallel
+        strategy kind over `group` ranks, as the runtime ran it, or None if not measured."""
+        found = self.strategy_profile(model, kind, group)
+        if found is None:
+            return None
+        sp, stretch = found
+        timed = sp if part == "block" else getattr(sp, part)
+        if timed is None:
+            return None
+        return stretch * timed.forward.at(tokens, seq_len), stretch * timed.backward.at(tokens, seq_len)
+
+    def optimizer_curve(self, model: str, kind: str | None = None, group: int = 1
+                        ) -> tuple[OptimizerCurve, float] | None:
+        """The optimizer step's curve for `model`'s parameters laid out by a strategy kind (its own timing if
+        the profile has one, else the plain one) and the stretch to apply to it, or None."""
+        found = self.strategy_profile(model, kind, group) if kind else None
+        if found is not None and found[0].optimizer is not None:
+            return found[0].optimizer, found[1]
+        return (self.optimizer, self.share) if self.optimizer is not None else None
 
     def collective(self, op: str, ranks: int, nodes: int, nbytes: float) -> float | None:
         """Seconds of a measured collective, or None if this group size was not measured."""
@@ -50,9 +109,14 @@ class Measured:
 
 def measured_of(profile: Profile, ranks_per_node: int = 1) -> Measured:
     d = profile.device
+    strategies: dict[tuple[str, str, int], list[StrategyProfile]] = {}
+    for sp in profile.strategies:
+        strategies.setdefault((sp.model, sp.kind, sp.group), []).append(sp)
     return Measured(
         gpu_type=d.gpu_type, process_bytes=profile.process_bytes,
         share=max(1.0, ranks_per_node / d.cores) if d.kind == "cpu" else 1.0,
+        cores=d.cores if d.kind == "cpu" else 1, ranks_per_node=ranks_per_node,
+        strategies=strategies, optimizer=profile.optimizer,
         compute_slowdown=profile.overlap.compute_slowdown, comm_slowdown=profile.overlap.comm_slowdown,
         blocks={(lp.model, lp.tp, lp.recompute): lp for lp in profile.layers},
         edges={(e.model, e.part, e.tp): e for e in profile.edges},

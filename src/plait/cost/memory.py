@@ -60,3 +60,8 @@ def with_reserve(weights: float, grads: float, optimizer: float, activations: fl
     allocated = weights + grads + optimizer + activations + buffers
     return MemoryTerms(weights, grads, optimizer, activations, buffers,
                        context_bytes(cal) + FRAGMENTATION_FRACTION * allocated)
+
+
+def unit(largest: float) -> tuple[str, float]:
+    """(name, bytes) of the unit to print memory in: GiB, or MiB below 1 GiB."""
+    return ("GiB", 2.0**30) if largest >= 2**30 else ("MiB", 2.0**20)

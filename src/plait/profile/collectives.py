@@ -20,12 +20,14 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from plait.errors import PlaitError
-from plait.profile.schema import CollectiveCurve, CollectiveSample, Overlap
+from plait.profile.schema import CollectiveCurve, CollectiveSample, Overlap, StrategyProfile
+from plait.spec.model import ModelSpec
 
 PROGRESS_PREFIX = "plait-collectives-progress"
 """Start of the stdout line rank 0 prints after each finished item (see `planned_items`)."""
@@ -47,6 +49,8 @@ TIMEOUT_BASE_S = 300.0
 """Seconds the measurement itself may take before the job counts as hung (a full 8-rank run: ~1-2 min)."""
 TIMEOUT_PER_RANK_S = 30.0
 """Seconds more per rank for starting it (~8-15 s per rank here: `import torch` and joining)."""
+TIMEOUT_PER_STRATEGY_S = 120.0
+"""Seconds more per strategy timing of a model's block (~5-20 s each here)."""
 TERMINATE_GRACE_S = 10.0
 """Seconds torchrun gets to stop its ranks after SIGTERM before it is killed."""
 ERROR_TAIL_CHARS = 400
@@ -118,9 +122,26 @@ def group_sizes(nproc: int) -> list[int]:
     return sorted({2**k for k in range(1, nproc.bit_length()) if 2**k <= nproc} | {nproc})
 
 
-def planned_items(nproc: int) -> list[str]:
-    """What the worker reports as done, in order: "OP RANKS" per curve, then "overlap"."""
-    return [f"{op} {g}" for op in GROUP_OPS for g in group_sizes(nproc)] + ["p2p 2", "overlap"]
+def planned_items(nproc: int, model: ModelSpec | None = None) -> list[str]:
+    """What the worker reports as done, in order: "OP RANKS" per curve, then "overlap", then (with a model)
+    "KIND GROUP BUSY" per strategy measurement, in each of its passes."""
+    items = [f"{op} {g}" for op in GROUP_OPS for g in group_sizes(nproc)] + ["p2p 2", "overlap"]
+    if model is not None:
+        from plait.profile.strategy_blocks import PASSES
+        from plait.profile.strategy_blocks import planned_items as strategy_items
+
+        items += [" ".join(map(str, item)) for item in strategy_items(model, nproc, group_sizes(nproc))] * PASSES
+    return items
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What the collective job measured."""
+
+    curves: list[CollectiveCurve]
+    overlap: Overlap
+    process_bytes: float  # resident bytes of a rank with the runtime loaded and its process group up
+    strategies: list[StrategyProfile]  # the model's block under each parallel strategy (empty without a model)
 
 
 def _check_args(nproc: int, sizes: tuple[int, ...]) -> None:
@@ -135,13 +156,13 @@ def _check_args(nproc: int, sizes: tuple[int, ...]) -> None:
 
 
 def measure_collectives(nproc: int, *, sizes: tuple[int, ...] | None = None, quick: bool = False,
-                        progress: Callable[[int, int], None] | None = None,
-                        timeout_s: float | None = None) -> tuple[list[CollectiveCurve], Overlap, float]:
+                        model: ModelSpec | None = None, progress: Callable[[int, int], None] | None = None,
+                        timeout_s: float | None = None) -> JobResult:
     """Measure all-reduce, all-gather, reduce-scatter, all-to-all and p2p on this machine with `nproc`
     ranks launched through torchrun, for every group size 2..nproc that the machine offers (powers of two
-    and nproc itself; one node here, so nodes=1), and the overlap slowdown of compute and communication.
-    Returns the curves, the overlap and the resident bytes of a rank with the runtime loaded and its
-    process group up (what a training rank holds before its model).
+    and nproc itself; one node here, so nodes=1), the overlap slowdown of compute and communication, the
+    resident bytes of a rank with the runtime loaded and its process group up (what a training rank holds
+    before its model) and, with `model`, its block under each parallel strategy as the runtime runs it.
 
     `sizes`: bytes per rank (default `DEFAULT_SIZES`, or `QUICK_SIZES` with `quick`, which also takes fewer
     repetitions). `progress(done, total)` is called with 0 first and once per finished item. `timeout_s`:
@@ -150,13 +171,16 @@ def measure_collectives(nproc: int, *, sizes: tuple[int, ...] | None = None, qui
     """
     sizes = tuple(sorted(set(sizes if sizes is not None else (QUICK_SIZES if quick else DEFAULT_SIZES))))
     _check_args(nproc, sizes)
-    items = planned_items(nproc)
-    timeout = timeout_s if timeout_s is not None else TIMEOUT_BASE_S + TIMEOUT_PER_RANK_S * nproc
+    items = planned_items(nproc, model)
+    strategies = len(items) - len(planned_items(nproc))
+    timeout = timeout_s if timeout_s is not None else \
+        TIMEOUT_BASE_S + TIMEOUT_PER_RANK_S * nproc + TIMEOUT_PER_STRATEGY_S * strategies
     with tempfile.TemporaryDirectory(prefix="plait-collectives-") as tmp:
         out = Path(tmp) / "collectives.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "plait.profile.collectives_worker", str(out), "--sizes", ",".join(map(str, sizes))]
         cmd += ["--quick"] if quick else []
+        cmd += ["--model", model.name] if model is not None else []
         done = 0
         if progress is not None:
             progress(0, len(items))
@@ -173,7 +197,16 @@ def measure_collectives(nproc: int, *, sizes: tuple[int, ...] | None = None, qui
     if done != len(items):
         raise PlaitError(f"collective measurement with {nproc} ranks finished {done} of {len(items)} items; "
                          "re-run it")
-    return _curves(result, nproc), _overlap(result), float(result.get("process_bytes", 0.0))
+    strategies = []
+    if model is not None:
+        from plait.profile.strategy_blocks import profiles
+
+        try:
+            strategies = profiles(model.name, result.get("strategies", []))
+        except (KeyError, TypeError, ValidationError) as exc:
+            raise PlaitError(f"the collective measurement with {nproc} ranks wrote a malformed strategy "
+                             f"timing ({type(exc).__name__}); re-run it") from None
+    return JobResult(_curves(result, nproc), _overlap(result), float(result.get("process_bytes", 0.0)), strategies)
 
 
 def run_job(cmd: list[str], timeout_s: float, on_line: Callable[[str], None], *, what: str) -> None:
@@ -266,7 +299,7 @@ def _curves(result: dict, nproc: int) -> list[CollectiveCurve]:
     except (KeyError, TypeError, ValidationError) as exc:
         raise PlaitError(f"the collective measurement with {nproc} ranks wrote a malformed curve "
                          f"({type(exc).__name__}); re-run it") from None
-    expected = {tuple(item.split()) for item in planned_items(nproc)[:-1]}
+    expected = {tuple(item.split()) for item in planned_items(nproc) if item != "overlap"}
     missing = expected - {(c.op, str(c.ranks)) for c in curves}
     if missing:
         raise PlaitError(f"the collective measurement with {nproc} ranks lacks {min(missing)}; re-run it")

@@ -1,11 +1,11 @@
 """One rank of the collective measurement (started by torchrun from `plait.profile.collectives`).
 
     python -m torch.distributed.run --standalone --nproc-per-node=N -m plait.profile.collectives_worker \
-        OUT.json --sizes 4096,65536 [--quick]
+        OUT.json --sizes 4096,65536 [--quick] [--model SPEC]
 
 Every rank measures all-reduce, all-gather, reduce-scatter and all-to-all over the groups of ranks 0..g-1
-for g in `group_sizes(N)`, p2p between ranks 0 and 1, and how a GEMM loop and an all-reduce slow each other
-down. Rank 0 prints one `PROGRESS_PREFIX` line per finished item to stdout and writes the raw samples
+for g in `group_sizes(N)`, p2p between ranks 0 and 1, how a GEMM loop and an all-reduce slow each other
+down, and with `--model SPEC` that model's block under each parallel strategy (plait.profile.strategy_blocks). Rank 0 prints one `PROGRESS_PREFIX` line per finished item to stdout and writes the raw samples
 (bytes per rank, seconds) to OUT.json; the parent fits them. A failure prints one `ERROR_PREFIX` line to
 stderr and exits with 1. Units: seconds, bytes.
 """
@@ -271,8 +271,9 @@ def _progress(rank: int, what: str) -> None:
         print(f"{PROGRESS_PREFIX} {what}", flush=True)
 
 
-def measure(sizes: list[int], quick: bool) -> dict:
-    """Everything, on a joined process group: {"curves": [{op, ranks, samples}], "overlap": {...}}."""
+def measure(sizes: list[int], quick: bool, model: str | None = None) -> dict:
+    """Everything, on a joined process group: {"curves": [{op, ranks, samples}], "overlap": {...},
+    "strategies": [{kind, group, ranks, samples}]} (strategies of `model`'s block, if given)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     groups = {g: dist.new_group(list(range(g))) for g in group_sizes(world)}  # same order on every rank
@@ -286,7 +287,49 @@ def measure(sizes: list[int], quick: bool) -> dict:
         _progress(rank, f"{op} {g}")
     overlap = measure_overlap(quick, device)
     _progress(rank, "overlap")
-    return {"world": world, "backend": dist.get_backend(), "curves": curves, "overlap": overlap}
+    strategies = []
+    if model is not None:
+        from plait.profile import strategy_blocks
+        from plait.spec.model import load_model
+
+        spec = load_model(model)
+        items = strategy_blocks.planned_items(spec, world, group_sizes(world))
+        passes: dict[tuple, list[dict]] = {item: [] for item in items}
+        for _ in range(strategy_blocks.PASSES):
+            for item in items:
+                raw = strategy_blocks.measure_item(spec, item, quick)
+                if raw is not None:
+                    passes[item].append(raw)
+                _barrier(None, device)
+                _progress(rank, " ".join(map(str, item)))
+        strategies = [strategy_blocks.merge(p) for p in passes.values() if p]
+    return {"world": world, "backend": dist.get_backend(), "curves": curves, "overlap": overlap,
+            "strategies": strategies}
+
+
+FIRST_STEP_DIMS = {"layers": 1, "hidden": 64, "heads": 2, "kv_heads": 2, "ffn": 128, "vocab": 64}
+"""A model this small adds nothing measurable but the code and state a rank's first step loads."""
+
+
+def _first_step(model: str | None) -> None:
+    """One training step of a tiny model of `model`'s family (llama by default) through the model code,
+    autograd, clipping and AdamW, then freed: what every training rank loads on its first step stays
+    resident (and belongs to the rank's fixed memory), the tiny model itself does not."""
+    import gc
+    from dataclasses import replace
+
+    from plait.models import build_model
+    from plait.runtime.train import clip_grads
+    from plait.spec.model import load_model
+
+    spec = load_model(model or "tiny-llama")
+    tiny = build_model(replace(spec, **FIRST_STEP_DIMS, head_dim=32))
+    optimizer = torch.optim.AdamW(tiny.parameters())
+    tiny(torch.zeros(1, 16, dtype=torch.long)).float().sum().backward()
+    clip_grads(list(tiny.parameters()), 1.0, None)
+    optimizer.step()
+    del tiny, optimizer
+    gc.collect()
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -303,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="JSON file for the results (written by rank 0)")
     parser.add_argument("--sizes", required=True, help="comma-separated message bytes per rank")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller overlap test")
+    parser.add_argument("--model", help="also time this model's block under each parallel strategy")
     args = parser.parse_args(argv)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     rank = int(os.environ.get("RANK", "0"))
@@ -310,15 +354,16 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed.pipelining  # everything a training rank loads
 
         import plait.runtime.parallelize  # noqa: F401
-        from plait.profile.layers import process_bytes
+        from plait.runtime.memory import resident_bytes
         from plait.runtime.train import init_distributed
 
         sizes = [int(s) for s in args.sizes.split(",")]
         init_distributed()
         torch.set_num_threads(1)
         rank = dist.get_rank()
-        resident = process_bytes()  # a rank with the runtime loaded and the process group up, no model yet
-        result = measure(sizes, args.quick) | {"process_bytes": resident}
+        _first_step(args.model)
+        resident = resident_bytes()  # a rank with the runtime loaded, run once, and the process group up
+        result = measure(sizes, args.quick, args.model) | {"process_bytes": resident}
         if rank == 0:
             write_atomically(args.out, json.dumps(result) + "\n")
         _barrier(None, rank_device())  # before destroy: avoids a rare abort at exit (see the notes)

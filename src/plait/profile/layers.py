@@ -51,7 +51,6 @@ from __future__ import annotations
 import copy
 import gc
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -145,22 +144,6 @@ def measure_layers(spec: ModelSpec, *, tps: tuple[int, ...] = (1, 2), points: tu
         _sample(point, times, nbytes, (tp, point, plus), (tp, point, minus)) for point in pts])
         for tp in widths for part, (plus, minus) in EDGE_DIFFERENCES.items()]
     return layers, edges
-
-
-def process_bytes() -> float:
-    """Resident memory of this process now (bytes): what a rank holds before any model state.
-
-    Read from /proc/self/statm (Linux); elsewhere the peak resident size from getrusage, an upper bound."""
-    try:
-        with open("/proc/self/statm") as statm:
-            resident_pages = int(statm.read().split()[1])
-        return float(resident_pages * os.sysconf("SC_PAGE_SIZE"))
-    except (OSError, ValueError, IndexError):
-        import resource
-        import sys
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return float(peak if sys.platform == "darwin" else peak * 1024)  # macOS: bytes, Linux: KiB
 
 
 def fit_curve(tokens: list[float], seq_lens: list[float], seconds: list[float]) -> Curve:

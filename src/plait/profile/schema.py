@@ -18,6 +18,7 @@ from plait.plan import write_atomically
 PROFILE_VERSION = 1
 
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
+StrategyKind = Literal["none", "tp", "tp_sp", "cp", "zero3"]
 
 
 class _Frozen(BaseModel):
@@ -86,6 +87,38 @@ class EdgeProfile(_Frozen):
     samples: tuple[LayerSample, ...] = ()
 
 
+class OptimizerCurve(_Frozen):
+    """seconds = intercept_s + per_param_s * parameters for one training step's clipping, optimizer step
+    and zeroing of gradients over one rank's parameters (AdamW, as the runtime runs it)."""
+
+    intercept_s: float = 0.0
+    per_param_s: float = 0.0
+    samples: tuple[tuple[float, float], ...] = Field((), description="(parameters, seconds)")
+
+    def at(self, params: float) -> float:
+        return max(0.0, self.intercept_s + self.per_param_s * params)
+
+
+class StrategyProfile(_Frozen):
+    """One block of `model` as the runtime runs it under one parallel strategy over `group` ranks, while
+    `ranks` ranks of the node are busy (groups side by side): wall seconds, communication and the runtime's
+    own overhead included, for the micro-batch of one data-parallel replica (see
+    plait.profile.strategy_blocks)."""
+
+    model: str
+    kind: StrategyKind = Field(description="tp, tp_sp (with sequence parallelism), cp (Ulysses), zero3 (FSDP), "
+                                           "none (a plain block on each busy rank)")
+    group: int = Field(ge=1, description="ranks of the tensor-, context- or data-parallel group (1 for none)")
+    ranks: int = Field(ge=2, description="ranks busy at once on the node while measured")
+    forward: Curve
+    backward: Curve
+    samples: tuple[LayerSample, ...] = ()
+    embedding: EdgeProfile | None = Field(None, description="the embedding under the same strategy")
+    head: EdgeProfile | None = Field(None, description="final norm, LM head and loss under the same strategy")
+    optimizer: OptimizerCurve | None = Field(None, description="clipping + AdamW + zeroing of parameters "
+                                                               "laid out by this strategy")
+
+
 class CollectiveSample(_Frozen):
     bytes: float = Field(description="bytes per rank (the input of all-reduce/reduce-scatter/all-to-all, "
                                      "the output of all-gather, the message of p2p)")
@@ -124,6 +157,8 @@ class Profile(_Frozen):
     edges: tuple[EdgeProfile, ...] = ()
     collectives: tuple[CollectiveCurve, ...] = ()
     overlap: Overlap = Overlap()
+    strategies: tuple[StrategyProfile, ...] = ()
+    optimizer: OptimizerCurve | None = None
 
     def save(self, path: str | Path) -> None:
         write_atomically(Path(path), self.model_dump_json(indent=1) + "\n")

@@ -7,10 +7,10 @@ its tokens; in fp32 any plan reproduces the single-process loss curve.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import resource
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -26,7 +26,7 @@ from plait.errors import PlaitError
 from plait.models import build_model
 from plait.models.hf_weights import load_hf_safetensors
 from plait.plan import Plan
-from plait.runtime import checkpoint
+from plait.runtime import checkpoint, memory
 from plait.runtime.data import TokenSource, shard
 from plait.runtime.parallelize import parallelize_chunk, sync_gradients
 from plait.runtime.placement import Placement, check_executable, place
@@ -138,14 +138,20 @@ def _tied_weight(chunks: list[torch.nn.Module], where: Placement, plan: Plan) ->
 
 
 def _sum_tied_grad(weight: torch.nn.Parameter, group: dist.ProcessGroup) -> None:
-    """Add the head's gradient of a tied embedding table to the embedding's, and back (same shards on
-    both ends: a sharded embedding's gradient comes back replicated, so it is first sharded like the weight)."""
-    grad = weight.grad
-    if isinstance(grad, DTensor):
-        if grad.placements != weight.placements:
-            grad = weight.grad = grad.redistribute(placements=weight.placements)
-        grad = grad.to_local()
-    dist.all_reduce(grad, group=group)
+    """Add the head's gradient of a tied embedding table to the embedding's, and back (same shards on both
+    ends)."""
+    grad = weight.grad  # already sharded like the weight (`_shard_grads_like_params`)
+    dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+
+
+def _shard_grads_like_params(params: list[torch.nn.Parameter]) -> None:
+    """Give every DTensor gradient its parameter's placements: a vocabulary-parallel embedding's gradient
+    comes out of backward replicated (the whole table on every rank) while its weight is sharded; sharding
+    it here frees the rest before the optimizer, which would otherwise redistribute it at every use."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(placements=p.placements)
 
 
 def _gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
@@ -174,11 +180,30 @@ def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro
     return kind(stages[0], micro_batches, loss_fn=_loss)
 
 
-def peak_memory_bytes() -> float:
-    """Peak memory of this rank: device memory on CUDA, resident set size on CPU."""
-    if torch.cuda.is_available():
-        return float(torch.cuda.max_memory_allocated())
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+def _forward_backward(chunks: list[torch.nn.Module], schedule, inputs: list[torch.Tensor],
+                      targets: list[torch.Tensor], loss_sum: torch.Tensor, micro_batches: int, first: bool,
+                      last: bool, autocast) -> None:
+    """One step's forwards and backwards (gradient accumulation over micro-batches, or the pipeline
+    schedule); adds the summed loss and the micro-batch count to `loss_sum`."""
+    if schedule is None:
+        for i, (x, y) in enumerate(zip(inputs, targets)):
+            _gradient_sync(chunks[0], i == len(inputs) - 1)  # reduce gradients once, after the last micro-batch
+            with autocast:
+                loss = _loss(chunks[0](x), y)
+            (loss / micro_batches).backward()
+            loss_sum[0] += loss.detach().double()
+            loss_sum[1] += 1
+        return
+    losses: list[torch.Tensor] = []
+    kwargs = {"target": torch.cat(targets), "losses": losses} if last else {}
+    with autocast:
+        if first:
+            schedule.step(torch.cat(inputs), **kwargs)
+        else:
+            schedule.step(**kwargs)
+    for loss in losses:
+        loss_sum[0] += loss.detach().double()
+        loss_sum[1] += 1
 
 
 def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
@@ -195,6 +220,7 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
     autocast = torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16,
                               enabled=cfg.dtype == "bf16")
     torch.manual_seed(cfg.seed)
+    reserve = memory.current_bytes()  # before any model state
     where = place(plan, rank, spec.tied_embeddings)
     chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint)
     params = [p for m in chunks for p in m.parameters()]
@@ -231,40 +257,38 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
             inputs = [shard(batch, k + in_first, in_count).inputs for k in micro]
             targets = [shard(batch, k + out_first, out_count).targets[:, sl[0]: sl[1]] for k in micro]
             loss_sum = torch.zeros(2, dtype=torch.float64)
-            if schedule is None:
-                for i, (x, y) in enumerate(zip(inputs, targets)):
-                    last = i == len(inputs) - 1  # reduce gradients once, after the last micro-batch
-                    _gradient_sync(chunks[0], last)
-                    with autocast:
-                        loss = _loss(chunks[0](x), y)
-                    (loss / pipe.micro_batches).backward()
-                    loss_sum[0] += loss.detach().double()
-                    loss_sum[1] += 1
-            else:
-                losses: list[torch.Tensor] = []
-                kwargs = {"target": torch.cat(targets), "losses": losses} if is_last else {}
-                with autocast:
-                    if where.first:
-                        schedule.step(torch.cat(inputs), **kwargs)
-                    else:
-                        schedule.step(**kwargs)
-                for loss in losses:
-                    loss_sum[0] += loss.detach().double()
-                    loss_sum[1] += 1
+            meter = memory.SavedActivations(params) if step == start else contextlib.nullcontext()
+            with meter:
+                _forward_backward(chunks, schedule, inputs, targets, loss_sum, pipe.micro_batches, where.first,
+                                  is_last, autocast)
+            _shard_grads_like_params(params)
+            grads = memory.tensor_bytes(p.grad for p in params) if step == start else 0.0
+            t1 = time.perf_counter()
             for synced, group in manual_sync:
                 if group is not None:
                     sync_gradients(synced, group)
             if tied is not None and tied.grad is not None:
                 _sum_tied_grad(tied, where.tied_group)
+            t2 = time.perf_counter()
             grad_norm = clip_grads(params, cfg.clip, where.pp_group, uncounted=None if where.first else tied)
+            t3 = time.perf_counter()
             for optimizer in optimizers:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            t4 = time.perf_counter()
             dist.all_reduce(loss_sum)
             elapsed = time.perf_counter() - t0
             record = {"step": step, "loss": float(loss_sum[0] / loss_sum[1]), "step_time_s": elapsed,
                       "tokens_per_s": plan.global_batch * plan.seq_len / elapsed, "lr": lr_at(step, cfg),
-                      "grad_norm": grad_norm, "peak_memory_bytes": peak_memory_bytes()}
+                      "grad_norm": grad_norm, "peak_memory_bytes": memory.peak_bytes(),
+                      "phases_s": {"forward_backward": t1 - t0, "gradient_sync": t2 - t1, "clip": t3 - t2,
+                                   "optimizer": t4 - t3}}
+            if step == start:  # the peak's terms on every rank, as `plait simulate` predicts them
+                mine = memory.terms(memory.tensor_bytes(params), grads, memory.optimizer_state_bytes(optimizers),
+                                    meter.peak, reserve, memory.peak_bytes())
+                by_rank: list[dict | None] = [None] * world
+                dist.all_gather_object(by_rank, mine)
+                record["memory_terms"] = by_rank
             if rank == 0:
                 metrics.append(record)
                 if out:

@@ -28,8 +28,14 @@ def main(argv: list[str]) -> int:
                                TimeElapsedColumn())
                 with bar:
                     task = bar.add_task("", total=cfg.steps)
-                    run(cfg, report=lambda r, t=task, b=bar: b.update(
+                    metrics = run(cfg, report=lambda r, t=task, b=bar: b.update(
                         t, advance=1, description=f"loss {r['loss']:.4f} {r['tokens_per_s']:,.0f} tok/s"))
+                if metrics and "memory_terms" in metrics[0]:
+                    from rich.console import Console
+
+                    from plait.runtime.memory import table
+
+                    Console().print(table(metrics[0]["memory_terms"]))
             else:
                 run(cfg)
             dist.barrier()
