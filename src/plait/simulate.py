@@ -224,8 +224,7 @@ def _measured_optimizer(costs: list[StageCost], plan: Plan, stage: Stage, model:
         for params, s, layer in cost.params:
             replicas = len(_dp_ranks(plan, layer, s, stage.ranks))
             kinds = runtime_kinds(s, replicas) or ([("zero", "zero3", replicas)] if s.zero and replicas > 1 else [])
-            found = cal.measured.optimizer_curve(model.name, *(kinds[0][1:] if kinds else ("none", 1)))
-            curve, stretch = found
+            curve, stretch = cal.measured.optimizer_curve(model.name, *(kinds[0][1:] if kinds else ("none", 1)))
             per_param += stretch * curve.per_param_s * params / (replicas if s.zero >= 1 else 1)
             fixed = max(fixed, stretch * curve.intercept_s)
     return per_param + fixed

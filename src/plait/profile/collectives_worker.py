@@ -5,8 +5,9 @@
 
 Every rank measures all-reduce, all-gather, reduce-scatter and all-to-all over the groups of ranks 0..g-1
 for g in `group_sizes(N)`, p2p between ranks 0 and 1, how a GEMM loop and an all-reduce slow each other
-down, and with `--model SPEC` that model's block under each parallel strategy (plait.profile.strategy_blocks). Rank 0 prints one `PROGRESS_PREFIX` line per finished item to stdout and writes the raw samples
-(bytes per rank, seconds) to OUT.json; the parent fits them. A failure prints one `ERROR_PREFIX` line to
+down, and with `--model SPEC` that model's block under each parallel strategy
+(plait.profile.strategy_blocks). Rank 0 prints one `PROGRESS_PREFIX` line per finished item to stdout and
+writes the raw samples (bytes per rank, seconds) to OUT.json; the parent fits them. A failure prints one `ERROR_PREFIX` line to
 stderr and exits with 1. Units: seconds, bytes.
 """
 

@@ -378,7 +378,7 @@ def _sample(point: Point, times: dict[RunKey, list[Timing]], nbytes: dict[RunKey
 
 
 # ---- profiles -----------------------------------------------------------------------------------------
-def _curves(samples: list[LayerSample]) -> tuple[Curve, Curve]:
+def fit_curves(samples: list[LayerSample]) -> tuple[Curve, Curve]:
     """Forward and backward curves fitted to the samples."""
     tokens = [float(s.seqs * s.seq_len) for s in samples]
     seq_lens = [float(s.seq_len) for s in samples]
@@ -389,7 +389,7 @@ def _curves(samples: list[LayerSample]) -> tuple[Curve, Curve]:
 def _layer_profile(model: str, tp: int, mode: str, samples: list[LayerSample]) -> LayerProfile:
     """A block's profile; activation bytes per token = the largest bytes/tokens over the samples (they are
     equal unless attention keeps something quadratic in seq_len, when the longest sequence rules)."""
-    forward, backward = _curves(samples)
+    forward, backward = fit_curves(samples)
     per_token = max(s.activation_bytes / (s.seqs * s.seq_len) for s in samples)
     return LayerProfile(model=model, tp=tp, recompute=mode, forward=forward, backward=backward,  # type: ignore[arg-type]
                         activation_bytes_per_token=per_token, samples=tuple(samples))
@@ -397,6 +397,6 @@ def _layer_profile(model: str, tp: int, mode: str, samples: list[LayerSample]) -
 
 def _edge_profile(model: str, tp: int, part: str, samples: list[LayerSample]) -> EdgeProfile:
     """The embedding's or the head's profile."""
-    forward, backward = _curves(samples)
+    forward, backward = fit_curves(samples)
     return EdgeProfile(model=model, part=part, tp=tp, forward=forward, backward=backward,  # type: ignore[arg-type]
                        samples=tuple(samples))

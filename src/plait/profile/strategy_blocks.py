@@ -7,14 +7,15 @@ Ulysses' all-to-alls, and how all of that contends for the cores with compute. T
 
 Method, inside the collective job (torchrun, every rank): for each strategy kind (`KINDS`), each group size g
 it applies to, and each count of ranks busy at once (the g ranks of one group alone, or every rank in groups
-of g side by side, as in a job that also runs data parallelism), two models of `BASE_LAYERS` and
-`BASE_LAYERS + EXTRA_LAYERS` blocks (hidden state in and out, as on a middle pipeline stage) are
-parallelised with the runtime's own functions (`apply_tp`, `apply_cp`, `apply_dp_segment`) over a mesh of
-the group, and timed in wall-clock seconds: forward, then backward of a fixed gradient, the slowest busy
-rank of each repetition, the median over repetitions after warm-up rounds. Block seconds = the difference
-of the two models / EXTRA_LAYERS, so the model's input and output handling cancels. Ranks not busy wait at
-a barrier. ZeRO-3 runs with gradient synchronisation off (the runtime reduces gradients once per step,
-after the last micro-batch; that reduction is priced from the collective curves).
+of g side by side, as in a job that also runs data parallelism), four models are parallelised with the
+runtime's own functions (`apply_tp`, `apply_cp`, `apply_dp`) over a mesh of the group: A and L, of
+`BASE_LAYERS` and `BASE_LAYERS + EXTRA_LAYERS` blocks (hidden state in and out, as on a middle pipeline
+stage), C = embedding + A, B = C + final norm, LM head and loss. Each is timed in wall-clock seconds:
+forward, then backward, the slowest busy rank of each repetition. Block = (L - A) / EXTRA_LAYERS, embedding =
+C - A, head = B - C, so the model's input and output handling cancels; a sample is the median over the
+repetitions of `PASSES` passes over all items. The optimizer step (clipping, AdamW, zeroing) is timed on B
+and L. Ranks not busy wait at a barrier. ZeRO-3 runs with gradient synchronisation off (the runtime reduces
+gradients once per step, after the last micro-batch; that reduction is priced from the collective curves).
 
 A sample's micro-batch (seqs, seq_len) is what one data-parallel replica of the group computes: the group's
 ranks hold seqs x seq_len tokens between them (tp: all of them, replicated; tp_sp and cp: seq_len/g each);
@@ -27,7 +28,7 @@ import statistics
 import time
 from dataclasses import replace
 
-from plait.profile.layers import BASE_LAYERS, EXTRA_LAYERS, SEED, _curves
+from plait.profile.layers import BASE_LAYERS, EXTRA_LAYERS, SEED, fit_curves
 from plait.profile.optimizer import fit_optimizer
 from plait.profile.schema import EdgeProfile, LayerSample, StrategyKind, StrategyProfile
 from plait.spec.model import ModelSpec
@@ -99,7 +100,7 @@ def profiles(model: str, raw: list[dict]) -> list[StrategyProfile]:
         fitted = {}
         for part in ("samples", "embedding", "head"):
             samples = [LayerSample(activation_bytes=0.0, **s) for s in r[part]]
-            fitted[part] = (*_curves(samples), tuple(samples))
+            fitted[part] = (*fit_curves(samples), tuple(samples))
         forward, backward, samples = fitted["samples"]
         tp = r["group"] if r["kind"] in ("tp", "tp_sp") else 1
         edges = {part: EdgeProfile(model=model, part=part, tp=tp, forward=fitted[part][0], backward=fitted[part][1],
@@ -138,7 +139,7 @@ def measure_item(spec: ModelSpec, item: Item, quick: bool) -> dict | None:
     warmup, repeats = (QUICK_WARMUP, QUICK_REPEATS) if quick else (WARMUP, REPEATS)
     pts = points(spec, g, quick)
     position = rank % g
-    models = {name: _parallel_model(spec, name, kind, mesh["group"], position, device) for name in "ALCB"}
+    models = {name: _parallel_model(spec, name, kind, mesh["group"], device) for name in "ALCB"}
     runs = {(p, name): _run(spec, models[name], name, kind, g, position, p, device) for p in pts for name in models}
     times: dict[tuple, list[tuple[float, float]]] = {key: [] for key in runs}
     for round_ in range(warmup + repeats):
@@ -175,7 +176,7 @@ def measure_item(spec: ModelSpec, item: Item, quick: bool) -> dict | None:
             "optimizer": optimizer}
 
 
-def _parallel_model(spec: ModelSpec, name: str, kind: str, group_mesh, position: int, device):
+def _parallel_model(spec: ModelSpec, name: str, kind: str, group_mesh, device):
     """Model `name` (see SMALL/LARGE) of seeded weights, parallelised over `group_mesh` as the runtime does."""
     from plait.models import build_model
     from plait.runtime.parallelize import apply_cp, apply_dp, apply_tp
@@ -192,10 +193,7 @@ def _parallel_model(spec: ModelSpec, name: str, kind: str, group_mesh, position:
     if kind in ("tp", "tp_sp"):
         apply_tp(model, group_mesh, kind == "tp_sp", names, embedding=embedding, head=head)
     elif kind == "cp":
-        apply_cp(model, group_mesh.get_group(), names)
-        if embedding:
-            part = model.spec.max_seq_len  # replaced per micro-batch in _run
-            model.sequence_slice = (0, part)
+        apply_cp(model, group_mesh.get_group(), names)  # the embedding's sequence slice is set per run
     elif kind == "zero3":
         apply_dp(model, group_mesh, zero=3, hand_sync=False)
         _gradient_sync(model, False)  # the runtime reduces gradients after the last micro-batch only

@@ -32,8 +32,7 @@ def resident_bytes() -> float:
         with open("/proc/self/statm") as statm:
             return float(int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
     except (OSError, ValueError, IndexError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return float(peak if sys.platform == "darwin" else peak * 1024)  # macOS: bytes, Linux: KiB
+        return _max_rss_bytes()
 
 
 def current_bytes() -> float:
@@ -43,8 +42,11 @@ def current_bytes() -> float:
 
 def peak_bytes() -> float:
     """Peak memory of this rank: device memory on CUDA, resident set size on CPU."""
-    if torch.cuda.is_available():
-        return float(torch.cuda.max_memory_allocated())
+    return float(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else _max_rss_bytes()
+
+
+def _max_rss_bytes() -> float:
+    """This process's peak resident size from getrusage (macOS counts bytes, Linux KiB)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return float(peak if sys.platform == "darwin" else peak * 1024)
 
