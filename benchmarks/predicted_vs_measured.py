@@ -110,8 +110,8 @@ def describe(plan: Plan) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", type=Path, help="a profile of MODEL on this machine (default: measure one)")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--skip", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--skip", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "data" / "predicted_vs_measured.json")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())

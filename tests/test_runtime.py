@@ -159,6 +159,34 @@ MIXED = {  # per-layer strategies inside a stage, and stages laid out differentl
 }
 
 
+def _pipelines(model: str, pipes: list[tuple[list[tuple[tuple[int, int], tuple[int, ...], Strategy]], int, int]]
+               ) -> Plan:
+    """A plan of several pipelines: (stages as (layers, ranks, strategy), micro-batches, micro-batch size)."""
+    pipelines = tuple(Pipeline(stages=tuple(Stage(layers=lay, ranks=r, strategies=(s,)) for lay, r, s in stages),
+                               micro_batches=m, micro_batch_size=b) for stages, m, b in pipes)
+    return Plan(model=model, seq_len=SEQ, global_batch=sum(p.samples for p in pipelines), precision="fp32",
+                pipelines=pipelines)
+
+
+MULTI = {  # several pipelines (Malleus): different stage cuts, micro-batch counts, devices left out
+    "2 pipelines, micro-batches 3 and 1": (_pipelines("tiny-llama", [
+        ([((0, 4), (0,), S())], 3, 1), ([((0, 4), (1,), S())], 1, 1)]), 2, "tiny-llama"),
+    "4 one-rank pipelines, micro-batches 3,2,2,1": (_pipelines("tiny-llama", [
+        ([((0, 4), (r,), S())], m, 1) for r, m in enumerate((3, 2, 2, 1))]), 4, "tiny-llama"),
+    "2 pipelines cut 1|3 and 3|1, micro-batches 6 and 2": (_pipelines("tiny-llama", [
+        ([((0, 1), (0,), S()), ((1, 4), (1,), S())], 6, 1), ([((0, 3), (2,), S()), ((3, 4), (3,), S())], 2, 1)]),
+        4, "tiny-llama"),
+    "2 tp=2 sp pipelines, micro-batches 3 and 1": (_pipelines("tiny-llama", [
+        ([((0, 4), (0, 1), S(tp=2, sp=True))], 3, 1), ([((0, 4), (2, 3), S(tp=2, sp=True))], 1, 1)]),
+        4, "tiny-llama"),
+    "3 pipelines leaving rank 2 out, micro-batches 2,1,1": (_pipelines("tiny-llama", [
+        ([((0, 4), (r,), S())], m, 1) for r, m in ((0, 2), (1, 1), (3, 1))]), 4, "tiny-llama"),
+    "tied: 2 pipelines cut 2|2 and 3|1, micro-batches 2x2 and 2x2": (_pipelines("tiny-gpt", [
+        ([((0, 2), (0,), S()), ((2, 4), (1,), S())], 2, 2), ([((0, 3), (2,), S()), ((3, 4), (3,), S())], 2, 2)]),
+        4, "tiny-gpt"),
+}
+
+
 def _gbs(strategy: str) -> int:
     return int(strategy.split("gbs=")[1].split(",")[0])
 
@@ -167,6 +195,7 @@ CASES = {  # every numerics case by name: (ranks, model, plan or --strategy text
     **{f"{m} {st}": (2, m, st) for st, m in TWO_RANKS},
     **{f"{m} {st}": (4, m, st) for st, m in FOUR_RANKS},
     **{name: (nproc, "tiny-llama", plan) for name, (plan, nproc) in MIXED.items()},
+    **{name: (nproc, model, plan) for name, (plan, nproc, model) in MULTI.items()},
 }
 
 
@@ -188,7 +217,7 @@ def test_every_plan_matches_single_process(runs, reference, name) -> None:
     layers and stages train to the single-process losses."""
     nproc, model, plan = CASES[name]
     if isinstance(plan, Plan):
-        assert unsupported(plan, PRESETS[model]) is None and len(plan.ranks) == nproc
+        assert unsupported(plan, PRESETS[model]) is None and plan.ranks[-1] == nproc - 1
     gbs = plan.global_batch if isinstance(plan, Plan) else _gbs(plan)
     assert_same(_losses(runs[nproc], name), reference[(model, gbs)])
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
@@ -21,6 +22,9 @@ from plait.plan import Plan, load_plan, uniform_plan, validate_plan
 from plait.simulate import Report, simulate
 from plait.spec.cluster import GIB, GPUS, Cluster, load_cluster
 from plait.spec.model import PRESETS, ModelSpec, load_model
+
+if TYPE_CHECKING:
+    from plait.planner.baselines import Candidate
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Find, predict and run the fastest hybrid-parallel layout for training a transformer.")
@@ -154,13 +158,13 @@ def _fmt_s(seconds: float) -> str:
 
 def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
     """Rich tables: headline numbers, time breakdown, memory per device group."""
-    pipe = plan.pipelines[0]
-    strategies = sorted({s.short() for st in pipe.stages for s in st.strategies})
+    pipes = plan.pipelines
+    strategies = sorted({s.short() for p in pipes for st in p.stages for s in st.strategies})
+    micro = ", ".join(f"{p.micro_batches} x {p.micro_batch_size}" for p in pipes[:8]) + (", ..." if len(pipes) > 8 else "")
     out.print(f"[bold]{model.name}[/] ({model.params / 1e9:.2f}B params) on [bold]{cluster.name}[/], "
               f"seq {plan.seq_len}, global batch {plan.global_batch}, {plan.precision}")
-    out.print(f"plan: {len(plan.pipelines)} pipeline(s), pp={plan.pp}, chunks={plan.chunks}, "
-              f"schedule={plan.schedule}, micro-batches={pipe.micro_batches} x {pipe.micro_batch_size} seqs; "
-              f"layers: {'; '.join(strategies)}")
+    out.print(f"plan: {len(pipes)} pipeline(s), pp={plan.pp}, chunks={plan.chunks}, "
+              f"schedule={plan.schedule}, micro-batches {micro} seqs; layers: {'; '.join(strategies)}")
     head = Table(title="prediction", show_header=False)
     head.add_column("metric")
     head.add_column("value", justify="right")
@@ -194,7 +198,7 @@ def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster)
     for d in report.devices[:16]:
         t = d.memory
         total = f"{t.total / size:.1f}" if t.total <= cluster.gpu.memory_bytes else f"[red]{t.total / size:.1f}[/]"
-        mem.add_row(*(str(d.pipeline),) * multi, str(d.index), f"{d.ranks[0]}-{d.ranks[-1]}",
+        mem.add_row(*(str(d.pipeline),) * multi, str(d.index), ranks_text(d.ranks),
                     ",".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in d.layers),
                     *(f"{v / size:.1f}" for v in (t.weights, t.gradients, t.optimizer, t.activations, t.buffers,
                                                   t.reserve)), total)
@@ -254,22 +258,38 @@ def simulate_cmd(
         out.print(f"timeline and memory chart: {timeline}")
 
 
-def print_plan(plan: Plan) -> None:
-    """The plan as a table: every stage with its layers grouped into runs of one strategy."""
+def print_plan(plan: Plan, world: int | None = None) -> None:
+    """The plan as a table: every stage with its layers grouped into runs of one strategy (and the ranks of
+    a `world` that it leaves out)."""
     table = Table(title="plan: layers grouped by strategy", box=box.SIMPLE_HEAD)
     multi = len(plan.pipelines) > 1
-    for col in ("pipe",) * multi + ("stage", "ranks", "layers", "strategy"):
+    for col in ("pipe", "micro-batches") * multi + ("stage", "ranks", "layers", "strategy"):
         table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
     for pi, pipe in enumerate(plan.pipelines):
         for si, stage in enumerate(pipe.stages):
             layer = stage.layers[0]
             for ri, (strategy, count) in enumerate(stage.layer_strategies()):
                 first = ri == 0
-                table.add_row(*(str(pi) if first else "",) * multi, str(si) if first else "",
-                              f"{stage.ranks[0]}-{stage.ranks[-1]}" if first else "",
+                lead = (str(pi), f"{pipe.micro_batches} x {pipe.micro_batch_size}") if first and si == 0 else ("", "")
+                table.add_row(*lead * multi, str(si) if first else "", ranks_text(stage.ranks) if first else "",
                               f"{layer}-{layer + count - 1}" if count > 1 else str(layer), strategy.short())
                 layer += count
+    unused = sorted(set(range(world or plan.ranks[-1] + 1)) - set(plan.ranks))
+    if unused:
+        table.caption = f"ranks left out: {ranks_text(tuple(unused))}"
     out.print(table)
+
+
+def ranks_text(ranks: tuple[int, ...]) -> str:
+    """Ranks as short ranges, e.g. `0-3,6,8-9`."""
+    parts: list[str] = []
+    for r in sorted(ranks):
+        if parts and r == int(parts[-1].rpartition("-")[2]) + 1:
+            head = parts[-1].partition("-")[0]
+            parts[-1] = f"{head}-{r}"
+        else:
+            parts.append(str(r))
+    return ",".join(parts)
 
 
 def _search_progress(label: str = "searching ({} plans)"):
@@ -335,6 +355,7 @@ def plan_cmd(
         if precision not in ("bf16", "fp16", "fp32"):
             raise PlaitError(f"--precision must be bf16, fp16 or fp32, got {precision!r}")
         bar, update = _search_progress()
+        straggler: dict | None = None
         with bar:
             if baseline is not None:
                 import time
@@ -346,13 +367,18 @@ def plan_cmd(
                 elapsed = time.perf_counter() - t0
                 closest = best
             else:
-                result = search(m, c, seq, global_batch, precision=precision, progress=update, cal=cal,
+                healthy = replace(c, speed=()) if slow else c
+                result = search(m, healthy, seq, global_batch, precision=precision, progress=update, cal=cal,
                                 runnable=runnable)
                 chosen = None
                 if result.plan is not None:
                     chosen = min((x for x in (result.best_layerwise, result.best_uniform)
                                   if x is not None and x.report.fits), key=lambda x: x.key)
                 elapsed, closest = result.search_time_s, result.closest
+                if slow and chosen is not None:
+                    chosen, straggler = _replan_around_stragglers(chosen, m, c, seq, global_batch, precision, cal,
+                                                                  runnable, update)
+                    elapsed += straggler["solve_time_s"]
             baselines = {}
             if compare:
                 for kind in BASELINES:
@@ -385,10 +411,14 @@ def plan_cmd(
         if compare:
             obj["baselines"] = {k: (b.report.to_dict() | {"strategy": b.label.split(": ", 1)[1]}) if b else None
                                 for k, b in baselines.items()}
+        if straggler:
+            obj["straggler"] = straggler
         sys.stdout.write(json.dumps(obj, allow_nan=False) + "\n")
         return
-    print_plan(chosen.plan)
+    print_plan(chosen.plan, c.world_size)
     print_report(chosen.report, chosen.plan, m, c)
+    if straggler:
+        _print_straggler(straggler)
     from plait.executable import unsupported
 
     if (reason := unsupported(chosen.plan, m)) is not None:
@@ -409,6 +439,39 @@ def plan_cmd(
                 row[-1] = f"{b.report.iteration_time_s / ref:.2f}x" if b.report.fits else "-"
                 table.add_row(*row)
         out.print(table)
+
+
+def _replan_around_stragglers(healthy: Candidate, m: ModelSpec, c: Cluster, seq: int, global_batch: int,
+                              precision: str, cal, runnable: bool, update) -> tuple[Candidate, dict]:
+    """The plan shaped around `c`'s slow devices (Malleus), and what it is worth: the healthy cluster's
+    plan on the healthy and on the slow cluster (static), and the re-planned one."""
+    from plait.planner.baselines import Candidate
+    from plait.planner.straggler import plan_around_stragglers
+
+    static = simulate(healthy.plan, m, c, cal=cal)
+    result = plan_around_stragglers(m, c, seq, global_batch, precision=precision, cal=cal, current=healthy.plan,
+                                    runnable=runnable, progress=update)
+    chosen = Candidate(result.plan, result.report, result.label) if result.plan is not None else \
+        Candidate(healthy.plan, static, "current plan")
+    summary = {"no_straggler_time_s": healthy.report.iteration_time_s, "static_time_s": static.iteration_time_s,
+               "replanned_time_s": chosen.report.iteration_time_s, "replanned": chosen.label,
+               "moved_layers": result.moved_layers, "migration_s": result.migration_s,
+               "solve_time_s": result.solve_time_s}
+    return chosen, summary
+
+
+def _print_straggler(s: dict) -> None:
+    table = Table(title="around the slow devices (seconds per iteration)", box=box.SIMPLE_HEAD)
+    for col in ("plan", "iteration", "vs static"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    static = s["static_time_s"]
+    for name, key in (("healthy cluster, its best plan", "no_straggler_time_s"),
+                      ("that plan with the slow devices (static)", "static_time_s"),
+                      (f"re-planned: {s['replanned']}", "replanned_time_s")):
+        table.add_row(name, _fmt_s(s[key]), f"{static / s[key]:.2f}x")
+    out.print(table)
+    out.print(f"switching moves {s['moved_layers']} (rank, layer) states (about {_fmt_s(s['migration_s'])}); "
+              f"re-planned in {s['solve_time_s']:.2f} s")
 
 
 @app.command(name="profile")
@@ -500,6 +563,12 @@ def train_cmd(
     max_restarts: Annotated[int, typer.Option("--max-restarts", help="torchrun restarts after a failure")] = 0,
     hf_checkpoint: Annotated[Path | None, typer.Option(
         "--hf-checkpoint", help="start from Hugging Face safetensors weights in this directory")] = None,
+    adaptive: Annotated[bool, typer.Option(
+        "--adaptive", help="detect straggling ranks and re-plan around them while training")] = False,
+    inject_slow: Annotated[str | None, typer.Option(
+        "--inject-slow", help="simulated stragglers RANK:FACTOR@STEP[,...] (FACTOR 1: recovered)")] = None,
+    profile: Annotated[Path | None, typer.Option(
+        "--profile", help="a `plait profile` file the re-planner prices plans with")] = None,
 ) -> None:
     """Train with a plan on this machine's ranks (launches torchrun), or inside an existing torchrun job."""
     import os
@@ -520,7 +589,7 @@ def train_cmd(
             raise PlaitError("--steps and --nproc must be positive")
         if plan is not None:
             p = read_plan(plan, m, local_ranks(world or 1), seq_len)
-            world = world or len(p.ranks)
+            world = world or p.ranks[-1] + 1
         else:
             world = world or 1
             text = strategy or ""
@@ -540,7 +609,16 @@ def train_cmd(
                           metrics_out=str(metrics_out) if metrics_out else None,
                           checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                           checkpoint_every=checkpoint_every,
-                          hf_checkpoint=str(hf_checkpoint) if hf_checkpoint else None)
+                          hf_checkpoint=str(hf_checkpoint) if hf_checkpoint else None, adaptive=adaptive,
+                          inject_slow=inject_slow, profile=str(profile) if profile else None)
+        if inject_slow is not None:
+            from plait.runtime.stragglers import parse_injections
+
+            parse_injections(inject_slow, world)
+        if profile is not None:
+            from plait.profile.schema import load_profile
+
+            load_profile(profile)
         if hf_checkpoint is not None and not any(hf_checkpoint.glob("*.safetensors")):
             raise PlaitError(f"--hf-checkpoint {str(hf_checkpoint)!r} holds no .safetensors files; give a Hugging "
                              "Face model directory")

@@ -187,11 +187,16 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         cross = comm.nodes_of(stage.ranks, cluster.gpus_per_node) != comm.nodes_of(nxt.ranks, cluster.gpus_per_node)
         send = comm.p2p(piece, cross, cluster, cal)
         buffers += 2 * piece
-    speed = max(cluster.speed_of(r) for r in stage.ranks) if cluster.speed else 1.0
+    speed = _slowest(stage.ranks, cluster)
     if speed != 1.0:
         fwd, bwd = fwd * speed, bwd * speed
         parts = {k: v * speed for k, v in parts.items()}
     return StageCost(parts, fwd, bwd, send, act, working, params, buffers)
+
+
+def _slowest(ranks: tuple[int, ...], cluster: Cluster) -> float:
+    """Speed factor of a device group: its slowest member's (1.0 healthy)."""
+    return max(cluster.speed_of(r) for r in ranks) if cluster.speed else 1.0
 
 
 def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpec, cluster: Cluster,
@@ -269,6 +274,7 @@ def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | 
             parts["pp_bubble"] = max(0.0, quiet - busy)
             parts["p2p"] = max(0.0, ends - quiet)
             reduce_t, gather_t, optimizer = _grad_sync(chunk_costs, plan, stage, model, cluster, cal, prec)
+            optimizer *= _slowest(stage.ranks, cluster)
             if sync_start is not None:  # replicas in other pipelines: wait for the slowest, no overlap
                 wait = sync_start - ends
                 parts["pp_bubble"] += wait

@@ -132,9 +132,9 @@ def apply_dp_segment(model: nn.Module, layers: list[str], edges: list[nn.Module]
     return False
 
 
-def sync_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Average gradients over the ranks that share the weights (the local shards of DTensor gradients)."""
-    size = dist.get_world_size(group)
+def sync_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, weight: float | None = None) -> None:
+    """Average gradients over the ranks that share the weights (the local shards of DTensor gradients), or,
+    with `weight`, sum them after scaling this rank's by it (replicas that trained on unequal shares)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
@@ -142,8 +142,11 @@ def sync_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None
             by_dtype.setdefault(local.dtype, []).append(local)
     for grads in by_dtype.values():  # one all-reduce per dtype over a flat buffer
         flat = _flatten_dense_tensors(grads)
+        if weight is not None:
+            flat.mul_(weight)
         dist.all_reduce(flat, group=group)
-        flat.div_(size)
+        if weight is None:
+            flat.div_(dist.get_world_size(group))
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)
 

@@ -9,7 +9,7 @@ same order. What the runtime cannot execute yet is refused before any group is c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,7 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Placement:
-    """This rank's share of a plan."""
+    """This rank's share of a plan (no chunks: the plan leaves this rank out)."""
 
     rank: int
     pipeline: int
@@ -84,6 +84,12 @@ class Placement:
     chunks: tuple[Chunk, ...]  # the stages this rank runs, in model order
     pp_group: dist.ProcessGroup | None  # ranks at the same position of every device group along the pipeline
     tied_group: dist.ProcessGroup | None  # first- and last-stage ranks at this position, when they share weights
+    replicas: dict[int, dist.ProcessGroup] = field(default_factory=dict)  # several pipelines: layer -> ranks
+    # holding the same shard of it in every pipeline (layer -1: the embedding, layers: the head)
+
+    @property
+    def idle(self) -> bool:
+        return not self.chunks
 
     @property
     def first(self) -> bool:
@@ -105,9 +111,9 @@ class Placement:
 
 def check_executable(plan: Plan, model: ModelSpec, world_size: int) -> None:
     """Refuse, with one clear line, plans (or parts of plans) the runtime cannot execute yet."""
-    if sorted(plan.ranks) != list(range(world_size)):
+    if plan.ranks[-1] >= world_size:
         raise PlaitError(f"the plan uses ranks {plan.ranks[0]}..{plan.ranks[-1]} ({len(plan.ranks)} ranks) but "
-                         f"{world_size} were launched; launch --nproc {len(plan.ranks)} or re-plan")
+                         f"{world_size} were launched; launch --nproc {plan.ranks[-1] + 1} or re-plan")
     if plan.model != model.name:
         raise PlaitError(f"the plan was made for model {plan.model!r}, not {model.name!r}; give the same --model")
     reason = unsupported(plan, model)
@@ -150,10 +156,24 @@ def _segments(stage_layers: tuple[int, int], strategies: list[tuple[Strategy, in
 def place(plan: Plan, rank: int, tied_embeddings: bool = False) -> Placement:
     """Build all groups (collectively) and return this rank's placement. With `tied_embeddings` and
     several stages, the first stage's embedding and the last stage's head are copies of one weight whose
-    gradients are summed over the tied groups (Megatron's embedding group)."""
-    pipe = plan.pipelines[0]
-    pp = len(pipe.stages) // plan.chunks
+    gradients are summed over the tied groups (Megatron's embedding group). With several pipelines, each
+    layer's gradients are also reduced over the ranks that hold its shard in every pipeline (`replicas`)."""
     groups = _Groups()
+    mine: Placement | None = None
+    for pi, pipe in enumerate(plan.pipelines):
+        where = _place_in(plan, pi, rank, groups, tied_embeddings)
+        if where is not None:
+            mine = where
+    replicas = _replica_groups(plan, rank, groups) if len(plan.pipelines) > 1 else {}
+    if mine is None:
+        return Placement(rank, -1, 0, 0, (), None, None)
+    return replace(mine, replicas=replicas)
+
+
+def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: bool) -> Placement | None:
+    """Build pipeline `pi`'s groups (collectively); this rank's placement in it, or None."""
+    pipe = plan.pipelines[pi]
+    pp = len(pipe.stages) // plan.chunks
     chunks: list[Chunk] = []
     previous: Layout | None = None
     for j, stage in enumerate(pipe.stages):
@@ -169,19 +189,35 @@ def place(plan: Plan, rank: int, tied_embeddings: bool = False) -> Placement:
         if rank in stage.ranks:
             chunks.append(Chunk(j, stage.ranks, stage.ranks.index(rank), tuple(segments), stage_group, previous))
         previous = Layout.of(stage.strategy(stage.layers[1] - 1))
-    if not chunks:
-        raise PlaitError(f"rank {rank} has no stage in the plan")
-    mine = chunks[0].index % pp
     pp_group = None
+    position = chunks[0].position if chunks else -1
     if pp > 1:  # its own groups: pipeline sends must not queue behind a stage's collectives
         for i in range(len(pipe.stages[0].ranks)):
             group = dist.new_group(sorted(pipe.stages[d].ranks[i] for d in range(pp)))
-            if i == chunks[0].position:
+            if i == position:
                 pp_group = group
     tied_group = None
     if tied_embeddings and len(pipe.stages) > 1:
         for i, (a, b) in enumerate(zip(pipe.stages[0].ranks, pipe.stages[-1].ranks)):
             group = dist.new_group(sorted((a, b)))
-            if rank in (a, b) and i == chunks[0].position:
+            if rank in (a, b) and i == position:
                 tied_group = group
-    return Placement(rank, 0, mine, pp, tuple(chunks), pp_group, tied_group)
+    if not chunks:
+        return None
+    return Placement(rank, pi, chunks[0].index % pp, pp, tuple(chunks), pp_group, tied_group)
+
+
+def _replica_groups(plan: Plan, rank: int, groups: _Groups) -> dict[int, dist.ProcessGroup]:
+    """For every layer this rank holds: the group of ranks holding the same tensor-parallel shard of it in
+    every pipeline (built collectively, layer by layer). Key -1 is the embedding, `layers` the head."""
+    layers = plan.pipelines[0].stages[-1].layers[1]
+    out: dict[int, dist.ProcessGroup] = {}
+    for layer in [-1, *range(layers), layers]:
+        at = min(max(layer, 0), layers - 1)
+        holders = [next(st for st in pipe.stages if st.layers[0] <= at < st.layers[1]) for pipe in plan.pipelines]
+        for i in range(len(holders[0].ranks)):
+            ranks = tuple(st.ranks[i] for st in holders)
+            group = groups.group(ranks)
+            if rank in ranks and group is not None:
+                out[layer] = group
+    return out

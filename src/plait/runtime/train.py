@@ -30,6 +30,7 @@ from plait.runtime import checkpoint, memory
 from plait.runtime.data import TokenSource, shard
 from plait.runtime.parallelize import parallelize_chunk, sync_gradients
 from plait.runtime.placement import Placement, check_executable, place
+from plait.runtime.stragglers import Adaptive, ComputeClock
 from plait.spec.model import ModelSpec, load_model
 
 COLLECTIVE_TIMEOUT_S = 300
@@ -53,6 +54,9 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only after the last step
     hf_checkpoint: str | None = None  # a Hugging Face safetensors directory to start from
+    adaptive: bool = False  # detect straggling ranks and re-plan around them while training
+    inject_slow: str | None = None  # simulated stragglers: "RANK:FACTOR@STEP[,...]" (FACTOR 1 = recovered)
+    profile: str | None = None  # a `plait profile` file for the re-planning cost model
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -70,14 +74,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_checkpoint: str | None = None
-                 ) -> tuple[list[torch.nn.Module], list[tuple[list[torch.nn.Parameter], dist.ProcessGroup]]]:
+def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_checkpoint: str | None = None,
+                 hand_sync: bool = False) -> tuple[list[torch.nn.Module], list[GradientSync]]:
     """This rank's model chunks: the full model initialised from `seed`, cut to each chunk's layers, then
-    parallelised with the chunk's strategies; and the (parameters, group) whose gradients need a manual
-    data-parallel sync."""
+    parallelised with the chunk's strategies; and the gradients that need a manual sync (`hand_sync`:
+    every data-parallel reduction after the backward, none inside it)."""
     stages = plan.pipelines[where.pipeline].stages
     chunks = []
-    manual_sync = []
+    manual_sync: list[GradientSync] = []
     for chunk in where.chunks:
         j = chunk.index
         model = build_model(spec)
@@ -94,9 +98,44 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
             model.output = None
         if hf_checkpoint:
             load_hf_safetensors(model, hf_checkpoint)
-        manual_sync += parallelize_chunk(model, chunk, plan.seq_len, pipelined=where.pp > 1)
+        synced = parallelize_chunk(model, chunk, plan.seq_len, pipelined=where.pp > 1 or hand_sync)
+        manual_sync += [GradientSync(params, group) for params, group in synced]
         chunks.append(model)
+    if where.replicas:
+        manual_sync += _replica_sync(chunks, where, plan, spec.layers)
     return chunks, manual_sync
+
+
+@dataclass(frozen=True)
+class GradientSync:
+    """Gradients reduced by hand over `group`: averaged, or (several pipelines) summed after scaling by
+    `weight`, the share of the global batch this rank's pipeline trained on."""
+
+    params: list[torch.nn.Parameter]
+    group: dist.ProcessGroup | None
+    weight: float | None = None
+
+    def __call__(self) -> None:
+        if self.group is not None:
+            sync_gradients(self.params, self.group, self.weight)
+
+
+def _replica_sync(chunks: list[torch.nn.Module], where: Placement, plan: Plan, layers: int) -> list[GradientSync]:
+    """Several pipelines: every layer's gradients (and the embedding's and head's) over the ranks holding
+    the same shard of it in every pipeline, in model order (the same order on every member of a group)."""
+    weight = plan.pipelines[where.pipeline].samples / plan.global_batch
+    by_group: dict[dist.ProcessGroup, list[torch.nn.Parameter]] = {}
+    seen: set[int] = set()
+    for model in chunks:
+        parts = [(-1, m) for m in (model.tok_embeddings, model.pos_embeddings) if m is not None]
+        parts += [(int(name), block) for name, block in model.layers.items()]
+        parts += [(layers, m) for m in (model.norm, model.output) if m is not None]
+        for key, module in parts:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    by_group.setdefault(where.replicas[key], []).append(p)
+    return [GradientSync(params, group, weight) for group, params in by_group.items()]
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -130,7 +169,7 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group: dist
     return float(total)
 
 
-def _tied_weight(chunks: list[torch.nn.Module], where: Placement, plan: Plan) -> torch.nn.Parameter | None:
+def _tied_weight(chunks: list[torch.nn.Module], where: Placement) -> torch.nn.Parameter | None:
     """This rank's copy of an embedding table that the first and last stages share, if it has one."""
     if where.tied_group is None:
         return None
@@ -175,35 +214,85 @@ def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro
     device = torch.device("cpu")
     stages = [PipelineStage(m, c.index, n_stages, device, group=where.pp_group) for m, c in zip(chunks, where.chunks)]
     if plan.schedule == "interleaved" and plan.chunks > 1:
-        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=_loss)
+        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=_loss), stages
     kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
-    return kind(stages[0], micro_batches, loss_fn=_loss)
+    return kind(stages[0], micro_batches, loss_fn=_loss), stages
 
 
-def _forward_backward(chunks: list[torch.nn.Module], schedule, inputs: list[torch.Tensor],
-                      targets: list[torch.Tensor], loss_sum: torch.Tensor, micro_batches: int, first: bool,
-                      last: bool, autocast) -> None:
+@dataclass
+class Placed:
+    """A plan applied on this rank: its model chunks, optimizers, pipeline schedule and gradient syncs
+    (nothing when the plan leaves this rank out)."""
+
+    plan: Plan
+    where: Placement
+    chunks: list[torch.nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    manual_sync: list[GradientSync]
+    schedule: object | None
+    tied: torch.nn.Parameter | None
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for m in self.chunks for p in m.parameters()]
+
+    def rows(self) -> tuple[range, tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """(first sequence of each of this rank's micro-batches in the global batch, (offset, count) of the
+        embedding's rows in a micro-batch, of the loss's rows, the loss's token positions)."""
+        where, plan = self.where, self.plan
+        pipe = plan.pipelines[where.pipeline]
+        offset = sum(p.samples for p in plan.pipelines[: where.pipeline])
+        sl = where.output_segment.sequence_slice(plan.seq_len) or (0, plan.seq_len)
+        return (range(offset, offset + pipe.samples, pipe.micro_batch_size),
+                where.input_segment.batch_rows(pipe.micro_batch_size),
+                where.output_segment.batch_rows(pipe.micro_batch_size), sl)
+
+
+def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeClock | None = None,
+               hand_sync: bool = False) -> Placed:
+    """Build this rank's share of `plan` (collective: every rank builds every group)."""
+    where = place(plan, dist.get_rank(), spec.tied_embeddings)
+    if where.idle:
+        return Placed(plan, where, [], [], [], None, None)
+    chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint, hand_sync)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+                  for m in chunks]
+    schedule = None
+    if where.pp > 1:
+        schedule, stages = _schedule(plan, chunks, where, plan.pipelines[where.pipeline].micro_batches)
+        if clock is not None:
+            for stage in stages:
+                clock.wrap_stage(stage)
+    return Placed(plan, where, chunks, optimizers, manual_sync, schedule, _tied_weight(chunks, where))
+
+
+def _forward_backward(placed: Placed, inputs: list[torch.Tensor], targets: list[torch.Tensor], rows: int,
+                      loss_sum: torch.Tensor, autocast, clock: ComputeClock | None) -> None:
     """One step's forwards and backwards (gradient accumulation over micro-batches, or the pipeline
-    schedule); adds the summed loss and the micro-batch count to `loss_sum`."""
+    schedule); adds the loss summed over its `rows` sequences per micro-batch, and the rows, to `loss_sum`."""
+    chunks, schedule, where = placed.chunks, placed.schedule, placed.where
+    timed = clock.compute if clock is not None else contextlib.nullcontext
     if schedule is None:
         for i, (x, y) in enumerate(zip(inputs, targets)):
             _gradient_sync(chunks[0], i == len(inputs) - 1)  # reduce gradients once, after the last micro-batch
-            with autocast:
-                loss = _loss(chunks[0](x), y)
-            (loss / micro_batches).backward()
-            loss_sum[0] += loss.detach().double()
-            loss_sum[1] += 1
+            with timed():
+                with autocast:
+                    loss = _loss(chunks[0](x), y)
+                (loss / len(inputs)).backward()
+            loss_sum[0] += loss.detach().double() * rows
+            loss_sum[1] += rows
         return
+    last = where.last(placed.plan)
     losses: list[torch.Tensor] = []
     kwargs = {"target": torch.cat(targets), "losses": losses} if last else {}
     with autocast:
-        if first:
+        if where.first:
             schedule.step(torch.cat(inputs), **kwargs)
         else:
             schedule.step(**kwargs)
     for loss in losses:
-        loss_sum[0] += loss.detach().double()
-        loss_sum[1] += 1
+        loss_sum[0] += loss.detach().double() * rows
+        loss_sum[1] += rows
 
 
 def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
@@ -221,24 +310,14 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
                               enabled=cfg.dtype == "bf16")
     torch.manual_seed(cfg.seed)
     reserve = memory.current_bytes()  # before any model state
-    where = place(plan, rank, spec.tied_embeddings)
-    chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint)
-    params = [p for m in chunks for p in m.parameters()]
-    tied = _tied_weight(chunks, where, plan)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
-                  for m in chunks]
+    adaptive = Adaptive(cfg, spec, world) if cfg.adaptive or cfg.inject_slow else None
+    clock = adaptive.clock if adaptive else None
+    placed = apply_plan(cfg, spec, plan, clock, hand_sync=adaptive is not None)
     start = 0
     if cfg.checkpoint_dir and (found := checkpoint.latest(cfg.checkpoint_dir)) is not None:
         start, path = found
-        checkpoint.load(path, chunks, optimizers)
-    pipe = plan.pipelines[where.pipeline]
+        checkpoint.load(path, placed.chunks, placed.optimizers)
     source = TokenSource(spec.vocab, plan.seq_len, plan.global_batch, cfg.seed, cfg.data)
-    schedule = _schedule(plan, chunks, where, pipe.micro_batches) if where.pp > 1 else None
-    is_last = where.last(plan)
-    # The embedding reads its layout's sequences; the loss reads the head's layout's sequences and tokens.
-    in_first, in_count = where.input_segment.batch_rows(pipe.micro_batch_size)
-    out_first, out_count = where.output_segment.batch_rows(pipe.micro_batch_size)
-    sl = where.output_segment.sequence_slice(plan.seq_len) or (0, plan.seq_len)
     metrics: list[dict] = []
     out = _open_metrics(cfg.metrics_out, start) if rank == 0 else None
     try:
@@ -246,33 +325,41 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
             _maybe_fail(step, rank)
             if before_step:
                 before_step(step)
+            if adaptive:
+                adaptive.before_step(step)
             t0 = time.perf_counter()
-            for optimizer in optimizers:
+            params, where = placed.params, placed.where
+            for optimizer in placed.optimizers:
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(step, cfg)
             batch = source.batch(step)
-            # Micro-batch k holds sequences [k*B, (k+1)*B); a layout with data-parallel degree dp gives each
-            # of its dp parts B/dp of them.
-            micro = range(0, pipe.samples, pipe.micro_batch_size)
-            inputs = [shard(batch, k + in_first, in_count).inputs for k in micro]
-            targets = [shard(batch, k + out_first, out_count).targets[:, sl[0]: sl[1]] for k in micro]
             loss_sum = torch.zeros(2, dtype=torch.float64)
             meter = memory.SavedActivations(params) if step == start else contextlib.nullcontext()
-            with meter:
-                _forward_backward(chunks, schedule, inputs, targets, loss_sum, pipe.micro_batches, where.first,
-                                  is_last, autocast)
+            grads = 0.0
+            grad_norm = 0.0
+            if not where.idle:
+                # Micro-batch k of a pipeline holds sequences [k, k + B) of the global batch; a layout with
+                # data-parallel degree dp gives each of its dp parts B/dp of them.
+                micro, (in_first, in_count), (out_first, out_count), sl = placed.rows()
+                inputs = [shard(batch, k + in_first, in_count).inputs for k in micro]
+                targets = [shard(batch, k + out_first, out_count).targets[:, sl[0]: sl[1]] for k in micro]
+                with meter:
+                    _forward_backward(placed, inputs, targets, out_count, loss_sum, autocast, clock)
+            elif adaptive:
+                adaptive.probe()
             _shard_grads_like_params(params)
-            grads = memory.tensor_bytes(p.grad for p in params) if step == start else 0.0
+            if step == start:
+                grads = memory.tensor_bytes(p.grad for p in params)
             t1 = time.perf_counter()
-            for synced, group in manual_sync:
-                if group is not None:
-                    sync_gradients(synced, group)
-            if tied is not None and tied.grad is not None:
-                _sum_tied_grad(tied, where.tied_group)
+            for sync in placed.manual_sync:
+                sync()
+            if placed.tied is not None and placed.tied.grad is not None:
+                _sum_tied_grad(placed.tied, where.tied_group)
             t2 = time.perf_counter()
-            grad_norm = clip_grads(params, cfg.clip, where.pp_group, uncounted=None if where.first else tied)
+            if not where.idle:
+                grad_norm = clip_grads(params, cfg.clip, where.pp_group, uncounted=None if where.first else placed.tied)
             t3 = time.perf_counter()
-            for optimizer in optimizers:
+            for optimizer in placed.optimizers:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             t4 = time.perf_counter()
@@ -284,11 +371,20 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
                       "phases_s": {"forward_backward": t1 - t0, "gradient_sync": t2 - t1, "clip": t3 - t2,
                                    "optimizer": t4 - t3}}
             if step == start:  # the peak's terms on every rank, as `plait simulate` predicts them
-                mine = memory.terms(memory.tensor_bytes(params), grads, memory.optimizer_state_bytes(optimizers),
-                                    meter.peak, reserve, memory.peak_bytes())
+                mine = memory.terms(memory.tensor_bytes(params), grads,
+                                    memory.optimizer_state_bytes(placed.optimizers), getattr(meter, "peak", 0.0),
+                                    reserve, memory.peak_bytes())
                 by_rank: list[dict | None] = [None] * world
                 dist.all_gather_object(by_rank, mine)
                 record["memory_terms"] = by_rank
+            done = step + 1
+            if adaptive:
+                new = adaptive.after_step(step, placed, record)
+                if new is not None:  # every rank switches at the same step
+                    t5 = time.perf_counter()
+                    placed = adaptive.switch(placed, new, done, lambda p: apply_plan(cfg, spec, p, clock, True))
+                    record["switch"]["seconds"] = time.perf_counter() - t5
+                    plan = new
             if rank == 0:
                 metrics.append(record)
                 if out:
@@ -296,12 +392,13 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
                     out.flush()
                 if report:
                     report(record)
-            done = step + 1
             if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
-                checkpoint.save(cfg.checkpoint_dir, done, chunks, optimizers)
+                checkpoint.save(cfg.checkpoint_dir, done, placed.chunks, placed.optimizers)
     finally:
         if out:
             out.close()
+        if adaptive:
+            adaptive.close()
     return metrics
 
 
