@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -472,6 +473,71 @@ def _print_straggler(s: dict) -> None:
     out.print(table)
     out.print(f"switching moves {s['moved_layers']} (rank, layer) states (about {_fmt_s(s['migration_s'])}); "
               f"re-planned in {s['solve_time_s']:.2f} s")
+
+
+@app.command(name="varlen")
+def varlen_cmd(
+    model: Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama: spec")],
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="NODESxGPUSxTYPE (e.g. 8x8xA100-80GB) or YAML")],
+    lengths: Annotated[Path, typer.Option("--lengths", help="sequence lengths, one token count per line")],
+    global_batch: Annotated[int, typer.Option("--global-batch", "-b", help="sequences per global batch")],
+    batches: Annotated[int, typer.Option("--batches", help="global batches to sample and plan")] = 4,
+    seed: Annotated[int, typer.Option("--seed", help="seed of the sampling")] = 0,
+    method: Annotated[str, typer.Option("--method", help="flexsp | bytescale | static")] = "flexsp",
+    sp: Annotated[int | None, typer.Option("--sp", help="static: the sequence-parallel degree")] = None,
+    cp_mode: Annotated[str, typer.Option("--cp-mode", help="static: ulysses | ring (a DP x CP mesh)")] = "ulysses",
+    capacity: Annotated[int, typer.Option("--capacity", help="tokens a device holds at once")] = 32768,
+    precision: Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32")] = "bf16",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object and nothing else")] = False,
+) -> None:
+    """Plan sampled global batches of variable-length sequences: per-step sequence-parallel groups (FlexSP),
+    ByteScale-style balance scheduling, or static sequence parallelism."""
+    from plait.planner.varlen import SequenceCost, load_lengths, plan_batch, sample_batches
+
+    try:
+        m, c, _ = load_inputs(model, cluster, None, None)
+        if method not in ("flexsp", "bytescale", "static"):
+            raise PlaitError(f"--method must be flexsp, bytescale or static, got {method!r}")
+        if cp_mode not in ("ulysses", "ring"):
+            raise PlaitError(f"--cp-mode must be ulysses or ring, got {cp_mode!r}")
+        if sp is not None and (method != "static" or sp <= 0 or sp & (sp - 1) or sp > c.world_size):
+            raise PlaitError(f"--sp goes with --method static and is a power of two up to {c.world_size}; got {sp}")
+        if batches <= 0 or global_batch <= 0 or capacity <= 0:
+            raise PlaitError("--batches, --global-batch and --capacity must be positive")
+        if precision not in ("bf16", "fp16", "fp32"):
+            raise PlaitError(f"--precision must be bf16, fp16 or fp32, got {precision!r}")
+        mode = "ring" if method == "bytescale" else cp_mode
+        cost = SequenceCost(m, c, precision=precision, cp_mode=mode)
+        sampled = sample_batches(load_lengths(lengths), batches, global_batch, seed)
+        bar, update = _search_progress("planning {} batches")
+        rows = []
+        with bar:
+            for i, batch in enumerate(sampled):
+                p = plan_batch(batch, c.world_size, cost, capacity, method, sp)
+                rows.append({"sequences": len(batch), "tokens": int(sum(batch)), "longest": int(max(batch)),
+                             "micro_batches": len(p.micro_batches), "time_s": p.seconds, "solve_time_s": p.solve_time_s,
+                             "group_sizes": [sorted(Counter(g.degree for g in mb.groups).items())
+                                             for mb in p.micro_batches]})
+                update(method, i + 1, len(sampled))
+    except PlaitError as exc:
+        fail(str(exc))
+        return
+    total = sum(r["time_s"] for r in rows)
+    solve = sum(r["solve_time_s"] for r in rows)
+    if as_json:
+        sys.stdout.write(json.dumps({"total_time_s": total, "solve_time_s": solve, "per_batch": rows}) + "\n")
+        return
+    table = Table(title=f"{m.name} on {c.name}, {method}{f' sp={sp}' if sp else ''}, {capacity} tokens per device",
+                  box=box.SIMPLE_HEAD)
+    for col in ("batch", "tokens", "longest", "micro-batches", "group sizes (size x count)", "planned", "solver"):
+        table.add_column(col, justify="left" if col.startswith("group") else "right")
+    for i, r in enumerate(rows):
+        sizes = " | ".join(" ".join(f"{d}x{n}" for d, n in mb) for mb in r["group_sizes"])
+        table.add_row(str(i), f"{r['tokens']:,}", f"{r['longest']:,}", str(r["micro_batches"]), sizes,
+                      _fmt_s(r["time_s"]), f"{r['solve_time_s']:.2f} s")
+    out.print(table)
+    out.print(f"total planned time {total:.3f} s over {len(rows)} batches; solver {solve:.2f} s "
+              f"({solve / len(rows):.2f} s per batch)")
 
 
 @app.command(name="profile")

@@ -1,0 +1,447 @@
+"""Variable-length sequences (FlexSP): each step's sequence-parallel groups follow the data.
+
+A global batch of sequences of different lengths runs on N devices as micro-batches; within a micro-batch
+the devices are split into sequence-parallel (Ulysses) groups of sizes 1, 2, 4, ... and every sequence
+runs whole on one group, all groups at once; the micro-batch takes as long as its slowest group. A
+sequence of s tokens on a group of d devices costs what the cost model says a block of `cp=d` costs at
+`seq_len=s` (attention grows with s^2, the rest with s; the all-to-alls on the group's links), times the
+layers, plus the embedding and head; a group holds at most d x `capacity` tokens (memory).
+
+FlexSP, per global batch:
+1. the *sequence blaster* sorts the lengths and cuts them into K contiguous micro-batches of balanced work
+   (long sequences together, short ones together), for the fewest K whose micro-batches fit in memory and
+   the next few, keeping the fastest;
+2. lengths are *bucketed* (a dynamic programme choosing bucket bounds that minimise the padding a bucket's
+   bound adds), so the programme has one variable per (bucket, group size);
+3. per micro-batch a MILP (HiGHS through `scipy.optimize.milp`, time-limited) decides how many groups of
+   each size to form and how many sequences of each bucket each size class takes, under the device count
+   and each class's token capacity, for a target time T that a bisection lowers; the best homogeneous
+   layout (every group the same size, longest-processing-time assignment) is the start and the fallback;
+4. sequences are placed on the groups of their class longest first onto the least-loaded group.
+
+ByteScale-style balance scheduling is the second strategy: sequences are dealt over micro-batches so each
+carries a similar share of work (`balance_split`), a long sequence gets ring context parallelism over
+ceil(len / capacity) ad-hoc ranks (more when it ends last), short ones stay whole on one rank, and ranks
+are balanced by compute (`balance_micro_batch`). Static sequence parallelism (one degree for the whole run; with ring cost, a static
+data x context parallel mesh) is the baseline.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from plait.cost import comm
+from plait.cost.calibration import Calibration, calibration_for
+from plait.cost.comm import GroupShape
+from plait.cost.head import embedding_time, head_time
+from plait.cost.layer import BlockContext, block_time
+from plait.cost.precision import PRECISIONS
+from plait.errors import PlaitError
+from plait.plan import Strategy
+from plait.spec.cluster import Cluster
+from plait.spec.model import ModelSpec
+
+BUCKETS = 16
+"""Length buckets per micro-batch in the programme (FlexSP uses 16)."""
+BISECTION_STEPS = 12
+"""Halvings of the target-time interval per micro-batch."""
+SOLVER_TIME_LIMIT_S = 0.5
+"""Time limit of one feasibility programme."""
+EXTRA_MICRO_BATCH_COUNTS = 2
+"""Micro-batch counts tried beyond the fewest that fit memory."""
+MORE_MICRO_BATCHES = 16
+"""Micro-batch counts tried beyond the fewest by token count when placement runs out of room."""
+
+
+class SequenceCost:
+    """Seconds of one sequence (forward and backward, every layer, embedding and head) on a sequence-parallel
+    group, from the cost model (cached): `seconds(length, degree)` on `degree` neighbouring devices,
+    `on(length, ranks)` on any set of ranks (the links it spans matter)."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, cal: Calibration | None = None, precision: str = "bf16",
+                 cp_mode: str = "ulysses") -> None:
+        self.model, self.cluster = model, cluster
+        self.cal = cal or calibration_for(cluster.gpu.name)
+        self.prec = PRECISIONS[precision]
+        self.cp_mode = cp_mode
+        self._cost = lru_cache(maxsize=1 << 17)(self._shaped)
+        self.seconds = lru_cache(maxsize=1 << 17)(self._by_degree)
+
+    def _by_degree(self, length: int, degree: int) -> float:
+        return self._cost(length, GroupShape.of(range(degree), self.cluster.gpus_per_node))
+
+    def on(self, length: int, ranks: Sequence[int]) -> float:
+        return self._cost(length, GroupShape.of(sorted(ranks), self.cluster.gpus_per_node))
+
+    def _shaped(self, length: int, group: GroupShape) -> float:
+        s = Strategy(cp=group.size, cp_mode=self.cp_mode)  # type: ignore[arg-type]
+        shape = group if group.size > 1 else comm.SINGLE
+        ctx = BlockContext(self.model, self.cluster, self.cal, self.prec, length, 1, comm.SINGLE, shape, comm.SINGLE)
+        bt = block_time(s, ctx)
+        et, ht = embedding_time(s, ctx), head_time(s, ctx)
+        return self.model.layers * (bt.forward_total + bt.backward_total) + et.forward + et.backward + \
+            ht.forward + ht.backward
+
+
+@dataclass(frozen=True)
+class Group:
+    """A sequence-parallel group of `degree` devices in one micro-batch, and the lengths it runs."""
+
+    degree: int
+    lengths: tuple[int, ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    groups: tuple[Group, ...]
+
+    @property
+    def seconds(self) -> float:
+        return max((g.seconds for g in self.groups), default=0.0)
+
+
+@dataclass
+class BatchPlan:
+    """One global batch: its micro-batches in order, the planned seconds and the solver's seconds."""
+
+    micro_batches: list[MicroBatch]
+    solve_time_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(m.seconds for m in self.micro_batches)
+
+
+def degrees(devices: int) -> list[int]:
+    """Group sizes: powers of two up to `devices`."""
+    return [1 << k for k in range(devices.bit_length()) if (1 << k) <= devices]
+
+
+def smallest_degree(longest: int, capacity: int, devices: int) -> int:
+    """The smallest power-of-two group that holds a sequence of `longest` tokens; PlaitError if none does."""
+    for d in degrees(devices):
+        if longest <= d * capacity:
+            return d
+    raise PlaitError(f"a sequence of {longest} tokens needs more than {devices} devices at {capacity} tokens per "
+                     "device; raise the capacity or the devices, or cut such sequences")
+
+
+# ---- placement on groups ------------------------------------------------------------------------------------
+
+def place(classes: dict[int, tuple[int, list[int]]], cost: SequenceCost, capacity: int) -> MicroBatch | None:
+    """Put each class's sequences (`classes`: degree -> (groups, lengths)) on its groups, longest first onto
+    the least-loaded group with room; None if some sequence finds no room."""
+    groups: list[Group] = []
+    for d, (count, members) in classes.items():
+        loads = [0.0] * count
+        tokens = [0] * count
+        held: list[list[int]] = [[] for _ in range(count)]
+        for n in sorted(members, reverse=True):
+            room = [g for g in range(count) if tokens[g] + n <= d * capacity]
+            if not room:
+                return None
+            g = min(room, key=lambda i: (loads[i], i))
+            loads[g] += cost.seconds(n, d)
+            tokens[g] += n
+            held[g].append(n)
+        groups += [Group(d, tuple(h), t) for h, t in zip(held, loads) if h]
+    return MicroBatch(tuple(groups))
+
+
+def homogeneous(lengths: Sequence[int], degree: int, devices: int, cost: SequenceCost, capacity: int
+                ) -> MicroBatch | None:
+    """Every group of one degree (static sequence parallelism): devices // degree groups."""
+    return place({degree: (devices // degree, list(lengths))}, cost, capacity)
+
+
+# ---- bucketing ------------------------------------------------------------------------------------------
+
+def buckets(lengths: Sequence[int], count: int = BUCKETS) -> list[tuple[int, int]]:
+    """(bound, sequences) of at most `count` buckets: each sequence rounds up to its bucket's bound, bounds
+    chosen by dynamic programming to minimise the padding tokens that adds."""
+    values, counts = np.unique(np.asarray(lengths, dtype=np.int64), return_counts=True)
+    n = len(values)
+    if n <= count:
+        return [(int(v), int(c)) for v, c in zip(values, counts)]
+    prefix_n = np.concatenate([[0], np.cumsum(counts)])
+    prefix_t = np.concatenate([[0], np.cumsum(counts * values)])
+    # pad(i, j): sequences i..j (sorted distinct values) rounded up to values[j]
+    best = np.full((count + 1, n), np.inf)
+    arg = np.zeros((count + 1, n), dtype=np.int64)
+    for j in range(n):
+        best[1, j] = values[j] * prefix_n[j + 1] - prefix_t[j + 1]
+    for k in range(2, count + 1):
+        for j in range(k - 1, n):
+            i = np.arange(k - 1, j + 1)  # first index of the last bucket
+            pad = values[j] * (prefix_n[j + 1] - prefix_n[i]) - (prefix_t[j + 1] - prefix_t[i])
+            total = best[k - 1, i - 1] + pad
+            m = int(np.argmin(total))
+            best[k, j], arg[k, j] = total[m], i[m]
+    out, j = [], n - 1
+    for k in range(count, 0, -1):
+        i = int(arg[k, j]) if k > 1 else 0
+        out.append((int(values[j]), int(prefix_n[j + 1] - prefix_n[i])))
+        j = i - 1
+        if j < 0:
+            break
+    return out[::-1]
+
+
+# ---- one micro-batch ----------------------------------------------------------------------------------------
+
+def _feasible(bucket_list: list[tuple[int, int]], sizes: list[int], devices: int, capacity: int, target: float,
+              cost: SequenceCost) -> dict[int, tuple[int, dict[int, int]]] | None:
+    """Whether groups can be formed that finish every bucket's sequences within `target` seconds (each size
+    class's total work within target x its group count, tokens within its capacity); the groups per size
+    and sequences per (size, bucket bound), or None."""
+    pairs = [(b, d) for b, (bound, _) in enumerate(bucket_list) for d in sizes
+             if bound <= d * capacity and cost.seconds(bound, d) <= target]
+    nv = len(sizes) + len(pairs)
+    if not pairs:
+        return None
+    col = {p: len(sizes) + i for i, p in enumerate(pairs)}
+    rows, lo, hi = [], [], []
+    for b, (_, count) in enumerate(bucket_list):  # every sequence placed
+        row = np.zeros(nv)
+        for d in sizes:
+            if (b, d) in col:
+                row[col[b, d]] = 1
+        rows.append(row)
+        lo.append(count)
+        hi.append(count)
+    row = np.zeros(nv)
+    row[: len(sizes)] = sizes
+    rows.append(row)  # devices
+    lo.append(0)
+    hi.append(devices)
+    for k, d in enumerate(sizes):
+        work, tokens = np.zeros(nv), np.zeros(nv)
+        work[k], tokens[k] = -target, -d * capacity
+        for b, (bound, _) in enumerate(bucket_list):
+            if (b, d) in col:
+                work[col[b, d]] = cost.seconds(bound, d)
+                tokens[col[b, d]] = bound
+        rows += [work, tokens]
+        lo += [-np.inf, -np.inf]
+        hi += [0, 0]
+    objective = np.concatenate([np.asarray(sizes, float), np.zeros(len(pairs))])  # fewest devices busy
+    res = milp(objective, constraints=LinearConstraint(np.vstack(rows), lo, hi), integrality=np.ones(nv),
+               bounds=Bounds(np.zeros(nv), np.full(nv, np.inf)), options={"time_limit": SOLVER_TIME_LIMIT_S})
+    if res.x is None:
+        return None
+    x = np.round(res.x).astype(int)
+    return {d: (int(x[k]), {bucket_list[b][0]: int(x[col[b, dd]]) for (b, dd) in pairs if dd == d and x[col[b, dd]]})
+            for k, d in enumerate(sizes) if x[k] > 0}
+
+
+def plan_micro_batch(lengths: Sequence[int], devices: int, cost: SequenceCost, capacity: int) -> MicroBatch | None:
+    """FlexSP's layout of one micro-batch (see the module docstring), or None if nothing fits memory."""
+    sizes = degrees(devices)
+    best = None
+    for d in sizes:  # homogeneous start
+        mb = homogeneous(lengths, d, devices, cost, capacity)
+        if mb is not None and (best is None or mb.seconds < best.seconds):
+            best = mb
+    if best is None:
+        return None
+    bucket_list = buckets(lengths)
+    low = sum(min(cost.seconds(n, d) * d for d in sizes) for n in lengths) / devices
+    high = best.seconds
+    for _ in range(BISECTION_STEPS):
+        if high - low <= 0.005 * high:
+            break
+        target = (low + high) / 2
+        classes = _feasible(bucket_list, sizes, devices, capacity, target, cost)
+        if classes is None:
+            low = target
+            continue
+        mb = _realise(lengths, bucket_list, classes, cost, capacity)
+        if mb is not None and mb.seconds < best.seconds:
+            best = mb
+        high = target
+    return best
+
+
+def _realise(lengths: Sequence[int], bucket_list: list[tuple[int, int]],
+             classes: dict[int, tuple[int, dict[int, int]]], cost: SequenceCost, capacity: int) -> MicroBatch | None:
+    """Real sequences for the programme's (size, bucket) counts, placed on the groups of each size."""
+    by_bucket: dict[int, list[int]] = {bound: [] for bound, _ in bucket_list}
+    bounds = [bound for bound, _ in bucket_list]
+    for n in sorted(lengths):
+        by_bucket[bounds[int(np.searchsorted(bounds, n))]].append(n)
+    members: dict[int, tuple[int, list[int]]] = {d: (count, []) for d, (count, _) in classes.items()}
+    for d, (_, taken) in classes.items():
+        for bound, k in taken.items():
+            members[d][1].extend(by_bucket[bound][:k])
+            del by_bucket[bound][:k]
+    return place(members, cost, capacity)
+
+
+# ---- ByteScale-style balance scheduler -------------------------------------------------------------------
+
+def balance_micro_batch(lengths: Sequence[int], devices: int, cost: SequenceCost, capacity: int,
+                        rounds: int = 32) -> MicroBatch | None:
+    """ByteScale-style: a sequence longer than `capacity` runs with ring context parallelism over at least
+    ceil(len / capacity) ranks, chosen among the least loaded (an ad-hoc group; it starts when all of them
+    are free); the others run whole on one rank, longest first onto the least-loaded rank with room. Then,
+    while it shortens the micro-batch, the sequence that ends last (or the longest on the rank that ends
+    last) gets twice the ranks. Balances each rank's compute (s^2 and s terms alike, from the cost model)."""
+    ordered = sorted(lengths, reverse=True)
+    degree = [math.ceil(n / capacity) for n in ordered]
+    if degree[0] > devices:
+        return None
+    best = _balance(ordered, degree, devices, cost, capacity)
+    for _ in range(rounds):
+        if best is None:
+            return None
+        mb, critical = best
+        if critical is None or degree[critical] * 2 > devices:
+            break
+        trial = _balance(ordered, degree[:critical] + [degree[critical] * 2] + degree[critical + 1:], devices,
+                         cost, capacity)
+        if trial is None or trial[0].seconds >= mb.seconds:
+            break
+        degree[critical] *= 2
+        best = trial
+    return best[0] if best is not None else None
+
+
+def _balance(ordered: list[int], degree: list[int], devices: int, cost: SequenceCost, capacity: int
+             ) -> tuple[MicroBatch, int | None] | None:
+    """Place the spread sequences (degree > 1) as groups, then the rest; the micro-batch and the index of
+    the sequence to spread next (the one that ends last, or the longest on the rank that ends last)."""
+    load = [0.0] * devices
+    tokens = [0] * devices
+    held: list[list[int]] = [[] for _ in range(devices)]
+    groups: list[Group] = []
+    ends: list[tuple[float, int]] = []  # (end, sequence index) of each spread sequence
+    for i, n in enumerate(ordered):
+        if degree[i] == 1:
+            continue
+        ranks = sorted(sorted(range(devices), key=lambda r: (load[r], r))[: degree[i]])
+        end = max(load[r] for r in ranks) + cost.on(n, ranks)
+        for r in ranks:
+            load[r] = end
+        groups.append(Group(degree[i], (n,), end))
+        ends.append((end, i))
+    for i, n in enumerate(ordered):
+        if degree[i] > 1:
+            continue
+        room = [r for r in range(devices) if tokens[r] + n <= capacity]
+        if not room:
+            return None
+        r = min(room, key=lambda k: (load[k], k))
+        load[r] += cost.seconds(n, 1)
+        tokens[r] += n
+        held[r].append(i)
+    groups += [Group(1, tuple(ordered[i] for i in h), load[r]) for r, h in enumerate(held) if h]
+    slowest = max(range(devices), key=lambda r: load[r])
+    critical = held[slowest][0] if held[slowest] else max(ends, default=(0.0, None))[1]
+    return MicroBatch(tuple(groups)), critical
+
+
+def balance_split(lengths: Sequence[int], parts: int, cost: SequenceCost) -> list[list[int]]:
+    """ByteScale's data balance: sequences dealt over `parts` micro-batches, heaviest first onto the
+    lightest micro-batch (one device's seconds), so every micro-batch carries a similar share of work."""
+    work = [0.0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for n in sorted(lengths, reverse=True):
+        k = min(range(parts), key=lambda i: (work[i], i))
+        work[k] += cost.seconds(n, 1)
+        out[k].append(n)
+    return [o for o in out if o]
+
+
+# ---- a global batch -------------------------------------------------------------------------------------
+
+def blast(lengths: Sequence[int], parts: int, cost: SequenceCost) -> list[list[int]]:
+    """The sequence blaster: sorted lengths cut into `parts` contiguous micro-batches of about equal work
+    (one device's seconds)."""
+    ordered = sorted(lengths, reverse=True)
+    work = np.cumsum([cost.seconds(n, 1) for n in ordered])
+    cuts = [int(np.searchsorted(work, work[-1] * k / parts)) for k in range(1, parts)]
+    out, start = [], 0
+    for c in [*cuts, len(ordered)]:
+        c = max(c, start + 1) if start < len(ordered) else start
+        out.append(ordered[start:c])
+        start = c
+    return [o for o in out if o]
+
+
+def plan_batch(lengths: Sequence[int], devices: int, cost: SequenceCost, capacity: int,
+               method: str = "flexsp", degree: int | None = None) -> BatchPlan:
+    """Micro-batches of one global batch: `flexsp`, `bytescale` (the balance scheduler, with `cost` in ring
+    mode), or `static` sequence parallelism of `degree` (default: the smallest that holds the longest
+    sequence; with a ring cost, a static data x context parallel mesh)."""
+    t0 = time.perf_counter()
+    if method == "static":
+        degree = degree or smallest_degree(max(lengths), capacity, devices)
+        if max(lengths) > degree * capacity:
+            raise PlaitError(f"--sp {degree} cannot hold a sequence of {max(lengths)} tokens at {capacity} per "
+                             f"device; use --sp {smallest_degree(max(lengths), capacity, devices)} or more")
+    else:
+        smallest_degree(max(lengths), capacity, devices)  # fails clearly when nothing can hold the longest
+    fewest = max(1, math.ceil(sum(lengths) / (devices * capacity)))
+    best: BatchPlan | None = None
+    for parts in range(fewest, fewest + MORE_MICRO_BATCHES + 1):
+        if best is not None and parts > fewest + EXTRA_MICRO_BATCH_COUNTS:
+            break
+        chunks = balance_split(lengths, parts, cost) if method == "bytescale" else blast(lengths, parts, cost)
+        if method == "static":
+            mbs = [homogeneous(c, degree, devices, cost, capacity) for c in chunks]  # type: ignore[arg-type]
+        elif method == "bytescale":
+            mbs = [balance_micro_batch(c, devices, cost, capacity) for c in chunks]
+        else:
+            mbs = [plan_micro_batch(c, devices, cost, capacity) for c in chunks]
+        if any(m is None for m in mbs):
+            continue  # a micro-batch did not fit: try more of them
+        plan = BatchPlan(mbs)  # type: ignore[arg-type]
+        if best is None or plan.seconds < best.seconds:
+            best = plan
+    if best is None:
+        raise PlaitError(f"no micro-batching of this batch fits {capacity} tokens per device on {devices} devices; "
+                         "raise the capacity or lower the global batch")
+    best.solve_time_s = time.perf_counter() - t0
+    return best
+
+
+def load_lengths(path: str | Path) -> np.ndarray:
+    """Sequence lengths, one positive integer per line; PlaitError naming the problem otherwise."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlaitError(f"cannot read lengths file {str(path)!r}: {getattr(exc, 'strerror', None) or exc}; give a "
+                         "text file with one token count per line") from None
+    values = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                values.append(int(line))
+            except ValueError:
+                raise PlaitError(f"{str(path)!r} line {i}: {line.strip()[:40]!r} is not a whole number of tokens") from None
+            if values[-1] <= 0:
+                raise PlaitError(f"{str(path)!r} line {i}: a length must be positive, got {values[-1]}")
+    if not values:
+        raise PlaitError(f"{str(path)!r} holds no lengths; give one token count per line")
+    return np.asarray(values, dtype=np.int64)
+
+
+def sample_batches(lengths: np.ndarray, batches: int, global_batch: int, seed: int) -> list[list[int]]:
+    """`batches` global batches of `global_batch` lengths drawn (with replacement) with a fixed seed."""
+    rng = np.random.default_rng(seed)
+    return [rng.choice(lengths, size=global_batch).tolist() for _ in range(batches)]
+
+
+__all__ = ["BatchPlan", "Group", "MicroBatch", "SequenceCost", "balance_micro_batch", "balance_split", "blast", "buckets", "degrees",
+           "homogeneous", "load_lengths", "plan_batch", "plan_micro_batch", "sample_batches", "smallest_degree"]

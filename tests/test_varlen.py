@@ -1,0 +1,185 @@
+"""Variable-length planning (FlexSP, ByteScale-style balance): costs, buckets, blaster, per-micro-batch layouts."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plait.errors import PlaitError
+from plait.planner.varlen import (
+    SequenceCost,
+    balance_micro_batch,
+    blast,
+    buckets,
+    homogeneous,
+    plan_batch,
+    plan_micro_batch,
+    smallest_degree,
+)
+from plait.spec.cluster import dgx
+from plait.spec.model import load_model
+
+MODEL = load_model("llama2-7b")
+CLUSTER = dgx(2, 8, "A100-80GB")
+CAP = 8192
+
+
+@pytest.fixture(scope="module")
+def cost() -> SequenceCost:
+    return SequenceCost(MODEL, CLUSTER)
+
+
+@pytest.fixture(scope="module")
+def ring() -> SequenceCost:
+    return SequenceCost(MODEL, CLUSTER, cp_mode="ring")
+
+
+def _padding(lengths, bounds):
+    return sum(min(b for b in bounds if b >= n) - n for n in lengths)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=14), st.integers(1, 4))
+def test_buckets_minimise_padding(lengths, count) -> None:
+    got = buckets(lengths, count)
+    assert sum(c for _, c in got) == len(lengths) and len(got) <= count and got[-1][0] == max(lengths)
+    bounds = [b for b, _ in got]
+    distinct = sorted(set(lengths))
+    best = min(_padding(lengths, [*combo, max(lengths)])
+               for k in range(min(count, len(distinct)))
+               for combo in itertools.combinations(distinct[:-1], k))
+    assert _padding(lengths, bounds) == best
+
+
+def test_a_long_sequence_costs_quadratically_and_a_group_shares_it(cost) -> None:
+    short, long_ = cost.seconds(4096, 1), cost.seconds(32768, 1)
+    assert long_ > 8 * short * 1.3  # attention's s^2 on top of the linear part
+    assert cost.seconds(32768, 8) < long_ / 4  # 8 devices on one long sequence
+    assert cost.seconds(512, 8) > cost.seconds(512, 1) / 8  # short ones gain little from a group
+
+
+def test_the_blaster_keeps_sorted_contiguous_chunks(cost) -> None:
+    rng = random.Random(1)
+    lengths = [rng.randint(100, 20000) for _ in range(60)]
+    chunks = blast(lengths, 4, cost)
+    assert sorted(n for c in chunks for n in c) == sorted(lengths)
+    assert all(min(a) >= max(b) for a, b in itertools.pairwise(chunks))  # longest first, no overlap
+
+
+def _check(mb, lengths, devices, capacity):
+    assert Counter(n for g in mb.groups for n in g.lengths) == Counter(lengths)
+    assert sum(g.degree for g in mb.groups) <= devices
+    assert all(sum(g.lengths) <= g.degree * capacity for g in mb.groups)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_flexsp_micro_batch_beats_every_homogeneous_layout(cost, seed) -> None:
+    rng = random.Random(seed)
+    lengths = [rng.choice([rng.randint(50, 800), rng.randint(2000, 30000)]) for _ in range(40)]
+    mb = plan_micro_batch(lengths, 16, cost, CAP * 4)
+    assert mb is not None
+    _check(mb, lengths, 16, CAP * 4)
+    homo = [h.seconds for d in (1, 2, 4, 8, 16) if (h := homogeneous(lengths, d, 16, cost, CAP * 4)) is not None]
+    assert mb.seconds <= min(homo) + 1e-12
+    assert mb.seconds < 0.9 * max(homo)
+
+
+def test_flexsp_batch_beats_static_and_full_sp(cost) -> None:
+    rng = random.Random(3)
+    lengths = [int(rng.lognormvariate(6.0, 1.3)) + 16 for _ in range(200)] + [30000]
+    flex = plan_batch(lengths, 16, cost, CAP)
+    low = plan_batch(lengths, 16, cost, CAP, "static")
+    full = plan_batch(lengths, 16, cost, CAP, "static", 16)
+    assert smallest_degree(30000, CAP, 16) == 4
+    for p in (flex, low, full):
+        for mb in p.micro_batches:
+            assert all(sum(g.lengths) <= g.degree * CAP for g in mb.groups)
+        assert sorted(n for mb in p.micro_batches for g in mb.groups for n in g.lengths) == sorted(lengths)
+    assert flex.seconds < 0.8 * low.seconds and flex.seconds < 0.6 * full.seconds
+
+
+def test_balance_scheduler_spreads_long_sequences_and_balances(ring) -> None:
+    lengths = [20000, 9000, 3000, 2500, 800, 700, 100] * 2
+    mb = balance_micro_batch(lengths, 16, ring, CAP)
+    assert mb is not None
+    assert Counter(n for g in mb.groups for n in g.lengths) == Counter(lengths)
+    for g in mb.groups:  # a sequence over the capacity gets at least ceil(len / capacity) ranks
+        assert g.degree >= max(-(-n // CAP) for n in g.lengths)
+        assert g.degree == 1 or len(g.lengths) == 1
+    plain = balance_micro_batch(lengths, 16, ring, CAP, rounds=0)
+    assert {g.degree for g in plain.groups if g.degree > 1} == {2, 3}  # only the long ones, at their minimum
+    assert mb.seconds <= plain.seconds
+
+
+def test_balance_beats_a_static_data_x_context_mesh(ring) -> None:
+    rng = random.Random(4)
+    lengths = [int(rng.lognormvariate(6.0, 1.3)) + 16 for _ in range(200)] + [30000]
+    balanced = plan_batch(lengths, 16, ring, CAP, "bytescale")
+    static = plan_batch(lengths, 16, ring, CAP, "static")
+    assert sorted(n for mb in balanced.micro_batches for g in mb.groups for n in g.lengths) == sorted(lengths)
+    assert balanced.seconds < 0.8 * static.seconds
+
+
+def test_too_long_is_bad_input(cost) -> None:
+    with pytest.raises(PlaitError, match="tokens"):
+        plan_batch([10, 16 * CAP + 1], 16, cost, CAP)
+    with pytest.raises(PlaitError, match="--sp"):
+        plan_batch([10, 3 * CAP], 16, cost, CAP, "static", 2)
+
+
+# ---- plait varlen ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def lengths_file(tmp_path):
+    rng = random.Random(5)
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(str(int(rng.lognormvariate(6.0, 1.3)) + 16) for _ in range(3000)) + "\n20000\n")
+    return path
+
+
+def _varlen(*args):
+    from typer.testing import CliRunner
+
+    from plait.cli import app
+
+    return CliRunner().invoke(app, ["varlen", "--model", "llama2-7b", "--cluster", "2x8xA100-80GB", "--batches", "2",
+                                    "--global-batch", "64", "--capacity", str(CAP), *map(str, args)])
+
+
+def test_varlen_command_prints_json_and_flexsp_beats_static(lengths_file) -> None:
+    import json
+
+    res = {}
+    for method in ("flexsp", "static", "bytescale"):
+        out = _varlen("--lengths", lengths_file, "--method", method, "--json")
+        assert out.exit_code == 0, out.output
+        res[method] = json.loads(out.stdout)
+        assert set(res[method]) == {"total_time_s", "solve_time_s", "per_batch"} and len(res[method]["per_batch"]) == 2
+    assert res["flexsp"]["total_time_s"] <= res["static"]["total_time_s"]
+    table = _varlen("--lengths", lengths_file)
+    assert table.exit_code == 0 and "total planned time" in table.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--method", "nope"], "--method"),
+    (["--method", "flexsp", "--sp", "4"], "--sp"),
+    (["--method", "static", "--sp", "3"], "--sp"),
+    (["--global-batch", "0"], "positive"),
+])
+def test_varlen_bad_input(lengths_file, args, needle) -> None:
+    res = _varlen("--lengths", lengths_file, *args)
+    assert res.exit_code == 2 and needle in res.stderr and "Traceback" not in res.output
+
+
+def test_varlen_bad_lengths_file(tmp_path) -> None:
+    bad = tmp_path / "bad.txt"
+    bad.write_text("12\nabc\n")
+    res = _varlen("--lengths", bad)
+    assert res.exit_code == 2 and "line 2" in res.stderr
+    res = _varlen("--lengths", tmp_path / "missing.txt")
+    assert res.exit_code == 2 and "cannot read" in res.stderr
