@@ -266,6 +266,14 @@ def test_slow_rank_makes_iteration_slower():
     assert big["iteration_time_s"] > report(*GPT175, "--strategy", GPT175_STRATEGY)["iteration_time_s"]
 
 
+def test_slow_shows_the_healthy_time_beside():
+    slow = report(*TINY_PP, "--slow", "0:3.0")
+    assert slow["healthy_iteration_time_s"] == pytest.approx(report(*TINY_PP)["iteration_time_s"])
+    assert "healthy_iteration_time_s" not in report(*TINY_PP)
+    text = ok("simulate", *TINY_PP, "--slow", "0:3.0").stdout
+    assert "the healthy cluster's" in text
+
+
 def test_slow_factor_one_changes_nothing():
     base = report(*TINY_PP)
     same = report(*TINY_PP, "--slow", "2:1.0")

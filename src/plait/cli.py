@@ -237,6 +237,7 @@ def simulate_cmd(
             p = uniform_plan(strategy or "", m, c, seq_len or m.max_seq_len)
         validate_plan(p, m, c)
         report = simulate(p, m, c, cal=cal, record=timeline is not None)
+        healthy = simulate(p, m, replace(c, speed=()), cal=cal) if slow else None
         if timeline is not None:
             from plait.viz import combined
 
@@ -252,9 +253,14 @@ def simulate_cmd(
         fail(str(exc))
         return
     if as_json:
-        sys.stdout.write(json.dumps(report.to_dict(), allow_nan=False) + "\n")
+        extra = {"healthy_iteration_time_s": healthy.iteration_time_s} if healthy else {}
+        sys.stdout.write(json.dumps(report.to_dict() | extra, allow_nan=False) + "\n")
         return
     print_report(report, p, m, c)
+    if healthy:
+        out.print(f"with the slow devices: {_fmt_s(report.iteration_time_s)} per iteration, "
+                  f"{report.iteration_time_s / healthy.iteration_time_s:.2f}x the healthy cluster's "
+                  f"{_fmt_s(healthy.iteration_time_s)}; `plait plan --slow` re-plans around them")
     if timeline is not None:
         out.print(f"timeline and memory chart: {timeline}")
 
