@@ -12,7 +12,8 @@ import pytest
 
 from plait.errors import PlaitError
 from plait.plan import Plan
-from plait.runtime.stragglers import Injection, parse_injections, shifted, snap, speed_factors
+from plait.runtime.stragglers import Injection, parse_injections, shifted, speed_factors
+from plait.spec.cluster import snap
 
 
 def test_speed_is_time_per_predicted_second_relative_to_the_fast_half() -> None:

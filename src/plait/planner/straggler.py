@@ -45,12 +45,9 @@ from plait.executable import unsupported
 from plait.plan import Pipeline, Plan, Stage, Strategy, validate_plan
 from plait.planner.space import divisors
 from plait.simulate import Report, simulate
-from plait.spec.cluster import Cluster
+from plait.spec.cluster import SNAP_FACTOR, Cluster, snap
 from plait.spec.model import ModelSpec
 
-SNAP_FACTOR = 1.2
-"""Speed factors below this count as healthy while planning (re-planning for a 10% wobble costs more in
-migrations than it wins)."""
 SIMULATED_CANDIDATES = 12
 """Best-estimated candidates the simulator judges (the estimate ranks hundreds in milliseconds)."""
 TIE_TOLERANCE = 0.01
@@ -120,7 +117,7 @@ def snapped(cluster: Cluster, threshold: float = SNAP_FACTOR) -> Cluster:
     """`cluster` with speed factors below `threshold` set to healthy (1.0)."""
     if not cluster.speed:
         return cluster
-    return replace(cluster, speed=tuple(1.0 if f < threshold else f for f in cluster.speed))
+    return replace(cluster, speed=tuple(snap(cluster.speed, threshold)))
 
 
 def group_units(cluster: Cluster, tp: int, shrink: bool, heads: tuple[int, int]) -> list[Unit]:
@@ -522,5 +519,5 @@ def plan_around_stragglers(model: ModelSpec, cluster: Cluster, seq_len: int, glo
                            migration)
 
 
-__all__ = ["SNAP_FACTOR", "StragglerResult", "Unit", "assign_layers", "assign_micro_batches", "build_pipelines",
+__all__ = ["StragglerResult", "Unit", "assign_layers", "assign_micro_batches", "build_pipelines",
            "group_units", "migration_seconds", "moved_layers", "plan_around_stragglers", "snapped"]

@@ -138,22 +138,33 @@ def smallest_degree(longest: int, capacity: int, devices: int) -> int:
 
 # ---- placement on groups ------------------------------------------------------------------------------------
 
+def _least_loaded(lengths: Sequence[int], degree: int, loads: list[float], cost: SequenceCost, capacity: int
+                  ) -> list[list[int]] | None:
+    """Longest first, each sequence onto the least-loaded of the groups of `degree` devices (`loads`: their
+    seconds so far, updated) that still has room for its tokens; the lengths on each group, or None if a
+    sequence finds no room."""
+    tokens = [0] * len(loads)
+    held: list[list[int]] = [[] for _ in loads]
+    for n in sorted(lengths, reverse=True):
+        room = [g for g in range(len(loads)) if tokens[g] + n <= degree * capacity]
+        if not room:
+            return None
+        g = min(room, key=lambda i: (loads[i], i))
+        loads[g] += cost.seconds(n, degree)
+        tokens[g] += n
+        held[g].append(n)
+    return held
+
+
 def place(classes: dict[int, tuple[int, list[int]]], cost: SequenceCost, capacity: int) -> MicroBatch | None:
     """Put each class's sequences (`classes`: degree -> (groups, lengths)) on its groups, longest first onto
     the least-loaded group with room; None if some sequence finds no room."""
     groups: list[Group] = []
     for d, (count, members) in classes.items():
         loads = [0.0] * count
-        tokens = [0] * count
-        held: list[list[int]] = [[] for _ in range(count)]
-        for n in sorted(members, reverse=True):
-            room = [g for g in range(count) if tokens[g] + n <= d * capacity]
-            if not room:
-                return None
-            g = min(room, key=lambda i: (loads[i], i))
-            loads[g] += cost.seconds(n, d)
-            tokens[g] += n
-            held[g].append(n)
+        held = _least_loaded(members, d, loads, cost, capacity)
+        if held is None:
+            return None
         groups += [Group(d, tuple(h), t) for h, t in zip(held, loads) if h]
     return MicroBatch(tuple(groups))
 
@@ -321,8 +332,6 @@ def _balance(ordered: list[int], degree: list[int], devices: int, cost: Sequence
     """Place the spread sequences (degree > 1) as groups, then the rest; the micro-batch and the index of
     the sequence to spread next (the one that ends last, or the longest on the rank that ends last)."""
     load = [0.0] * devices
-    tokens = [0] * devices
-    held: list[list[int]] = [[] for _ in range(devices)]
     groups: list[Group] = []
     ends: list[tuple[float, int]] = []  # (end, sequence index) of each spread sequence
     for i, n in enumerate(ordered):
@@ -334,19 +343,15 @@ def _balance(ordered: list[int], degree: list[int], devices: int, cost: Sequence
             load[r] = end
         groups.append(Group(degree[i], (n,), end))
         ends.append((end, i))
-    for i, n in enumerate(ordered):
-        if degree[i] > 1:
-            continue
-        room = [r for r in range(devices) if tokens[r] + n <= capacity]
-        if not room:
-            return None
-        r = min(room, key=lambda k: (load[k], k))
-        load[r] += cost.seconds(n, 1)
-        tokens[r] += n
-        held[r].append(i)
-    groups += [Group(1, tuple(ordered[i] for i in h), load[r]) for r, h in enumerate(held) if h]
+    held = _least_loaded([n for i, n in enumerate(ordered) if degree[i] == 1], 1, load, cost, capacity)
+    if held is None:
+        return None
+    groups += [Group(1, tuple(h), load[r]) for r, h in enumerate(held) if h]
     slowest = max(range(devices), key=lambda r: load[r])
-    critical = held[slowest][0] if held[slowest] else max(ends, default=(0.0, None))[1]
+    if held[slowest]:  # the longest whole sequence on the rank that ends last
+        critical = next(i for i, n in enumerate(ordered) if n == held[slowest][0] and degree[i] == 1)
+    else:
+        critical = max(ends, default=(0.0, None))[1]
     return MicroBatch(tuple(groups)), critical
 
 

@@ -9,7 +9,7 @@ speed, re-plan in the background, and switch plans between two steps without sto
 * Speed: each rank's compute seconds over what the cost model predicts for its share of the plan, relative
   to the median rank, as the median of the last `WINDOW` steps. A rank the plan leaves out
   runs a probe (one sequence through the whole model) so that its recovery is seen too.
-* A shift is a rank whose speed factor (factors below `SNAP_FACTOR` snapped to 1) moved by at least
+* A shift is a rank whose speed factor (factors below `plait.spec.cluster.SNAP_FACTOR` snapped to 1) moved by at least
   `SHIFT` from the factor the current plan was made for. Rank 0 then runs the straggler planner
   (`plait.planner.straggler`) in a background thread while training goes on, and when it is done every
   rank learns the new plan at the next step boundary (if it is predicted `MIN_GAIN` faster). Without a
@@ -41,15 +41,13 @@ import torch.nn.functional as F
 
 from plait.errors import PlaitError
 from plait.plan import Pipeline, Plan, Stage, Strategy
-from plait.spec.cluster import Cluster, local_ranks
+from plait.spec.cluster import Cluster, local_ranks, snap
 from plait.spec.model import ModelSpec
 
 WINDOW = 3
 """Steps whose median speed decides (one slow step is noise, three are a straggler)."""
 SHIFT = 0.3
 """Change of a rank's speed factor that triggers re-planning (Malleus: 0.3x)."""
-SNAP_FACTOR = 1.2
-"""Factors below this count as healthy."""
 MIN_GAIN = 0.1
 """A new plan must be predicted this much faster than the current one to be switched to (a switch costs a
 checkpoint round trip, and speed estimates are noisy)."""
@@ -121,10 +119,6 @@ def speed_factors(busy: list[float], predicted: list[float]) -> list[float]:
         return [1.0] * len(busy)
     reference = statistics.median(working)
     return [r / reference if r > 0 else 1.0 for r in ratios]
-
-
-def snap(factors: list[float]) -> list[float]:
-    return [1.0 if f < SNAP_FACTOR else f for f in factors]
 
 
 def shifted(now: list[float], planned: list[float]) -> bool:
@@ -257,7 +251,7 @@ class Adaptive:
 
     def _replan(self, plan: Plan, factors: list[float]) -> Plan | None:
         """The straggler planner's plan for `factors` (None if it found none; the job goes on as it is)."""
-        from plait.planner.straggler import plan_around_stragglers
+        from plait.planner.straggler import plan_around_stragglers  # scipy's MILP: loaded on first use
 
         slow = {r: f for r, f in enumerate(factors) if f > 1.0}
         cluster = self.cluster.with_slow(slow) if slow else self.cluster

@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -232,7 +233,7 @@ class Placed:
     schedule: object | None
     tied: torch.nn.Parameter | None
 
-    @property
+    @cached_property
     def params(self) -> list[torch.nn.Parameter]:
         return [p for m in self.chunks for p in m.parameters()]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -122,6 +123,16 @@ class Cluster:
                                  "(time relative to a healthy device)")
             speed[rank] = factor
         return replace(self, speed=tuple(speed))
+
+
+SNAP_FACTOR = 1.2
+"""Speed factors below this count as healthy when planning around stragglers (re-planning for a 10% wobble
+costs more in migrations than it wins)."""
+
+
+def snap(factors: Sequence[float], threshold: float = SNAP_FACTOR) -> list[float]:
+    """Speed factors with those below `threshold` set to healthy (1.0)."""
+    return [1.0 if f < threshold else f for f in factors]
 
 
 def dgx(nodes: int, gpus_per_node: int, gpu_type: str) -> Cluster:
