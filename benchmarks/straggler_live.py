@@ -14,28 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from train_run import plait_train
 
 MODEL = "llama:layers=4,hidden=256,heads=4,kv_heads=2,ffn=688,vocab=512"
 console = Console(width=150)
 
 
 def train(tmp: Path, name: str, args: argparse.Namespace, *extra: str) -> list[dict]:
-    out = tmp / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", MODEL, "--strategy", f"dp=4,gbs={args.gbs}",
-           "--nproc", "4", "--steps", str(args.steps), "--seq-len", str(args.seq), "--metrics-out", str(out), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed: {proc.stderr[-2000:]}")
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    return plait_train(name, tmp / f"{name}.jsonl", "--model", MODEL, "--strategy", f"dp=4,gbs={args.gbs}",
+                       "--nproc", "4", "--steps", str(args.steps), "--seq-len", str(args.seq), *extra)
 
 
 def main() -> None:

@@ -60,7 +60,8 @@ def test_a_slowed_rank_is_detected_and_planned_around_with_the_same_losses(tmp_p
     static = _train(tmp_path, text, "static")
     adaptive = _train(tmp_path, text, "adaptive", "--adaptive")
     speed = adaptive[3]["speed"]  # steps 1-3 slowed: the window sees rank 3 at ~8x
-    assert speed[3] > 3 and max(speed[:3]) < 1.2, speed
+    # Four processes share this machine's cores, so a healthy rank's estimate wobbles by a few tens of percent.
+    assert speed[3] > 3 and max(speed[:3]) < 1.6 and speed[3] > 2.5 * max(speed[:3]), speed
     switches = [r for r in adaptive if "switch" in r]
     # One switch; a second may follow when this shared machine's noise moves a healthy rank's estimate.
     assert 1 <= len(switches) <= 2, [r.get("speed") for r in adaptive]

@@ -641,11 +641,18 @@ def train_cmd(
         "--inject-slow", help="simulated stragglers RANK:FACTOR@STEP[,...] (FACTOR 1: recovered)")] = None,
     profile: Annotated[Path | None, typer.Option(
         "--profile", help="a `plait profile` file the re-planner prices plans with")] = None,
+    varlen: Annotated[str | None, typer.Option(
+        "--varlen", help="variable-length documents, layout per step: flexsp | bytescale | static")] = None,
+    lengths: Annotated[Path | None, typer.Option(
+        "--lengths", help="--varlen: document lengths to draw from (default: 10k Wikipedia lengths)")] = None,
+    capacity: Annotated[int, typer.Option("--capacity", help="--varlen: tokens a rank holds at once")] = 1024,
+    sp: Annotated[int | None, typer.Option("--sp", help="--varlen static: the sequence-parallel degree")] = None,
+    cp_mode: Annotated[str, typer.Option(
+        "--cp-mode", help="--varlen flexsp/static: ulysses | ring (how a group splits a row)")] = "ulysses",
 ) -> None:
-    """Train with a plan on this machine's ranks (launches torchrun), or inside an existing torchrun job."""
+    """Train with a plan on this machine's ranks (launches torchrun), or inside an existing torchrun job.
+    With --varlen, train on variable-length documents whose parallel layout is planned every step."""
     import os
-    import subprocess
-    import tempfile
 
     from plait.runtime.placement import check_executable
     from plait.runtime.train import TrainConfig
@@ -655,6 +662,12 @@ def train_cmd(
         m = load_model(model)
         inside = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
         world = int(os.environ["WORLD_SIZE"]) if inside else nproc
+        if varlen is not None:
+            cfg, world = _varlen_config(m, model, varlen, world or 1, steps, global_batch, seed, lr, dtype, data,
+                                        metrics_out, lengths, capacity, sp, cp_mode, plan or strategy,
+                                        checkpoint_dir or hf_checkpoint or adaptive or inject_slow)
+            _launch(cfg, world, inside, max_restarts)
+            return
         if (plan is None) == (strategy is None):
             raise PlaitError("give exactly one of --plan FILE or --strategy \"dp=..,tp=..\"")
         if steps <= 0 or (world is not None and world <= 0):
@@ -703,6 +716,46 @@ def train_cmd(
     except PlaitError as exc:
         fail(str(exc))
         return
+    _launch(cfg, world, inside, max_restarts)
+
+
+def _varlen_config(m, model: str, method: str, world: int, steps: int, global_batch: int | None, seed: int,
+                   lr: float, dtype: str, data: Path | None, metrics_out: Path | None, lengths: Path | None,
+                   capacity: int, sp: int | None, cp_mode: str, layout: object, other: object):
+    """The TrainConfig of a `train --varlen` run (PlaitError on bad options) and its ranks."""
+    from importlib.resources import files
+
+    from plait.planner.varlen import load_lengths
+    from plait.runtime.train import TrainConfig
+    from plait.runtime.varlen import check_config
+
+    if layout:
+        raise PlaitError("--varlen plans the layout of every step itself; drop --plan/--strategy")
+    if steps <= 0 or world <= 0 or (global_batch is not None and global_batch <= 0):
+        raise PlaitError("--steps, --nproc and --global-batch must be positive")
+    if dtype not in ("fp32", "bf16"):
+        raise PlaitError(f"--dtype must be fp32 or bf16, got {dtype!r}")
+    if data is not None and not data.is_file():
+        raise PlaitError(f"data file {str(data)!r} does not exist; give a text file or omit --data")
+    path = str(lengths) if lengths else str(files("plait") / "data" / "wikipedia-lengths-10k.txt")
+    load_lengths(path)
+    cfg = TrainConfig(model=model, plan={}, steps=steps, seed=seed, lr=lr, dtype=dtype,
+                      data=str(data) if data else None, metrics_out=str(metrics_out) if metrics_out else None,
+                      varlen=method, lengths=path, global_batch=global_batch or 4 * world, capacity=capacity,
+                      sp=sp, cp_mode=cp_mode)
+    check_config(cfg, m, world)
+    if other:
+        raise PlaitError("--checkpoint-dir, --hf-checkpoint, --adaptive and --inject-slow do not combine with "
+                         "--varlen yet; drop them")
+    return cfg, world
+
+
+def _launch(cfg, world: int, inside: bool, max_restarts: int) -> None:
+    """Run `cfg` on `world` ranks: here when already inside torchrun, else through a new torchrun job."""
+    import os
+    import subprocess
+    import tempfile
+
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         fh.write(cfg.to_json())
         config_path = fh.name

@@ -167,3 +167,17 @@ def calibrate(profile: Profile, cluster: Cluster, base: Calibration | None = Non
     cal = base or calibration_for(cluster.gpu.name)
     return cluster, replace(cal, measured=measured_of(profile, cluster.gpus_per_node),
                             nvlink_efficiency=1.0 if link else cal.nvlink_efficiency)
+
+
+def local_cost(profile_path: str | None, world: int) -> tuple[Cluster, Calibration]:
+    """The cluster (and calibration) that prices plans for `world` ranks on this machine at run time: the
+    profile's device when one is given, else a stand-in of that many ranks with datasheet numbers."""
+    from plait.spec.cluster import local_ranks
+
+    if profile_path:
+        from plait.profile.schema import load_profile
+
+        profile = load_profile(profile_path)
+        return calibrate(profile, profiled_cluster(profile, f"1x{world}x{profile.device.gpu_type}"))
+    cluster = local_ranks(world)
+    return cluster, calibration_for(cluster.gpu.name)

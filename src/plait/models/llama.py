@@ -86,28 +86,33 @@ class Attention(nn.Module):
         self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=out_bias)
 
     context_parallel: object | None = None
-    """Set by the runtime for Ulysses context parallelism: a pair of functions (sequence chunk -> head
-    group, and back) applied around the attention core."""
+    """Set by the runtime for Ulysses context parallelism: a `plait.runtime.ulysses.Ulysses` (sequence chunk
+    -> head group, and back, over `degree` ranks) applied around the attention core."""
 
-    def forward(self, x: Tensor, freqs: Tensor | None = None) -> Tensor:
-        """x [B, T, H], freqs [>=T, 2, D] (RoPE) or None (no rotation) -> [B, T, H]."""
+    def forward(self, x: Tensor, freqs: Tensor | None = None, attend: Callable | None = None) -> Tensor:
+        """x [B, T, H], freqs [>=T, 2, D] (RoPE) or None (no rotation) -> [B, T, H]. `attend(q, k, v)` over
+        [B, heads, T, D] replaces causal attention (document masks of packed sequences, ring attention)."""
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
-        if self.context_parallel is not None:  # whole sequence, some heads (positions are global now)
-            to_heads, _ = self.context_parallel
-            q, k, v = to_heads(q), to_heads(k), to_heads(v)
+        if (cp := self.context_parallel) is not None:  # whole sequence, some heads (positions are global now)
+            if k.shape[2] % cp.degree:  # fewer kv heads than ranks: share them out as query heads (as GQA reads)
+                rep = q.shape[2] // k.shape[2]
+                k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+            q, k, v = cp.to_heads(q), cp.to_heads(k), cp.to_heads(v)
         if freqs is not None:
             q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, D]
         if (rep := q.shape[1] // k.shape[1]) > 1:  # GQA: query head j reads kv head j // rep (as HF)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        p = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2)
-        if self.context_parallel is not None:
-            _, to_sequence = self.context_parallel
-            out = to_sequence(out)
+        if attend is not None:
+            out = attend(q, k, v).transpose(1, 2)
+        else:
+            p = self.dropout if self.training else 0.0
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2)
+        if cp is not None:
+            out = cp.to_sequence(out)
         return self.wo(out.reshape(b, t, -1))
 
 
@@ -135,8 +140,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm, self.feed_forward = ffn_norm, feed_forward
         self.dropout = dropout
 
-    def forward(self, x: Tensor, freqs: Tensor | None = None) -> Tensor:
-        h = x + self._drop(self.attention(self.attention_norm(x), freqs))
+    def forward(self, x: Tensor, freqs: Tensor | None = None, attend: Callable | None = None) -> Tensor:
+        a = self.attention_norm(x)  # tensor parallelism lays out exactly (x, freqs): pass `attend` only when set
+        h = x + self._drop(self.attention(a, freqs) if attend is None else self.attention(a, freqs, attend))
         return h + self._drop(self.feed_forward(self.ffn_norm(h)))
 
     def _drop(self, x: Tensor) -> Tensor:
@@ -179,19 +185,25 @@ class Transformer(nn.Module):
     """Set by the runtime where consecutive layers (or stages) split the hidden state differently: a
     function applied to the hidden state before each named layer."""
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """tokens [B, T] (or hidden [B, T, H] without tok_embeddings) -> logits float [B, T, V] (or hidden)."""
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, attend: Callable | None = None) -> Tensor:
+        """tokens [B, T] (or hidden [B, T, H] without tok_embeddings) -> logits float [B, T, V] (or hidden).
+
+        Packed variable-length batches give `positions` [T] (each token's place in its own document: the
+        RoPE angle or learned position of every token the attention core sees) and `attend`, the attention
+        core that keeps documents apart (see `Attention.forward`)."""
         h = tokens
+        freqs = self.freqs_cis if positions is None or self.freqs_cis is None else self.freqs_cis[positions]
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+                where = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
+                h = h + self.pos_embeddings(where)
             if self.sequence_slice is not None:
                 h = h[:, self.sequence_slice[0]: self.sequence_slice[1]]
         for name, layer in self.layers.items():
             if self.relayouts and name in self.relayouts:
                 h = self.relayouts[name](h)
-            h = layer(h, self.freqs_cis)
+            h = layer(h, freqs) if attend is None else layer(h, freqs, attend)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h).float() if self.output is not None else h

@@ -93,11 +93,13 @@ class SequenceCost:
 
 @dataclass(frozen=True)
 class Group:
-    """A sequence-parallel group of `degree` devices in one micro-batch, and the lengths it runs."""
+    """A sequence-parallel group of `degree` devices in one micro-batch, the lengths it runs, its planned
+    seconds and its ranks (0-based device numbers)."""
 
     degree: int
     lengths: tuple[int, ...]
     seconds: float
+    ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -160,12 +162,16 @@ def place(classes: dict[int, tuple[int, list[int]]], cost: SequenceCost, capacit
     """Put each class's sequences (`classes`: degree -> (groups, lengths)) on its groups, longest first onto
     the least-loaded group with room; None if some sequence finds no room."""
     groups: list[Group] = []
-    for d, (count, members) in classes.items():
+    first = 0  # groups take neighbouring ranks, largest first (so every group is aligned to its size)
+    for d, (count, members) in sorted(classes.items(), reverse=True):
         loads = [0.0] * count
         held = _least_loaded(members, d, loads, cost, capacity)
         if held is None:
             return None
-        groups += [Group(d, tuple(h), t) for h, t in zip(held, loads) if h]
+        for h, t in zip(held, loads):
+            if h:
+                groups.append(Group(d, tuple(h), t, tuple(range(first, first + d))))
+                first += d
     return MicroBatch(tuple(groups))
 
 
@@ -341,12 +347,12 @@ def _balance(ordered: list[int], degree: list[int], devices: int, cost: Sequence
         end = max(load[r] for r in ranks) + cost.on(n, ranks)
         for r in ranks:
             load[r] = end
-        groups.append(Group(degree[i], (n,), end))
+        groups.append(Group(degree[i], (n,), end, tuple(ranks)))
         ends.append((end, i))
     held = _least_loaded([n for i, n in enumerate(ordered) if degree[i] == 1], 1, load, cost, capacity)
     if held is None:
         return None
-    groups += [Group(1, tuple(h), load[r]) for r, h in enumerate(held) if h]
+    groups += [Group(1, tuple(h), load[r], (r,)) for r, h in enumerate(held) if h]
     slowest = max(range(devices), key=lambda r: load[r])
     if held[slowest]:  # the longest whole sequence on the rank that ends last
         critical = next(i for i, n in enumerate(ordered) if n == held[slowest][0] and degree[i] == 1)

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from plait.runtime.placement import Chunk
 from plait.runtime.relayout import Relayout
-from plait.runtime.ulysses import heads_to_seq, seq_to_heads
+from plait.runtime.ulysses import Ulysses
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, layers: list[str], embedding: bool, head: bool
@@ -154,7 +154,7 @@ def sync_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, weight:
 def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str]) -> None:
     """Ulysses context parallelism on the named blocks: each attention core swaps this rank's chunk of
     every sequence for the whole sequence of a head group (plait.runtime.ulysses)."""
-    swap = (partial(seq_to_heads, group=cp_group), partial(heads_to_seq, group=cp_group))
+    swap = Ulysses(cp_group)
     for name in layers:
         model.layers[name].attention.context_parallel = swap
 

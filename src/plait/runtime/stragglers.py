@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from plait.errors import PlaitError
 from plait.plan import Pipeline, Plan, Stage, Strategy
-from plait.spec.cluster import Cluster, local_ranks, snap
+from plait.spec.cluster import snap
 from plait.spec.model import ModelSpec
 
 WINDOW = 3
@@ -134,7 +134,9 @@ class Adaptive:
         self.rank = dist.get_rank()
         self.clock = ComputeClock()
         self.injections = parse_injections(cfg.inject_slow, world)
-        self.cluster, self.cal = self._planning_cluster()
+        from plait.cost.measured import local_cost
+
+        self.cluster, self.cal = local_cost(cfg.profile, world)
         self.window: deque[list[float]] = deque(maxlen=WINDOW)
         self.planned = [1.0] * world
         self.predicted: dict[str, list[float]] = {}
@@ -148,21 +150,6 @@ class Adaptive:
         box = [tempfile.mkdtemp(prefix="plait-switch-") if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         self.directory = Path(box[0])
-
-    def _planning_cluster(self) -> tuple[Cluster, object]:
-        """The cluster (and calibration) the re-planner prices plans on: the profile's device, else a
-        stand-in of this many ranks."""
-        if self.cfg.profile:
-            from plait.cost.measured import calibrate, profiled_cluster
-            from plait.profile.schema import load_profile
-
-            profile = load_profile(self.cfg.profile)
-            ref = f"1x{self.world}x{profile.device.gpu_type}"
-            return calibrate(profile, profiled_cluster(profile, ref))
-        from plait.cost.calibration import calibration_for
-
-        cluster = local_ranks(self.world)
-        return cluster, calibration_for(cluster.gpu.name)
 
     # ---- every step ------------------------------------------------------------------------------------
 

@@ -58,6 +58,14 @@ class TrainConfig:
     adaptive: bool = False  # detect straggling ranks and re-plan around them while training
     inject_slow: str | None = None  # simulated stragglers: "RANK:FACTOR@STEP[,...]" (FACTOR 1 = recovered)
     profile: str | None = None  # a `plait profile` file for the re-planning cost model
+    # Variable-length documents (plait.runtime.varlen): the layout method, the file of lengths to draw from,
+    # documents per step, tokens a rank holds at once, a static degree, and how a group splits a row.
+    varlen: str | None = None
+    lengths: str | None = None
+    global_batch: int = 0
+    capacity: int = 0
+    sp: int | None = None
+    cp_mode: str = "ulysses"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -300,6 +308,10 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
     """Train under an initialised process group; returns (on rank 0) one metrics dict per step.
     `report(record)` gets each step's metrics on rank 0; `before_step(step)` runs on every rank before a
     step is timed."""
+    if cfg.varlen:
+        from plait.runtime.varlen import run_varlen
+
+        return run_varlen(cfg, report)
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = load_model(cfg.model)
     plan = Plan.model_validate(cfg.plan)
@@ -320,7 +332,7 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
         checkpoint.load(path, placed.chunks, placed.optimizers)
     source = TokenSource(spec.vocab, plan.seq_len, plan.global_batch, cfg.seed, cfg.data)
     metrics: list[dict] = []
-    out = _open_metrics(cfg.metrics_out, start) if rank == 0 else None
+    out = open_metrics(cfg.metrics_out, start) if rank == 0 else None
     try:
         for step in range(start, cfg.steps):
             _maybe_fail(step, rank)
@@ -387,12 +399,7 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
                     record["switch"]["seconds"] = time.perf_counter() - t5
                     plan = new
             if rank == 0:
-                metrics.append(record)
-                if out:
-                    out.write(json.dumps(record) + "\n")
-                    out.flush()
-                if report:
-                    report(record)
+                publish(record, metrics, out, report)
             if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
                 checkpoint.save(cfg.checkpoint_dir, done, placed.chunks, placed.optimizers)
     finally:
@@ -403,7 +410,17 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
     return metrics
 
 
-def _open_metrics(path: str | None, start: int):
+def publish(record: dict, metrics: list[dict], out, report) -> None:
+    """Rank 0's end of a step: keep the record, append it to the metrics file, hand it to `report`."""
+    metrics.append(record)
+    if out:
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+    if report:
+        report(record)
+
+
+def open_metrics(path: str | None, start: int):
     """The metrics file for appending, keeping only the records of steps before `start` (a resumed run
     neither loses nor repeats a step)."""
     if not path:

@@ -7,6 +7,8 @@ over the cp group, differentiable (the backward is the opposite all-to-all).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -34,3 +36,20 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     chunks = x.reshape(b, cp, t, h, d).permute(1, 0, 2, 3, 4)  # [cp (sequence chunk), B, t, H/cp, D]
     got = _all_to_all(chunks, group)  # [cp (head group), B, t, H/cp, D]
     return got.permute(1, 2, 0, 3, 4).reshape(b, t, cp * h, d)
+
+
+@dataclass(frozen=True)
+class Ulysses:
+    """The attention core's context-parallel swap over `group` (set as `Attention.context_parallel`)."""
+
+    group: dist.ProcessGroup
+
+    @property
+    def degree(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return seq_to_heads(x, self.group)
+
+    def to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        return heads_to_seq(x, self.group)

@@ -1,0 +1,117 @@
+"""Ring attention over a group of ranks, with document masks: each rank holds some of a row's tokens (any
+split, e.g. `packing.zigzag`), passes its keys and values around the ring, and merges the partial softmax
+of every block by its log-sum-exp. Backward sends the keys and values around again, with the gradients
+of each block travelling one hop behind and arriving home after a full turn.
+
+Shapes: q, k, v [B, heads, T_local, D] (k and v with as many heads as q). Every rank knows every rank's
+token places in the row and their document numbers (`layout`), so it builds each block's mask itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from plait.runtime.packing import document_mask
+
+
+@dataclass(frozen=True)
+class RingLayout:
+    """Group `group` (its global ranks `ranks`), and for each of its members the row places ([T_local]) and
+    document numbers ([T_local]) of the tokens it holds."""
+
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]
+    index: tuple[Tensor, ...]
+    documents: tuple[Tensor, ...]
+
+    @property
+    def me(self) -> int:
+        return self.ranks.index(dist.get_rank())
+
+    def mask(self, j: int) -> Tensor:
+        """Keys of member j this rank's queries may see: bool [T_local, T_local_j]."""
+        i = self.me
+        return document_mask(self.documents[i], self.index[i], self.documents[j], self.index[j])
+
+
+def _exchange(send: Tensor, layout: RingLayout) -> Tensor:
+    """Send `send` to the next member of the ring and receive the previous member's (same shape)."""
+    n, i = len(layout.ranks), layout.me
+    recv = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, layout.ranks[(i + 1) % n], layout.group),
+           dist.P2POp(dist.irecv, recv, layout.ranks[(i - 1) % n], layout.group)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return recv
+
+
+def _block(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Masked scores of one block, float32 [B, heads, Tq, Tk] (-inf where masked)."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    return s.masked_fill(~mask, float("-inf"))
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: RingLayout) -> Tensor:
+        n, me = len(layout.ranks), layout.me
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out = torch.zeros(q.shape, dtype=torch.float32)
+        lse = torch.full(q.shape[:-1], float("-inf"))
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(n):
+            j = (me - step) % n
+            mask = layout.mask(j)
+            nxt = _exchange(kv, layout) if step < n - 1 else None
+            if mask.any():
+                s = _block(q, kv[0], mask, scale)
+                block_lse = torch.logsumexp(s, dim=-1)  # -inf for rows with no key here
+                new = torch.logaddexp(lse, block_lse)
+                seen = torch.isfinite(new)
+                p = torch.where(seen[..., None], torch.exp(s - new.where(seen, 0)[..., None]), 0.0)
+                keep = torch.where(seen, torch.exp(lse - new.where(seen, 0)), 0.0)
+                out = out * keep[..., None] + p @ kv[1].float()
+                lse = new
+            if nxt is not None:
+                kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout = layout
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout: RingLayout = ctx.layout
+        n, me = len(layout.ranks), layout.me
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        dout = dout.float()
+        delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O)
+        dq = torch.zeros(q.shape, dtype=torch.float32)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32)  # gradients of the block held now, travelling along
+        for step in range(n):
+            j = (me - step) % n
+            mask = layout.mask(j)
+            nxt = _exchange(kv, layout) if step < n - 1 else None
+            if mask.any():
+                kj, vj = kv[0].float(), kv[1].float()
+                p = torch.exp(_block(q, kj, mask, scale) - lse[..., None])
+                dkv[1] += p.transpose(-1, -2) @ dout
+                ds = p * (dout @ vj.transpose(-1, -2) - delta)
+                dq += (ds @ kj) * scale
+                dkv[0] += (ds.transpose(-1, -2) @ q.float()) * scale
+            dkv = _exchange(dkv, layout)  # one hop on; after n hops each block's gradients are home
+            if nxt is not None:
+                kv = nxt
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout) -> Tensor:
+    """Document-masked causal attention of this rank's queries over the whole row's keys: [B, heads, T_local,
+    D] -> [B, heads, T_local, D]. Differentiable (ring backward)."""
+    return _RingAttention.apply(q, k, v, layout)
