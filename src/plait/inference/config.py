@@ -1,0 +1,45 @@
+"""What a selective KV cache keeps: the method, the token budget and each method's knobs."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+METHODS = ("pqcache", "full", "window", "h2o", "snapkv")
+
+
+class PQCacheConfig(BaseModel):
+    """A decode step attends to `budget` past tokens (a fraction of the prompt when < 1, else a count):
+    always the first `sinks` and the last `recent`, the rest chosen by the method.
+
+    - pqcache: the middle tokens with the highest approximate q . k from product-quantised keys
+      (`subspaces` sub-spaces of 2^`bits` centroids each, `iterations` k-means steps at prefill);
+    - window (StreamingLLM): the sinks and the most recent tokens only;
+    - h2o: heavy hitters, the tokens with the highest attention accumulated so far; evicted ones never return;
+    - snapkv: chosen once at prefill by the attention of the prompt's last `observation` queries, max-pooled
+      over `pool` neighbouring tokens; every decoded token is kept;
+    - full: every token (exact attention; the reference).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: str = "pqcache"
+    budget: float = Field(default=0.2, gt=0)
+    sinks: int = Field(default=4, ge=0)
+    recent: int = Field(default=32, ge=1)
+    subspaces: int = Field(default=8, ge=1)
+    bits: int = Field(default=6, ge=1, le=8)
+    iterations: int = Field(default=8, ge=1)
+    observation: int = Field(default=32, ge=1)
+    pool: int = Field(default=7, ge=1)
+    measure_recall: bool = False
+
+    @model_validator(mode="after")
+    def _known(self) -> PQCacheConfig:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        return self
+
+    def tokens(self, context: int) -> int:
+        """Past tokens a decode step attends to, for a prompt of `context` tokens."""
+        wanted = round(self.budget * context) if self.budget < 1 else int(self.budget)
+        return max(wanted, self.sinks + self.recent)

@@ -1,0 +1,213 @@
+"""Selective KV caches: product quantisation, each method's selection, the Hugging Face integration on a
+small random Llama, and (when SmolLM2 is installed) retrieval and perplexity on the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plait.inference.config import PQCacheConfig
+from plait.inference.pq import fit
+from plait.inference.select import LayerCache
+
+
+def _keys(g=3, t=400, d=32, seed=0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(g, 12, d, generator=gen) * 2
+    pick = torch.randint(0, 12, (g, t), generator=gen)
+    return torch.gather(centres, 1, pick[..., None].expand(-1, -1, d)) + 0.5 * torch.randn(g, t, d, generator=gen)
+
+
+def _error(keys, subspaces, bits) -> float:
+    book = fit(keys, subspaces, bits)
+    return float(((book.reconstruct() - keys) ** 2).sum() / (keys**2).sum())
+
+
+def test_reconstruction_error_falls_with_more_subspaces_and_bits() -> None:
+    keys = _keys()
+    by_bits = [_error(keys, 4, b) for b in (2, 4, 6)]
+    by_sub = [_error(keys, m, 4) for m in (1, 4, 16)]
+    assert by_bits[0] > by_bits[1] > by_bits[2], by_bits
+    assert by_sub[0] > by_sub[1] > by_sub[2], by_sub
+
+
+def test_scores_are_inner_products_with_the_reconstructed_keys() -> None:
+    keys = _keys(t=100)
+    book = fit(keys, 4, 3)
+    q = torch.randn(3, 5, 32)
+    assert torch.allclose(book.scores(q), q @ book.reconstruct().transpose(-1, -2), atol=1e-4)
+    before = book.codes.shape[1]
+    book.append(keys[:, :7])
+    assert book.codes.shape[1] == before + 7 and torch.equal(book.codes[:, before:], book.codes[:, :7])
+
+
+def _exact(q, k, v, scale):
+    rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), scale=scale)
+
+
+def _run(method: str, budget: float, t=120, steps=6, **kw) -> tuple[LayerCache, list[torch.Tensor], list[torch.Tensor]]:
+    """Prefill t tokens then decode `steps`; returns the cache, its decode outputs and exact ones."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, t + steps, 16, generator=gen)
+    k = torch.randn(1, 2, t + steps, 16, generator=gen)
+    v = torch.randn(1, 2, t + steps, 16, generator=gen)
+    cache = LayerCache(PQCacheConfig(method=method, budget=budget, sinks=2, recent=8, observation=8, **kw))
+    scale = 0.25
+    out = cache.prefill(q[:, :, :t], k[:, :, :t], v[:, :, :t], scale)
+    causal = F.scaled_dot_product_attention(q[:, :, :t], k[:, :, :t].repeat_interleave(2, 1),
+                                            v[:, :, :t].repeat_interleave(2, 1), is_causal=True, scale=scale)
+    assert torch.allclose(out, causal, atol=1e-5)
+    got, want = [], []
+    for s in range(t, t + steps):
+        got.append(cache.decode(q[:, :, s: s + 1], k[:, :, s: s + 1], v[:, :, s: s + 1], scale))
+        want.append(_exact(q[:, :, s: s + 1], k[:, :, : s + 1], v[:, :, : s + 1], scale))
+    return cache, got, want
+
+
+@pytest.mark.parametrize("method", ["full", "pqcache", "window", "h2o", "snapkv"])
+def test_a_budget_of_everything_is_exact_attention(method) -> None:
+    _, got, want = _run(method, budget=1000)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_each_method_attends_to_its_budget() -> None:
+    for method in ("pqcache", "window", "h2o"):
+        cache, got, want = _run(method, budget=0.25)
+        assert cache.budget == 30
+        assert not all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))  # approximate now
+    h2o, *_ = _run("h2o", budget=0.25)
+    assert h2o.kept.shape[-1] == 30 and bool((h2o.kept[..., -8:] >= 126 - 8).all())  # recent window kept
+    snap, *_ = _run("snapkv", budget=0.25)
+    assert snap.kept.shape[-1] == 30 + 6  # chosen at prefill, then every decoded token
+
+
+def test_pq_selection_keeps_sinks_and_recent_and_measures_recall() -> None:
+    cache, *_ = _run("pqcache", budget=0.25, measure_recall=True, subspaces=16, bits=8)
+    assert len(cache.recall) == 6 and min(cache.recall) > 0.5, cache.recall
+    chosen = set(cache.last[0, 0].tolist())
+    assert len(chosen) == 30 and {0, 1} <= chosen and set(range(126 - 8, 126)) <= chosen
+    # With as many centroids as keys per sub-space the scores are nearly exact: recall near 1.
+    exact, *_ = _run("pqcache", budget=0.25, measure_recall=True, subspaces=16, bits=8, t=60)
+    assert sum(exact.recall) / len(exact.recall) > 0.9, exact.recall
+
+
+def test_bad_configs_are_refused() -> None:
+    with pytest.raises(ValueError, match="method must be one of"):
+        PQCacheConfig(method="lru")
+    with pytest.raises(ValueError):
+        PQCacheConfig(budget=0)
+    assert PQCacheConfig(budget=0.1, sinks=4, recent=32).tokens(2000) == 200
+    assert PQCacheConfig(budget=0.01, sinks=4, recent=32).tokens(2000) == 36
+    assert PQCacheConfig(budget=300).tokens(2000) == 300
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    pytest.importorskip("transformers", reason="the 'inference' extra (transformers) is not installed")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_generate_with_a_full_selection_equals_transformers_own_cache(tiny_llama) -> None:
+    from plait.inference.hf import SelectiveCache
+
+    ids = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        native = tiny_llama.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True)
+        for method in ("full", "pqcache", "h2o", "snapkv", "window"):
+            cache = SelectiveCache(tiny_llama, PQCacheConfig(method=method, budget=1000))
+            ours = tiny_llama.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True,
+                                       return_dict_in_generate=True, cache=cache)
+            cache.release()
+            assert torch.equal(ours.sequences, native.sequences), method
+            for a, b in zip(ours.logits, native.logits):
+                assert torch.allclose(a, b, atol=1e-4), method
+    assert tiny_llama.config._attn_implementation != "plait_selective"  # released
+
+
+def test_a_small_budget_changes_attention_but_generates(tiny_llama) -> None:
+    from plait.inference.hf import SelectiveCache
+
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(4))
+    cache = SelectiveCache(tiny_llama, PQCacheConfig(method="pqcache", budget=0.2, sinks=2, recent=8,
+                                                     measure_recall=True))
+    with torch.no_grad():
+        out = tiny_llama.generate(ids, max_new_tokens=5, do_sample=False, cache=cache)
+    cache.release()
+    assert out.shape[1] == 205
+    assert cache.recall() is not None and 0 < cache.recall() <= 1
+    sizes = cache.bytes()
+    assert sizes["resident"] < sizes["full_kv"] / 2, sizes
+
+
+def _smollm2_missing() -> str | None:
+    try:
+        import transformers  # noqa: F401
+
+        from plait.inference.evaluate import smollm2_path
+
+        smollm2_path()
+    except Exception as exc:  # noqa: BLE001 - any missing piece means: skip, saying which
+        return str(exc)
+    return None
+
+
+needs_smollm2 = pytest.mark.skipif(_smollm2_missing() is not None, reason=f"real model absent: {_smollm2_missing()}")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from plait.inference.evaluate import load
+
+    return load()
+
+
+@needs_smollm2
+def test_on_smollm2_a_whole_budget_is_native_attention_and_a_fifth_still_finds_the_key(smollm2) -> None:
+    from plait.inference.evaluate import continuation, default_text, passkey
+
+    model, tok = smollm2
+    text = default_text()
+    native = continuation(model, tok, PQCacheConfig(method="full"), text, 192, 8)
+    whole = continuation(model, tok, PQCacheConfig(method="pqcache", budget=1000), text, 192, 8)
+    assert whole.perplexity == pytest.approx(native.perplexity, rel=1e-4)
+    assert 1 < native.perplexity < 100
+    fifth = passkey(model, tok, PQCacheConfig(method="pqcache", budget=0.2, measure_recall=True), 320, [0.5])
+    assert fifth.trials == 1 and len(fifth.recall) == 1 and 0 < fifth.recall[0] <= 1
+    full = passkey(model, tok, PQCacheConfig(method="full"), 320, [0.5])
+    assert full.found == 1  # the model retrieves the key with its whole context
+
+
+@needs_smollm2
+def test_kv_eval_prints_one_json_row() -> None:
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "plait.cli", "kv-eval", "--method", "snapkv", "--budget", "0.2", "--context", "256",
+           "--depths", "1", "--continuation", "4", "--json"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout)
+    assert row["method"] == "snapkv" and row["passkey_trials"] == 1 and row["perplexity"] > 1
+    assert row["kv_resident_bytes"] < row["kv_full_bytes"]
+
+
+def test_kv_eval_bad_input_is_one_line_and_exit_2() -> None:
+    import subprocess
+    import sys
+
+    for args, needle in ((["--method", "lru"], "method must be one of"), (["--budget", "0"], "--budget"),
+                         (["--context", "8"], "--context"), (["--text", "/nonexistent.txt"], "does not exist")):
+        proc = subprocess.run([sys.executable, "-m", "plait.cli", "kv-eval", *args], check=False,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and needle in proc.stderr, (args, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
