@@ -93,7 +93,7 @@ class LayerCache:
             elif method == "snapkv":
                 self._snapkv_start(q, kk, scale)
         else:
-            self._extend(k, q.shape[2])
+            self._extend(q.shape[2])
         return out
 
     def _h2o_start(self, q: Tensor, k: Tensor, scale: float) -> None:
@@ -152,7 +152,7 @@ class LayerCache:
         if method == "full" or self.length <= self.budget:
             index = torch.arange(self.length).expand(k.shape[0], k.shape[1], -1)
             if method in ("h2o", "snapkv"):
-                self._extend(k, 1)
+                self._extend(1)
                 index = self.kept
         elif method == "window":
             index = torch.nonzero(self._pinned(self.length, self.budget - self.cfg.sinks))[:, 0]
@@ -160,7 +160,7 @@ class LayerCache:
         elif method == "pqcache":
             index = self._pq_select(q, scale)
         else:  # h2o, snapkv: the kept tokens and the new one
-            self._extend(k, 1)
+            self._extend(1)
             index = self.kept
         self.last = index
         keys, values = self._keys.take(index), self._values.take(index)  # the rows this step reads
@@ -217,7 +217,7 @@ class LayerCache:
             self._keys.append(k)
             self._values.append(v)
 
-    def _extend(self, k: Tensor, new: int) -> None:
+    def _extend(self, new: int) -> None:
         """Tokens added after the prompt are kept (h2o: with zero score so far); pqcache codes them later."""
         if self.kept is None:
             return

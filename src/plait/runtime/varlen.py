@@ -121,23 +121,26 @@ class Groups:
         return self.made[ranks]
 
 
+def row_mask(packed: Packed) -> Tensor:
+    """Which tokens of a whole packed row each token may attend to: bool [T, T]."""
+    place = torch.arange(packed.length)
+    return document_mask(packed.documents, place, packed.documents, place)
+
+
 def run_group(model: nn.Module, packed: Packed, ranks: tuple[int, ...], mode: str,
               group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor]:
     """This rank's logits [T_local, V] and targets [T_local] of a packed row that `ranks` run together:
     alone (`len(ranks) == 1`), with Ulysses, or with ring attention (`mode`)."""
     d, me = len(ranks), ranks.index(dist.get_rank()) if dist.is_initialized() else 0
     if d == 1:
-        place = torch.arange(packed.length)
-        mask = document_mask(packed.documents, place, packed.documents, place)
-        return model(packed.tokens[None], packed.positions, masked(mask))[0], packed.targets
+        return model(packed.tokens[None], packed.positions, masked(row_mask(packed)))[0], packed.targets
     if mode == "ring":
         parts = zigzag(packed.length, d)
         layout = RingLayout(group, ranks, tuple(parts), tuple(packed.documents[p] for p in parts))
         local = packed.take(parts[me])
         return model(local.tokens[None], local.positions, partial(ring_attention, layout=layout))[0], local.targets
     mine = contiguous(packed.length, d)[me]
-    place = torch.arange(packed.length)
-    mask = document_mask(packed.documents, place, packed.documents, place)
+    mask = row_mask(packed)
     attentions = [layer.attention for layer in model.layers.values()]
     model.sequence_slice = (int(mine[0]), int(mine[-1]) + 1)
     for a in attentions:
