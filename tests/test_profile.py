@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from helpers import expect_error
 
@@ -235,3 +236,38 @@ def test_a_rank_computes_as_slowly_as_measured_with_its_neighbours_busy() -> Non
         together = busy.forward.at(tokens, 64) + busy.backward.at(tokens, 64)
         factor = expected if expected is not None else together / alone
         assert bt.forward + bt.backward == pytest.approx(factor * alone)
+
+
+def test_ranks_sharing_cores_compute_faster_while_others_idle_in_bubbles() -> None:
+    """Contention is linear in the ranks busy at once between the profile's points (1 alone, 2 and 4 busy);
+    a pipeline's stages compute at the contention of its average busy ranks, a plan keeping every rank busy at
+    the node's full contention."""
+    spec = PRESETS["tiny-llama"]
+    base = _synthetic()
+    block = base.layers[0]
+    tokens = 2 * 64
+    alone = block.forward.at(tokens, 64) + block.backward.at(tokens, 64)
+
+    def busy(ranks: int, factor: float) -> StrategyProfile:
+        return StrategyProfile(model="tiny-llama", kind="none", group=1, ranks=ranks,
+                               forward=Curve(intercept_s=0.0, per_token_s=factor * block.forward.at(tokens, 64) /
+                                             tokens),
+                               backward=Curve(intercept_s=0.0, per_token_s=factor * block.backward.at(tokens, 64) /
+                                              tokens))
+
+    p = base.model_copy(update={"strategies": (busy(2, 1.4), busy(4, 3.6))})
+    cluster, cal = calibrate(p, profiled_cluster(p, "1x4xCPU"))
+    at = [cal.measured.contention_at("tiny-llama", tokens, 64, b) for b in (1.0, 2.0, 3.0, 4.0, 5.0)]
+    assert at == pytest.approx([1.0, 1.4, 2.5, 3.6, 3.6])
+    assert cal.measured.contention("tiny-llama", tokens, 64) == pytest.approx(3.6)
+    dp = simulate(uniform_plan("dp=4,pp=1,gbs=8,precision=fp32", spec, cluster, 64), spec, cluster, cal=cal)
+    assert dp.pipelines[0].busy_s[0] == pytest.approx(dp.pipelines[0].makespan_s)  # every rank busy: no relief
+    pp = simulate(uniform_plan("pp=4,mbs=2,gbs=8,precision=fp32", spec, cluster, 64), spec, cluster, cal=cal)
+    # 4 one-layer stages, 4 micro-batches: a device computes in fewer than 4 of 7 slots (the end stages hold
+    # the embedding and the head), so a busy rank sees 1 + 3 u busy ranks (u: the mean busy fraction); a
+    # middle stage's block runs at that contention instead of the full 3.6
+    res = pp.pipelines[0]
+    u = sum(res.busy_s) / (4 * res.makespan_s)
+    assert 0.4 < u < 4 / 7
+    middle = res.busy_s[1] / 4 / alone
+    assert middle == pytest.approx(float(np.interp(1 + 3 * u, [1, 2, 4], [1.0, 1.4, 3.6])), rel=0.05)

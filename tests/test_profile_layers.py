@@ -3,6 +3,7 @@ models, their fitted curves, and the activation bytes saved for backward. CPU, q
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 import time
@@ -108,12 +109,14 @@ def test_block_curves_reproduce_their_samples(tiny_llama: Measured) -> None:
 
 
 def test_doubling_tokens_roughly_doubles_block_forward() -> None:
-    (profile,), _ = measure_layers(load_model("tiny-llama"), tps=(1,), recompute=("none",),
-                                   points=((1, 128), (2, 128)), quick=True)
-    small, large = profile.samples
-    ratio = large.forward_s / small.forward_s
-    assert 1.4 <= ratio <= 3.0, ratio
-    assert large.activation_bytes == 2 * small.activation_bytes
+    ratios = []
+    for _ in range(3):  # the median of three profiles: one slow spell of this shared machine must not decide
+        (profile,), _ = measure_layers(load_model("tiny-llama"), tps=(1,), recompute=("none",),
+                                       points=((1, 128), (2, 128)), quick=True)
+        small, large = profile.samples
+        ratios.append(large.forward_s / small.forward_s)
+        assert large.activation_bytes == 2 * small.activation_bytes
+    assert 1.4 <= statistics.median(ratios) <= 3.0, ratios
 
 
 def test_tp2_blocks_are_faster(tiny_llama: Measured) -> None:

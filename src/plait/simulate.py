@@ -8,7 +8,7 @@ backward where the plan allows) and steps its optimizer. The iteration ends when
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from plait.cost import comm
 from plait.cost.calibration import Calibration, calibration_for
@@ -194,6 +194,30 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     return StageCost(parts, fwd, bwd, send, act, working, params, buffers)
 
 
+def _shared_core_relief(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration,
+                        results: list[PipelineResult]) -> float:
+    """CPU ranks share their node's cores, so a rank computes faster while others idle (pipeline bubbles,
+    ranks left out): the measured contention at the average number of ranks busy at once over the node's
+    full contention, by which the stages' compute shrinks (<= 1; 1.0 where no profile measured sharing)."""
+    measured = cal.measured
+    span = max(r.makespan_s for r in results)
+    if measured is None or measured.cores <= 1 or measured.ranks_per_node <= 1 or span <= 0:
+        return 1.0
+    busy_s = sum(len(pipe.stages[d].ranks) * res.busy_s[d]
+                 for pipe, res in zip(plan.pipelines, results, strict=True) for d in range(res.devices))
+    busy = 1.0 + (measured.ranks_per_node - 1) * min(1.0, busy_s / (span * cluster.world_size))
+    first = plan.pipelines[0].stages[0].strategy(plan.pipelines[0].stages[0].layers[0])
+    tokens = plan.pipelines[0].micro_batch_size // first.dp * plan.seq_len
+    full = measured.contention(model.name, tokens, plan.seq_len)
+    return min(1.0, measured.contention_at(model.name, tokens, plan.seq_len, busy) / full) if full > 0 else 1.0
+
+
+def _scaled(cost: StageCost, factor: float) -> StageCost:
+    """A stage's per-micro-batch times (not its send) multiplied by `factor`."""
+    return replace(cost, forward=cost.forward * factor, backward=cost.backward * factor,
+                   parts={k: v * factor for k, v in cost.parts.items()})
+
+
 def _slowest(ranks: tuple[int, ...], cluster: Cluster) -> float:
     """Speed factor of a device group: its slowest member's (1.0 healthy)."""
     return max(cluster.speed_of(r) for r in ranks) if cluster.speed else 1.0
@@ -247,8 +271,14 @@ def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | 
     results: list[PipelineResult] = []
     multi = len(plan.pipelines) > 1
     staged: list[tuple[int, list[StageCost], PipelineResult, PipelineResult | None]] = []
-    for pi, pipe in enumerate(plan.pipelines):
-        costs = [_stage_cost(plan, pi, j, model, cluster, cal) for j in range(len(pipe.stages))]
+    all_costs = [[_stage_cost(plan, pi, j, model, cluster, cal) for j in range(len(pipe.stages))]
+                 for pi, pipe in enumerate(plan.pipelines)]
+    relief = _shared_core_relief(plan, model, cluster, cal, [
+        simulate_pipeline([StageTimes(c.forward, c.backward, c.send) for c in costs], pipe.micro_batches,
+                          plan.schedule, plan.chunks) for pipe, costs in zip(plan.pipelines, all_costs, strict=True)])
+    for pi, (pipe, costs) in enumerate(zip(plan.pipelines, all_costs, strict=True)):
+        if relief < 1.0:
+            costs = [_scaled(c, relief) for c in costs]
         times = [StageTimes(c.forward, c.backward, c.send) for c in costs]
         res = simulate_pipeline(times, pipe.micro_batches, plan.schedule, plan.chunks, record=record)
         no_send = None

@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from plait.cost.calibration import Calibration, calibration_for
 from plait.errors import PlaitError
 from plait.profile.schema import (
@@ -68,6 +70,23 @@ class Measured:
         single = alone.forward.at(tokens, seq_len) + alone.backward.at(tokens, seq_len)
         busy = sp.forward.at(tokens, seq_len) + sp.backward.at(tokens, seq_len)
         return stretch * busy / single if single > 0 and busy > 0 else self.share
+
+    def contention_at(self, model: str | None, tokens: float, seq_len: float, busy: float) -> float:
+        """How much slower a rank computes `model`'s block when on average `busy` ranks of the node (itself
+        included) compute at once: linear between 1 (alone), the profile's plain-block timings with fewer
+        busy ranks than the node has, and the node's full contention (`contention`) with all of them."""
+        full = self.contention(model, tokens, seq_len)
+        if busy >= self.ranks_per_node:
+            return full
+        points = [(1.0, 1.0)]
+        alone = self.block(model, 1) if model else None
+        single = alone.forward.at(tokens, seq_len) + alone.backward.at(tokens, seq_len) if alone else 0.0
+        if single > 0:
+            points += sorted((float(sp.ranks), (sp.forward.at(tokens, seq_len) + sp.backward.at(tokens, seq_len))
+                              / single) for sp in self.strategies.get((model, "none", 1), [])
+                             if sp.ranks < self.ranks_per_node)
+        points.append((float(self.ranks_per_node), full))
+        return float(np.interp(busy, [x for x, _ in points], [y for _, y in points]))
 
     def strategy_profile(self, model: str, kind: str, group: int) -> tuple[StrategyProfile, float] | None:
         """The timing of `model` under a parallel strategy kind over `group` ranks taken with the number of
