@@ -119,12 +119,15 @@ TWO_RANKS = [
     ("cp=2,gbs=4", "tiny-llama"),
     ("cp=2,zero=3,recompute=full,gbs=4", "tiny-llama"),
     ("cp=2,gbs=4", "tiny-gpt"),
+    ("cp=2,cp_mode=ring,gbs=4", "tiny-llama"),
+    ("cp=2,cp_mode=ring,zero=3,recompute=full,gbs=4", "tiny-gpt"),
 ]
 
 
 FOUR_RANKS = [
     ("dp=2,tp=2,gbs=4", "tiny-llama"),
     ("dp=2,cp=2,zero=1,gbs=4", "tiny-llama"),
+    ("tp=2,cp=2,cp_mode=ring,gbs=4", "tiny-llama"),
     ("pp=2,dp=2,zero=3,mbs=1,gbs=8", "tiny-llama"),
     ("pp=2,dp=2,mbs=2,gbs=8,schedule=gpipe", "tiny-llama"),  # ZeRO-0 under a pipeline schedule
     ("pp=2,tp=2,sp=1,vpp=2,mbs=1,gbs=4", "tiny-llama"),
@@ -247,7 +250,6 @@ def test_train_reports_the_memory_terms_simulate_predicts(runs, name) -> None:
 
 @pytest.mark.parametrize("strategy,nproc,needle", [
     ("tp=3,gbs=6", 3, "tp=3"),
-    ("cp=2,cp_mode=ring,gbs=4", 2, "ring"),
     ("dp=2,gbs=3", 2, "gbs=3"),
 ])
 def test_bad_plans_fail_fast_with_one_line(tmp_path, text, strategy, nproc, needle) -> None:

@@ -20,10 +20,6 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
                     "torch.distributed.pipelining needs at least one per stage: lower mbs or raise gbs")
         width = len(stages[0].ranks)
         for si, stage in enumerate(stages):
-            for s in stage.strategies:
-                if s.cp > 1 and s.cp_mode != "ulysses":
-                    return (f"stage {si} uses ring context parallelism, which the runtime does not execute yet; "
-                            "use cp_mode=ulysses")
             if len(stage.ranks) != width:
                 return (f"stage {si} has {len(stage.ranks)} ranks and stage 0 has {width}; the runtime pairs "
                         "stages rank by rank, so every stage needs the same number of ranks")

@@ -86,8 +86,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=out_bias)
 
     context_parallel: object | None = None
-    """Set by the runtime for Ulysses context parallelism: a `plait.runtime.ulysses.Ulysses` (sequence chunk
-    -> head group, and back, over `degree` ranks) applied around the attention core."""
+    """Set by the runtime for context parallelism: a `plait.runtime.ulysses.Ulysses` (sequence chunk -> head
+    group, and back, over `degree` ranks, around the attention core) or a `plait.runtime.ring.RingContext`
+    (the chunk stays; ring attention over the group)."""
 
     def forward(self, x: Tensor, freqs: Tensor | None = None, attend: Callable | None = None) -> Tensor:
         """x [B, T, H], freqs [>=T, 2, D] (RoPE) or None (no rotation) -> [B, T, H]. `attend(q, k, v)` over
@@ -96,11 +97,13 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
-        if (cp := self.context_parallel) is not None:  # whole sequence, some heads (positions are global now)
-            if k.shape[2] % cp.degree:  # fewer kv heads than ranks: share them out as query heads (as GQA reads)
-                rep = q.shape[2] // k.shape[2]
+        if (cp := self.context_parallel) is not None:  # Ulysses: whole sequence, some heads; ring: the chunk
+            if cp.splits_heads and k.shape[2] % cp.degree:  # fewer kv heads than ranks: share them out as query
+                rep = q.shape[2] // k.shape[2]               # heads (as GQA reads)
                 k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
             q, k, v = cp.to_heads(q), cp.to_heads(k), cp.to_heads(v)
+            freqs = cp.rope(freqs) if freqs is not None else None
+            attend = attend or cp.attend
         if freqs is not None:
             q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, D]

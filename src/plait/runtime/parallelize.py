@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from plait.runtime.placement import Chunk
 from plait.runtime.relayout import Relayout
+from plait.runtime.ring import RingContext
 from plait.runtime.ulysses import Ulysses
 
 
@@ -151,12 +152,13 @@ def sync_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, weight:
             g.copy_(synced)
 
 
-def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str]) -> None:
-    """Ulysses context parallelism on the named blocks: each attention core swaps this rank's chunk of
-    every sequence for the whole sequence of a head group (plait.runtime.ulysses)."""
-    swap = Ulysses(cp_group)
+def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str], mode: str, seq_len: int) -> None:
+    """Context parallelism on the named blocks. Ulysses: each attention core swaps this rank's chunk of every
+    sequence for the whole sequence of a head group (plait.runtime.ulysses); ring: the chunk stays and keys
+    and values go around the group (plait.runtime.ring)."""
+    cp = Ulysses(cp_group) if mode == "ulysses" else RingContext.contiguous(cp_group, seq_len)
     for name in layers:
-        model.layers[name].attention.context_parallel = swap
+        model.layers[name].attention.context_parallel = cp
 
 
 def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: bool
@@ -180,7 +182,7 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
     for k, (seg, layers) in enumerate(zip(segments, names)):
         s = seg.strategy
         if s.cp > 1:
-            apply_cp(model, seg.mesh["cp"].get_group(), layers)
+            apply_cp(model, seg.mesh["cp"].get_group(), layers, s.cp_mode, seq_len)
         if s.tp > 1:
             apply_tp(model, seg.mesh["tp"], s.sp, layers, embedding=k == 0, head=k == len(segments) - 1)
         apply_ac(model, s.recompute, layers)

@@ -53,7 +53,7 @@ def _exchange(send: Tensor, layout: RingLayout) -> Tensor:
 def _block(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Masked scores of one block, float32 [B, heads, Tq, Tk] (-inf where masked)."""
     s = (q.float() @ k.float().transpose(-1, -2)) * scale
-    return s.masked_fill(~mask, float("-inf"))
+    return s.masked_fill(~mask.to(s.device), float("-inf"))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -61,8 +61,8 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: RingLayout) -> Tensor:
         n, me = len(layout.ranks), layout.me
         scale = 1.0 / math.sqrt(q.shape[-1])
-        out = torch.zeros(q.shape, dtype=torch.float32)
-        lse = torch.full(q.shape[:-1], float("-inf"))
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         kv = torch.stack([k, v]).contiguous()
         for step in range(n):
             j = (me - step) % n
@@ -91,9 +91,9 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         dout = dout.float()
         delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O)
-        dq = torch.zeros(q.shape, dtype=torch.float32)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32)  # gradients of the block held now, travelling along
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # gradients of the block held now, travelling along
         for step in range(n):
             j = (me - step) % n
             mask = layout.mask(j)
@@ -115,3 +115,39 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout) -> Tenso
     """Document-masked causal attention of this rank's queries over the whole row's keys: [B, heads, T_local,
     D] -> [B, heads, T_local, D]. Differentiable (ring backward)."""
     return _RingAttention.apply(q, k, v, layout)
+
+
+@dataclass(frozen=True)
+class RingContext:
+    """Ring context parallelism for whole causal sequences (set as `Attention.context_parallel`): member j
+    of the group holds positions [j T, (j + 1) T) of every sequence (T = seq_len / members, the runtime's
+    contiguous split); the attention core keeps its chunk of the queries and sends keys and values around."""
+
+    layout: RingLayout
+    start: int
+    splits_heads = False
+
+    @classmethod
+    def contiguous(cls, group: dist.ProcessGroup, seq_len: int) -> RingContext:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        part = seq_len // len(ranks)
+        index = tuple(torch.arange(j * part, (j + 1) * part) for j in range(len(ranks)))
+        layout = RingLayout(group, ranks, index, tuple(torch.zeros(part, dtype=torch.long) for _ in ranks))
+        return cls(layout, layout.me * part)
+
+    @property
+    def degree(self) -> int:
+        return len(self.layout.ranks)
+
+    def to_heads(self, x: Tensor) -> Tensor:
+        return x  # the sequence stays split; keys and values travel instead
+
+    def to_sequence(self, x: Tensor) -> Tensor:
+        return x
+
+    def rope(self, freqs: Tensor) -> Tensor:
+        """The rotary angles of this rank's positions."""
+        return freqs[self.start:]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return ring_attention(q, k, v, self.layout)

@@ -43,10 +43,15 @@ class Ulysses:
     """The attention core's context-parallel swap over `group` (set as `Attention.context_parallel`)."""
 
     group: dist.ProcessGroup
+    splits_heads = True
+    attend = None  # the attention core itself runs on whole sequences
 
     @property
     def degree(self) -> int:
         return dist.get_world_size(self.group)
+
+    def rope(self, freqs: torch.Tensor) -> torch.Tensor:
+        return freqs  # whole sequences: positions from 0
 
     def to_heads(self, x: torch.Tensor) -> torch.Tensor:
         return seq_to_heads(x, self.group)
