@@ -152,10 +152,13 @@ def sync_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, weight:
             g.copy_(synced)
 
 
-def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str], mode: str, seq_len: int) -> None:
+def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str], mode: str = "ulysses",
+             seq_len: int | None = None) -> None:
     """Context parallelism on the named blocks. Ulysses: each attention core swaps this rank's chunk of every
     sequence for the whole sequence of a head group (plait.runtime.ulysses); ring: the chunk stays and keys
-    and values go around the group (plait.runtime.ring)."""
+    and values of `seq_len`-token sequences go around the group (plait.runtime.ring)."""
+    if mode == "ring" and seq_len is None:
+        raise ValueError("ring context parallelism needs the sequence length")
     cp = Ulysses(cp_group) if mode == "ulysses" else RingContext.contiguous(cp_group, seq_len)
     for name in layers:
         model.layers[name].attention.context_parallel = cp
