@@ -32,7 +32,7 @@ from rich.table import Table
 from scipy.stats import spearmanr
 
 from plait.cost.measured import calibrate, profiled_cluster
-from plait.plan import Pipeline, Plan, Stage, Strategy, uniform_plan
+from plait.plan import Pipeline, Plan, Stage, Strategy, uniform_plan, write_atomically
 from plait.planner.engine import search
 from plait.profile.schema import load_profile
 from plait.simulate import simulate
@@ -48,7 +48,7 @@ CASES: list[tuple[int, str]] = [  # (ranks, strategy); "mixed" is a per-layer pl
 ]
 SEARCH_RANKS = 4
 ROUNDS = 3
-"""Runs of every plan, each in a job of its own; a plan's time is the median over them."""
+"""Runs of every plan, each in a job of its own; a plan's time is the median (and the best) of them."""
 console = Console(width=160)
 
 
@@ -121,6 +121,10 @@ def main() -> None:
     ap.add_argument("--report", type=Path, help="print a saved comparison (the --out of an earlier run) again")
     args = ap.parse_args()
     if args.report is not None:
+        if not args.report.is_file():
+            print(f"error: --report {args.report} does not exist; give the --out file of an earlier run",
+                  file=sys.stderr)
+            raise SystemExit(2)
         report(json.loads(args.report.read_text()))
         return
     tmp = Path(tempfile.mkdtemp())
@@ -163,10 +167,7 @@ def main() -> None:
             "searched": {"plan": search_row["plan"], "predicted_s": search_row["predicted_s"],
                          "runs": search_row["runs"]}}
     data["summary"] = report(data)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = args.out.with_suffix(".tmp")
-    tmp_out.write_text(json.dumps(data, indent=1) + "\n")
-    tmp_out.replace(args.out)
+    write_atomically(args.out, json.dumps(data, indent=1) + "\n")
 
 
 AGGREGATES = {"median": statistics.median, "best": min}

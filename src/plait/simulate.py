@@ -194,6 +194,22 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     return StageCost(parts, fwd, bwd, send, act, working, params, buffers)
 
 
+def _simulate_pipelines(plan: Plan, all_costs: list[list[StageCost]], record: bool
+                        ) -> list[tuple[int, list[StageCost], PipelineResult, PipelineResult | None]]:
+    """Each pipeline's schedule simulated from its stage costs: (index, costs, result, result without the
+    p2p sends or None when it has none)."""
+    staged = []
+    for pi, (pipe, costs) in enumerate(zip(plan.pipelines, all_costs, strict=True)):
+        times = [StageTimes(c.forward, c.backward, c.send) for c in costs]
+        res = simulate_pipeline(times, pipe.micro_batches, plan.schedule, plan.chunks, record=record)
+        no_send = None
+        if len(costs) > 1 and any(c.send for c in costs):
+            no_send = simulate_pipeline([StageTimes(c.forward, c.backward) for c in costs], pipe.micro_batches,
+                                        plan.schedule, plan.chunks)
+        staged.append((pi, costs, res, no_send))
+    return staged
+
+
 def _shared_core_relief(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration,
                         results: list[PipelineResult]) -> float:
     """CPU ranks share their node's cores, so a rank computes faster while others idle (pipeline bubbles,
@@ -268,25 +284,14 @@ def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | 
         validate_plan(plan, model, cluster)
     prec = PRECISIONS[plan.precision]
     groups: list[DeviceGroup] = []
-    results: list[PipelineResult] = []
     multi = len(plan.pipelines) > 1
-    staged: list[tuple[int, list[StageCost], PipelineResult, PipelineResult | None]] = []
     all_costs = [[_stage_cost(plan, pi, j, model, cluster, cal) for j in range(len(pipe.stages))]
                  for pi, pipe in enumerate(plan.pipelines)]
-    relief = _shared_core_relief(plan, model, cluster, cal, [
-        simulate_pipeline([StageTimes(c.forward, c.backward, c.send) for c in costs], pipe.micro_batches,
-                          plan.schedule, plan.chunks) for pipe, costs in zip(plan.pipelines, all_costs, strict=True)])
-    for pi, (pipe, costs) in enumerate(zip(plan.pipelines, all_costs, strict=True)):
-        if relief < 1.0:
-            costs = [_scaled(c, relief) for c in costs]
-        times = [StageTimes(c.forward, c.backward, c.send) for c in costs]
-        res = simulate_pipeline(times, pipe.micro_batches, plan.schedule, plan.chunks, record=record)
-        no_send = None
-        if len(costs) > 1 and any(c.send for c in costs):
-            no_send = simulate_pipeline([StageTimes(c.forward, c.backward) for c in costs], pipe.micro_batches,
-                                        plan.schedule, plan.chunks)
-        results.append(res)
-        staged.append((pi, costs, res, no_send))
+    staged = _simulate_pipelines(plan, all_costs, record)
+    relief = _shared_core_relief(plan, model, cluster, cal, [res for _, _, res, _ in staged])
+    if relief < 1.0:  # stage times shrink alike, so the busy fractions that set the relief stay as they were
+        staged = _simulate_pipelines(plan, [[_scaled(c, relief) for c in costs] for costs in all_costs], record)
+    results = [res for _, _, res, _ in staged]
     sync_start = max(r.makespan_s for r in results) if multi else None
     for pi, costs, res, no_send in staged:
         pipe = plan.pipelines[pi]

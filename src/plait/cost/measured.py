@@ -67,8 +67,7 @@ class Measured:
         if found is None or alone is None:
             return self.share
         sp, stretch = found
-        single = alone.forward.at(tokens, seq_len) + alone.backward.at(tokens, seq_len)
-        busy = sp.forward.at(tokens, seq_len) + sp.backward.at(tokens, seq_len)
+        single, busy = _step(alone, tokens, seq_len), _step(sp, tokens, seq_len)
         return stretch * busy / single if single > 0 and busy > 0 else self.share
 
     def contention_at(self, model: str | None, tokens: float, seq_len: float, busy: float) -> float:
@@ -80,11 +79,10 @@ class Measured:
             return full
         points = [(1.0, 1.0)]
         alone = self.block(model, 1) if model else None
-        single = alone.forward.at(tokens, seq_len) + alone.backward.at(tokens, seq_len) if alone else 0.0
+        single = _step(alone, tokens, seq_len) if alone else 0.0
         if single > 0:
-            points += sorted((float(sp.ranks), (sp.forward.at(tokens, seq_len) + sp.backward.at(tokens, seq_len))
-                              / single) for sp in self.strategies.get((model, "none", 1), [])
-                             if sp.ranks < self.ranks_per_node)
+            points += sorted((float(sp.ranks), _step(sp, tokens, seq_len) / single)
+                             for sp in self.strategies.get((model, "none", 1), []) if sp.ranks < self.ranks_per_node)
         points.append((float(self.ranks_per_node), full))
         return float(np.interp(busy, [x for x, _ in points], [y for _, y in points]))
 
@@ -124,6 +122,11 @@ class Measured:
         """Seconds of a measured collective, or None if this group size was not measured."""
         curve = self.collectives.get((op, ranks, nodes))
         return curve.at(nbytes) if curve is not None else None
+
+
+def _step(timed: LayerProfile | StrategyProfile, tokens: float, seq_len: float) -> float:
+    """Forward plus backward seconds of a timed block at this micro-batch."""
+    return timed.forward.at(tokens, seq_len) + timed.backward.at(tokens, seq_len)
 
 
 def measured_of(profile: Profile, ranks_per_node: int = 1) -> Measured:

@@ -93,7 +93,8 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # gradients of the block held now, travelling along
+        # gradients of the block held now, travelling along
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         for step in range(n):
             j = (me - step) % n
             mask = layout.mask(j)
