@@ -110,18 +110,18 @@ def _ctx(model: ModelSpec, s: Strategy, seqs: int = 1, seq: int = 2048, prec: st
 def test_activation_bytes_match_korthikanti(sp: bool, recompute: str, formula) -> None:
     t, b, s = 8, 4, 2048
     st = Strategy(tp=t, sp=sp, recompute=recompute)
-    got = block_activation_bytes(st, _ctx(GPT22B, st, seqs=b, seq=s))
+    got = block_activation_bytes(GPT22B.block, st, _ctx(GPT22B, st, seqs=b, seq=s))
     assert got == pytest.approx(formula(s, b, GPT22B.hidden, GPT22B.heads, t), rel=1e-9)
 
 
 def test_flash_attention_stores_no_scores() -> None:
     flash = GPT22B.with_(attention="flash")
     st = Strategy(tp=8, sp=True)
-    eager_bytes = block_activation_bytes(st, _ctx(GPT22B, st))
-    flash_bytes = block_activation_bytes(st, _ctx(flash, st))
+    eager_bytes = block_activation_bytes(GPT22B.block, st, _ctx(GPT22B, st))
+    flash_bytes = block_activation_bytes(flash.block, st, _ctx(flash, st))
     assert flash_bytes < eager_bytes
     # Doubling the sequence doubles flash activations per sequence (no s^2 term).
-    assert block_activation_bytes(st, _ctx(flash, st, seq=4096)) == pytest.approx(2 * flash_bytes, rel=0.01)
+    assert block_activation_bytes(flash.block, st, _ctx(flash, st, seq=4096)) == pytest.approx(2 * flash_bytes, rel=0.01)
 
 
 def test_model_state_bytes_per_zero_stage() -> None:
@@ -133,29 +133,29 @@ def test_model_state_bytes_per_zero_stage() -> None:
 
 
 def test_block_time_terms() -> None:
-    base = block_time(Strategy(), _ctx(GPT22B, Strategy()))
+    base = block_time(GPT22B.block, Strategy(), _ctx(GPT22B, Strategy()))
     assert base.tp_comm == 0 and base.cp_comm == 0 and base.zero_comm == 0 and base.recompute == 0
     assert base.backward == pytest.approx(2 * base.forward, rel=0.15)  # backward is about twice forward
     tp = Strategy(tp=8)
-    t8 = block_time(tp, _ctx(GPT22B, tp))
+    t8 = block_time(GPT22B.block, tp, _ctx(GPT22B, tp))
     assert t8.forward < base.forward / 6  # 8-way split, a little efficiency lost
     one = comm.all_reduce(2048 * 6144 * 2, GroupShape(8, 1, 8), A100, CAL)
     assert t8.tp_comm == pytest.approx(4 * one)  # 2 forward + 2 backward all-reduces
     full = Strategy(tp=8, recompute="full")
-    tf = block_time(full, _ctx(GPT22B, full))
+    tf = block_time(GPT22B.block, full, _ctx(GPT22B, full))
     assert tf.recompute == pytest.approx(tf.forward)
     assert tf.tp_comm == pytest.approx(6 * one)
     sel = Strategy(tp=8, sp=True, recompute="selective")
-    ts = block_time(sel, _ctx(GPT22B, sel))
+    ts = block_time(GPT22B.block, sel, _ctx(GPT22B, sel))
     assert 0 < ts.recompute < 0.3 * ts.forward  # Korthikanti Table 4: ~17% for 22B
     assert ts.forward < t8.forward  # sequence parallelism shards norms and dropout
 
 
 def test_zero3_gathers_are_hidden_by_compute_when_cheap() -> None:
     small_dp = Strategy(dp=2, zero=3)
-    t = block_time(small_dp, _ctx(GPT22B, small_dp, seqs=8))
+    t = block_time(GPT22B.block, small_dp, _ctx(GPT22B, small_dp, seqs=8))
     assert t.zero_comm == 0.0  # 2 x 450 MB over 2 nodes hides behind 8 sequences of compute
     starved = Strategy(dp=64, zero=3)
     ctx = BlockContext(GPT22B, dgx(64, 8, "A100-80GB"), CAL, BF16, 2048, 1, comm.SINGLE, comm.SINGLE,
                        GroupShape(64, 64, 1))
-    assert block_time(starved, ctx).zero_comm > 0.0
+    assert block_time(ctx.model.block, starved, ctx).zero_comm > 0.0

@@ -445,7 +445,7 @@ def test_malformed_profiles(tmp_path):
 
 def _forward_s(cal: Calibration, model: ModelSpec, batch: int, seq: int) -> float:
     ctx = BlockContext(model, ONE_NODE, cal, PRECISIONS["bf16"], seq, batch, SINGLE, SINGLE, SINGLE)
-    return block_time(Strategy(), ctx).forward
+    return block_time(ctx.model.block, Strategy(), ctx).forward
 
 
 def test_calibration_from_shipped_profiles():

@@ -83,11 +83,15 @@ def test_every_preset_is_consistent(name: str) -> None:
     assert m.name == name
     assert m.q_dim == m.heads * m.head_dim
     assert m.heads % m.kv_heads == 0
-    assert m.params == m.embedding_params + m.layers * m.block_params + m.head_params
+    assert m.params == m.embedding_params + sum(b.params for b in m.stack) + m.head_params
+    assert len(m.stack) == m.layers
     assert load_model(name) is m
-    # FLOPs of the linears are exactly two per weight
-    assert m.block_gemm_flops_per_token == 2 * sum(g.k * g.n for g in m.gemms)
-    assert m.model_flops_per_token(m.max_seq_len) > 6 * m.layers * m.block_params * 0.99
+    # FLOPs of the linears are exactly two per weight a token goes through
+    for b in m.distinct_blocks:
+        if b.kind in ("decoder", "encoder", "vision"):
+            assert b.gemm_flops_per_token(m.max_seq_len) == 2 * sum(g.k * g.n for g in b.gemms)
+    per_sample = sum(b.active_params * b.seq(m.max_seq_len) for b in m.stack) / m.max_seq_len
+    assert m.model_flops_per_token(m.max_seq_len) > 6 * per_sample * 0.99
 
 
 def test_llama_presets_have_llama_features() -> None:

@@ -109,13 +109,13 @@ def test_the_cost_model_prefers_measured_costs() -> None:
     spec = PRESETS["tiny-llama"]
     prec = PRECISIONS["fp32"]
     ctx = BlockContext.for_ranks(spec, cluster, cal, prec, 64, 2, Strategy(), (0,), (0,))
-    bt = block_time(Strategy(), ctx)
+    bt = block_time(ctx.model.block, Strategy(), ctx)
     tokens = 2 * 64
     assert bt.forward == pytest.approx(1e-4 + 1e-6 * tokens + 1e-9 * tokens * 64)
     assert bt.backward == pytest.approx(1e-4 + 2e-6 * tokens + 1e-9 * tokens * 64)
-    full = block_time(Strategy(recompute="full"), ctx)
+    full = block_time(ctx.model.block, Strategy(recompute="full"), ctx)
     assert full.recompute == pytest.approx(1e-6 * tokens)  # measured backward with recompute less without
-    assert block_activation_bytes(Strategy(recompute="full"), ctx) == pytest.approx(512 * tokens)
+    assert block_activation_bytes(ctx.model.block, Strategy(recompute="full"), ctx) == pytest.approx(512 * tokens)
     group = GroupShape.of((0, 1), 2)
     assert comm.all_reduce(1e6, group, cluster, cal) == pytest.approx(1e-4 + 1e6 / 1e9)
     assert comm.all_gather(1e6, group, cluster, cal) > 0  # not measured: the analytic model on the fitted link
@@ -124,7 +124,7 @@ def test_the_cost_model_prefers_measured_costs() -> None:
     # four ranks on two cores: each computes at half speed
     crowded, crowded_cal = calibrate(p, profiled_cluster(p, "1x4xCPU"))
     ctx4 = BlockContext.for_ranks(spec, crowded, crowded_cal, prec, 64, 2, Strategy(), (0,), (0,))
-    assert block_time(Strategy(), ctx4).forward == pytest.approx(2 * bt.forward)
+    assert block_time(ctx4.model.block, Strategy(), ctx4).forward == pytest.approx(2 * bt.forward)
     assert crowded.gpu.peak_flops == 0.5e11
     with pytest.raises(PlaitError, match="one node"):
         profiled_cluster(p, "2x2xCPU")
@@ -152,19 +152,19 @@ def test_measured_strategies_and_optimizer_replace_the_analytic_terms() -> None:
     tokens = 2 * 64
     local = 1e-4 + 1e-6 * tokens + 1e-9 * tokens * 64
     ctx = BlockContext.for_ranks(spec, cluster, cal, prec, 64, 2, Strategy(tp=2), (0, 1), (0,))
-    bt = block_time(Strategy(tp=2), ctx)
+    bt = block_time(ctx.model.block, Strategy(tp=2), ctx)
     assert bt.forward == pytest.approx(local)
     assert bt.forward_total == pytest.approx(5e-3 + 2e-5 * tokens)  # the measured wall time
     assert bt.tp_comm == pytest.approx(2 * (5e-3 + 2e-5 * tokens - local) - (2e-6 - 1e-6) * tokens)
-    full = block_time(Strategy(tp=2, recompute="full"), ctx)  # recompute repeats the forward's communication
+    full = block_time(ctx.model.block, Strategy(tp=2, recompute="full"), ctx)  # recompute repeats the forward's communication
     assert full.tp_comm == pytest.approx(bt.tp_comm + (bt.forward_total - bt.forward))
     ctx_z = BlockContext.for_ranks(spec, cluster, cal, prec, 64, 2, Strategy(dp=2, zero=3), (0, 1), (0, 1))
-    zt = block_time(Strategy(dp=2, zero=3), ctx_z)
+    zt = block_time(ctx_z.model.block, Strategy(dp=2, zero=3), ctx_z)
     assert zt.forward_total == pytest.approx(5e-3 + 2e-5 * tokens) and zt.tp_comm == 0
     # measured with 2 busy ranks, used on a node of 4 ranks sharing 2 cores: twice as slow
     crowded, crowded_cal = calibrate(p, profiled_cluster(p, "1x4xCPU"))
     ctx4 = BlockContext.for_ranks(spec, crowded, crowded_cal, prec, 64, 2, Strategy(tp=2), (0, 1), (0,))
-    assert block_time(Strategy(tp=2), ctx4).forward_total == pytest.approx(2 * (5e-3 + 2e-5 * tokens))
+    assert block_time(ctx4.model.block, Strategy(tp=2), ctx4).forward_total == pytest.approx(2 * (5e-3 + 2e-5 * tokens))
     assert head_time(Strategy(tp=2), ctx).tp_comm == pytest.approx(2e-3)  # measured head less its compute
     plan = uniform_plan("dp=2,gbs=4,precision=fp32", spec, cluster, 64)
     report = simulate(plan, spec, cluster, cal=cal)
@@ -231,7 +231,7 @@ def test_a_rank_computes_as_slowly_as_measured_with_its_neighbours_busy() -> Non
     for profile, expected in ((base, 1.0), (p, None)):
         cluster, cal = calibrate(profile, profiled_cluster(profile, "1x2xCPU"))
         ctx = BlockContext.for_ranks(spec, cluster, cal, prec, 64, 2, Strategy(), (0,), (0,))
-        bt = block_time(Strategy(), ctx)
+        bt = block_time(ctx.model.block, Strategy(), ctx)
         alone = block.forward.at(tokens, 64) + block.backward.at(tokens, 64)
         together = busy.forward.at(tokens, 64) + busy.backward.at(tokens, 64)
         factor = expected if expected is not None else together / alone

@@ -63,8 +63,9 @@ from typing import Any
 
 from plait.cost.calibration import Calibration
 from plait.cost.comm import SINGLE
-from plait.cost.layer import BlockContext, block_time
+from plait.cost.layer import BlockContext
 from plait.cost.precision import PRECISIONS
+from plait.cost.price import price
 from plait.errors import PlaitError
 from plait.plan import Pipeline, Plan, Stage, Strategy, validate_plan, write_atomically
 from plait.spec.cluster import GB, Cluster
@@ -624,7 +625,7 @@ def _block_forward_s(efficiency: float, model: ModelSpec, cluster: Cluster, base
     """plait's forward seconds of one block on one GPU (no parallelism) at a given gemm_efficiency."""
     ctx = BlockContext(model, cluster, replace(base, gemm_efficiency=efficiency), PRECISIONS[precision], seq,
                        batch, SINGLE, SINGLE, SINGLE)
-    return block_time(Strategy(), ctx).forward
+    return price(ctx.model.block, Strategy(), ctx).time.forward
 
 
 def _fit_gemm_efficiency(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluster,

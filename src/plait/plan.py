@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from plait.errors import PlaitError
 from plait.spec.cluster import Cluster
+from plait.spec.layers import Block
 from plait.spec.model import ModelSpec, Recompute
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -234,10 +235,14 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
                                  f"ranks as stage {si % pp}")
             if si < pp:
                 _validate_ranks(stage.ranks, used, sw, cluster)
-            for strategy in dict.fromkeys(stage.strategies):  # each distinct strategy once, in layer order
-                layer = stage.layers[0] + (stage.strategies.index(strategy) if len(stage.strategies) > 1 else 0)
-                _validate_strategy(strategy, len(stage.ranks), pipe.micro_batch_size, plan, model,
-                                   f"{sw} layer {layer}")
+            if stage.layers[1] > model.layers:
+                break
+            seen: dict[tuple[Strategy, Block], int] = {}
+            for layer in range(*stage.layers):  # each distinct (strategy, layer shape) once, in layer order
+                seen.setdefault((stage.strategy(layer), model.stack[layer]), layer)
+            for (strategy, block), layer in seen.items():
+                _validate_strategy(strategy, block, len(stage.ranks), pipe.micro_batch_size, plan,
+                                   f"{sw} layer {layer} ({block.kind})")
         if expected != model.layers:
             raise PlaitError(f"{where} covers layers 0..{expected - 1} but {model.name} has {model.layers} "
                              f"layers; make the last stage end at {model.layers}")
@@ -260,26 +265,36 @@ def _validate_ranks(ranks: tuple[int, ...], used: dict[int, str], where: str, cl
     used.update(dict.fromkeys(ranks, where))
 
 
-def _validate_strategy(s: Strategy, devices: int, mbs: int, plan: Plan, model: ModelSpec, where: str) -> None:
+def strategy_problem(s: Strategy, block: Block, devices: int, mbs: int, seq_len: int) -> str | None:
+    """Why strategy `s` cannot run `block` on a stage of `devices` ranks whose micro-batches hold `mbs`
+    sequences of `seq_len` tokens, as a message that says what would fix it (None when it can)."""
     if s.devices != devices:
-        raise PlaitError(f"{where}: dp*tp*cp = {s.dp}*{s.tp}*{s.cp} = {s.devices} but the stage has "
-                         f"{devices} ranks; degrees must multiply to the stage's device count")
-    if model.heads % s.tp or model.kv_heads % s.tp:
-        raise PlaitError(f"{where}: tp={s.tp} does not divide heads={model.heads} and kv_heads="
-                         f"{model.kv_heads}; pick a tp that divides both")
+        return (f"dp*tp*cp = {s.dp}*{s.tp}*{s.cp} = {s.devices} but the stage has {devices} ranks; degrees must "
+                "multiply to the stage's device count")
+    why = block.tp_divides(s.tp)
+    if why:
+        return f"{why}; pick a tp that divides them"
+    seq = block.seq(seq_len)
     if s.sp and s.tp == 1:
-        raise PlaitError(f"{where}: sequence parallelism (sp) needs tp > 1; set sp=0 or raise tp")
-    if s.sp and plan.seq_len % s.tp:
-        raise PlaitError(f"{where}: sp splits seq_len={plan.seq_len} over tp={s.tp}; pick tp dividing it")
-    if plan.seq_len % s.cp:
-        raise PlaitError(f"{where}: cp={s.cp} does not divide seq_len={plan.seq_len}")
-    if s.cp > 1 and s.cp_mode == "ulysses" and ((model.heads // s.tp) % s.cp or (model.kv_heads // s.tp) % s.cp):
-        raise PlaitError(f"{where}: Ulysses cp={s.cp} must divide the heads per tp rank "
-                         f"({model.heads // s.tp} query, {model.kv_heads // s.tp} kv); use cp_mode=ring "
-                         "or a smaller cp")
+        return "sequence parallelism (sp) needs tp > 1; set sp=0 or raise tp"
+    if s.sp and seq % s.tp:
+        return f"sp splits seq_len={seq} (the layer's tokens) over tp={s.tp}; pick tp dividing it"
+    if seq % s.cp or seq_len % s.cp:
+        return f"cp={s.cp} does not divide seq_len={seq} (the layer's tokens per sequence)"
+    if s.cp > 1 and s.cp_mode == "ulysses" and block.has_attention and \
+            ((block.heads // s.tp) % s.cp or (block.kv_heads // s.tp) % s.cp):
+        return (f"Ulysses cp={s.cp} must divide the heads per tp rank ({block.heads // s.tp} query, "
+                f"{block.kv_heads // s.tp} kv); use cp_mode=ring or a smaller cp")
     if mbs % s.dp:
-        raise PlaitError(f"{where}: micro-batch of {mbs} sequences cannot be split over dp={s.dp}; make the "
-                         "micro-batch size a multiple of dp")
+        return (f"micro-batch of {mbs} sequences cannot be split over dp={s.dp}; make the micro-batch size a "
+                "multiple of dp")
+    return None
+
+
+def _validate_strategy(s: Strategy, block: Block, devices: int, mbs: int, plan: Plan, where: str) -> None:
+    why = strategy_problem(s, block, devices, mbs, plan.seq_len)
+    if why:
+        raise PlaitError(f"{where}: {why}")
 
 
 # ---- the --strategy shorthand ----------------------------------------------------------------------

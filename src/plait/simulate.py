@@ -13,15 +13,23 @@ from dataclasses import dataclass, field, replace
 from plait.cost import comm
 from plait.cost.calibration import Calibration, calibration_for
 from plait.cost.comm import GroupShape
-from plait.cost.compute import elementwise_time
-from plait.cost.head import embedding_time, head_activation_bytes, head_time
-from plait.cost.layer import BlockContext, BlockTime, block_activation_bytes, block_time, runtime_kinds
-from plait.cost.memory import GRAD_BUCKET_BYTES, MemoryTerms, model_state_bytes, with_reserve
+from plait.cost.layer import BlockContext
+from plait.cost.memory import GRAD_BUCKET_BYTES, MemoryTerms, with_reserve
 from plait.cost.pipeline import PipelineResult, StageTimes, peak_weighted_in_flight, simulate_pipeline
 from plait.cost.precision import PRECISIONS, PrecisionBytes
+from plait.cost.price import (
+    Held,
+    LayerCost,
+    optimizer_time,
+    price,
+    price_edge,
+    recompute_flops_per_token,
+    tied_embedding_sync,
+)
 from plait.layout import Layout, received_fraction
 from plait.plan import Plan, Stage, Strategy, validate_plan
 from plait.spec.cluster import GIB, Cluster
+from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "zero_comm", "relayout", "pp_bubble", "p2p",
@@ -38,7 +46,7 @@ class StageCost:
     send: float
     activation_bytes: float  # saved by one micro-batch
     working_bytes: float  # transient on top of the saved activations (recompute, logits)
-    params: list[tuple[float, Strategy, int]]  # (parameters, strategy, first layer) of each run, embedding, head
+    priced: list[tuple[LayerCost, int, Strategy, int]]  # (price, count, strategy, first layer) of each run and edge
     buffer_bytes: float
 
 
@@ -115,26 +123,45 @@ def _dp_ranks(plan: Plan, layer: int, s: Strategy, ranks: tuple[int, ...]) -> tu
     return tuple(out)
 
 
+def layer_runs(stage: Stage, model: ModelSpec) -> list[tuple[Strategy, Block, int, int]]:
+    """(strategy, layer shape, count, first layer) of each run of consecutive layers of a stage that share
+    both strategy and shape."""
+    runs: list[tuple[Strategy, Block, int, int]] = []
+    for layer in range(*stage.layers):
+        s, b = stage.strategy(layer), model.stack[layer]
+        if runs and runs[-1][0] == s and runs[-1][1] == b:
+            runs[-1] = (s, b, runs[-1][2] + 1, runs[-1][3])
+        else:
+            runs.append((s, b, 1, layer))
+    return runs
+
+
+def carried_bytes(model: ModelSpec, layer: int, sequences: int, seq_len: int, prec: PrecisionBytes) -> float:
+    """Bytes of `sequences` samples' activations that arrive at `layer` from the layer before it."""
+    return sequences * model.carried_elements(layer, seq_len) * prec.activation
+
+
 def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec, cluster: Cluster,
                 cal: Calibration) -> StageCost:
     pipe = plan.pipelines[pipe_index]
     stage = pipe.stages[stage_index]
     prec = PRECISIONS[plan.precision]
-    eb = prec.activation
     last = stage_index == len(pipe.stages) - 1
     parts = dict.fromkeys(("compute", "recompute", "tp_comm", "cp_comm", "zero_comm", "relayout"), 0.0)
     fwd = bwd = 0.0
     act = working = 0.0
-    params: list[tuple[float, Strategy, int]] = []
+    priced: list[tuple[LayerCost, int, Strategy, int]] = []
     buffers = 0.0
     prev = pipe.stages[stage_index - 1].strategies[-1] if stage_index > 0 else None  # what arrives
-    mb_bytes = pipe.micro_batch_size * plan.seq_len * model.hidden * eb  # one micro-batch's hidden state
     stage_group = GroupShape.of(stage.ranks, cluster.gpus_per_node)
-    layer = stage.layers[0]
-    for s, count in stage.layer_strategies():
-        ctx = BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.micro_batch_size // s.dp, s, stage.ranks,
-                       _dp_ranks(plan, layer, s, stage.ranks))
-        bt: BlockTime = block_time(s, ctx)
+
+    def context(s: Strategy, layer: int) -> BlockContext:
+        return BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.micro_batch_size // s.dp, s,
+                                      stage.ranks, _dp_ranks(plan, layer, s, stage.ranks))
+
+    for s, block, count, layer in layer_runs(stage, model):
+        c = price(block, s, context(s, layer))
+        bt = c.time
         fwd += count * bt.forward_total
         bwd += count * bt.backward_total
         parts["compute"] += count * (bt.forward + bt.backward)
@@ -142,48 +169,41 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         parts["tp_comm"] += count * bt.tp_comm
         parts["cp_comm"] += count * bt.cp_comm
         parts["zero_comm"] += count * bt.zero_comm
-        act += count * block_activation_bytes(s, ctx)
-        if s.recompute != "none":
-            working = max(working, block_activation_bytes(s, ctx, "none"))
-        params.append((count * model.block_params / s.tp, s, layer))
-        if s.zero == 3 and ctx.dp_group.size > 1:  # FSDP keeps the current and the prefetched block unsharded
-            buffers = max(buffers, 2 * model.block_params / s.tp * (prec.param + prec.grad))
+        act += count * c.activation
+        working = max(working, c.working)
+        priced.append((c, count, s, layer))
+        buffers = max(buffers, c.buffers)
         if prev is not None and Layout.of(prev) != Layout.of(s):
             # Re-layout of the hidden state between differing strategies (or from the previous stage's):
             # one exchange over the stage each way (plait.layout); the backward moves the gradient back.
             a, b = Layout.of(prev), Layout.of(s)
-            f = comm.exchange(received_fraction(a, b) * mb_bytes, stage_group, cluster, cal)
-            g = comm.exchange(received_fraction(b, a) * mb_bytes, stage_group, cluster, cal)
+            moved = carried_bytes(model, layer, pipe.micro_batch_size, plan.seq_len, prec)
+            f = comm.exchange(received_fraction(a, b) * moved, stage_group, cluster, cal)
+            g = comm.exchange(received_fraction(b, a) * moved, stage_group, cluster, cal)
             fwd += f
             bwd += g
             parts["relayout"] += f + g
         prev = s
-        layer += count
     first_s, last_s = stage.strategy(stage.layers[0]), stage.strategy(stage.layers[1] - 1)
+    pipelined = len(pipe.stages) > 1
+    edges = []
     if stage_index == 0:
-        ctx = BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.micro_batch_size // first_s.dp, first_s,
-                       stage.ranks, _dp_ranks(plan, stage.layers[0], first_s, stage.ranks))
-        et = embedding_time(first_s, ctx)
-        fwd += et.forward + et.tp_comm / 2
-        bwd += et.backward + et.tp_comm / 2
-        parts["compute"] += et.forward + et.backward
-        parts["tp_comm"] += et.tp_comm
-        params.append((model.embedding_params / first_s.tp, first_s, stage.layers[0]))
+        edges.append(("embedding", first_s, stage.layers[0]))
     if last:
-        ctx = BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.micro_batch_size // last_s.dp, last_s,
-                       stage.ranks, _dp_ranks(plan, stage.layers[1] - 1, last_s, stage.ranks))
-        ht = head_time(last_s, ctx)
-        fwd += ht.forward + ht.tp_comm / 2
-        bwd += ht.backward + ht.tp_comm / 2
-        parts["compute"] += ht.forward + ht.backward
-        parts["tp_comm"] += ht.tp_comm
-        working = max(working, head_activation_bytes(last_s, ctx))
-        head = model.head_params + (model.vocab * model.hidden if model.tied_embeddings and stage_index > 0 else 0)
-        params.append((head / last_s.tp, last_s, stage.layers[1] - 1))
+        edges.append(("head", last_s, stage.layers[1] - 1))
+    for edge, s, layer in edges:
+        c = price_edge(edge, s, context(s, layer), pipelined and stage_index > 0)  # type: ignore[arg-type]
+        fwd += c.time.forward_total
+        bwd += c.time.backward_total
+        parts["compute"] += c.time.forward + c.time.backward
+        parts["tp_comm"] += c.time.tp_comm
+        working = max(working, c.working)
+        priced.append((c, 1, s, layer))
     send = 0.0
     if not last:
         nxt = pipe.stages[stage_index + 1]
-        piece = mb_bytes / (last_s.dp * Layout.of(last_s).token_parts)  # each rank sends its own piece
+        moved = carried_bytes(model, stage.layers[1], pipe.micro_batch_size, plan.seq_len, prec)
+        piece = moved / (last_s.dp * Layout.of(last_s).token_parts)  # each rank sends its own piece
         cross = comm.nodes_of(stage.ranks, cluster.gpus_per_node) != comm.nodes_of(nxt.ranks, cluster.gpus_per_node)
         send = comm.p2p(piece, cross, cluster, cal)
         buffers += 2 * piece
@@ -191,7 +211,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     if speed != 1.0:
         fwd, bwd = fwd * speed, bwd * speed
         parts = {k: v * speed for k, v in parts.items()}
-    return StageCost(parts, fwd, bwd, send, act, working, params, buffers)
+    return StageCost(parts, fwd, bwd, send, act, working, priced, buffers)
 
 
 def _simulate_pipelines(plan: Plan, all_costs: list[list[StageCost]], record: bool
@@ -242,37 +262,14 @@ def _slowest(ranks: tuple[int, ...], cluster: Cluster) -> float:
 def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpec, cluster: Cluster,
                cal: Calibration, prec: PrecisionBytes) -> tuple[float, float, float]:
     """(reduce seconds before the optimizer, gather seconds after it, optimizer seconds) of a device group."""
-    reduce_t = gather_t = 0.0
-    local_params = 0.0
-    for cost in costs:
-        for params, s, layer in cost.params:
-            dp_group = GroupShape.of(_dp_ranks(plan, layer, s, stage.ranks), cluster.gpus_per_node)
-            replicas = dp_group.size
-            local_params += params / (replicas if s.zero >= 1 else 1)
-            r, g = comm.gradient_sync(params, s.zero, dp_group, prec.grad, prec.param, cluster, cal)
-            reduce_t, gather_t = reduce_t + r, gather_t + g
+    reduce_t = sum(count * c.grad_reduce for cost in costs for c, count, _, _ in cost.priced)
+    gather_t = sum(count * c.param_gather for cost in costs for c, count, _, _ in cost.priced)
+    ctx = BlockContext(model, cluster, cal, prec, plan.seq_len, 1, comm.SINGLE, comm.SINGLE, comm.SINGLE)
     if model.tied_embeddings and len(plan.pipelines[0].stages) > 1:
-        reduce_t += comm.all_reduce(model.vocab * model.hidden * prec.grad, GroupShape(2, 2, 1), cluster, cal)
-    optimizer = elementwise_time(local_params * prec.optimizer_traffic, cluster.gpu, cal, kernels=4)
-    if cal.measured is not None and cal.measured.optimizer_curve(model.name) is not None:
-        optimizer = _measured_optimizer(costs, plan, stage, model, cluster, cal)
-    return reduce_t, gather_t, optimizer
-
-
-def _measured_optimizer(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpec, cluster: Cluster,
-                        cal: Calibration) -> float:
-    """Seconds of the profiled optimizer step (clipping, AdamW, zeroing) over a device's parameters, each at
-    the per-parameter rate of the layout its strategy gives it (DTensor shards cost more per parameter
-    than plain tensors), plus the largest fixed part."""
-    per_param = fixed = 0.0
-    for cost in costs:
-        for params, s, layer in cost.params:
-            replicas = len(_dp_ranks(plan, layer, s, stage.ranks))
-            kinds = runtime_kinds(s, replicas) or ([("zero", "zero3", replicas)] if s.zero and replicas > 1 else [])
-            curve, stretch = cal.measured.optimizer_curve(model.name, *(kinds[0][1:] if kinds else ("none", 1)))
-            per_param += stretch * curve.per_param_s * params / (replicas if s.zero >= 1 else 1)
-            fixed = max(fixed, stretch * curve.intercept_s)
-    return per_param + fixed
+        reduce_t += tied_embedding_sync(ctx)
+    held = [Held(c, count, s, len(_dp_ranks(plan, layer, s, stage.ranks)))
+            for cost in costs for c, count, s, layer in cost.priced]
+    return reduce_t, gather_t, optimizer_time(held, ctx)
 
 
 def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | None = None,
@@ -317,7 +314,7 @@ def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | 
                 exposed = reduce_t
             elif plan.overlap_grad_reduce:
                 window = sum(c.backward for c in chunk_costs) * cal.overlap_efficiency
-                total_grad_bytes = sum(p for c in chunk_costs for p, _, _ in c.params) * prec.grad
+                total_grad_bytes = sum(n * p.params for c in chunk_costs for p, n, _, _ in c.priced) * prec.grad
                 last_bucket = min(1.0, GRAD_BUCKET_BYTES / max(total_grad_bytes, 1.0))
                 exposed = max(reduce_t - window, reduce_t * last_bucket)
             else:
@@ -359,11 +356,8 @@ def _recompute_flops(plan: Plan, model: ModelSpec) -> float:
     for pipe in plan.pipelines:
         tokens = pipe.samples * plan.seq_len
         for stage in pipe.stages:
-            for s, count in stage.layer_strategies():
-                if s.recompute == "full":
-                    total += count * model.block_flops_per_token(plan.seq_len) * tokens
-                elif s.recompute == "selective":
-                    total += count * model.attention_flops_per_token(plan.seq_len) * tokens
+            for s, block, count, _ in layer_runs(stage, model):
+                total += count * recompute_flops_per_token(block, s.recompute, plan.seq_len) * tokens
     return total
 
 
@@ -372,11 +366,10 @@ def _memory(costs: list[StageCost], activations: float, stage: Stage, plan: Plan
     weights = grads = optimizer = 0.0
     bucket = 0.0
     for cost in costs:
-        for params, s, layer in cost.params:
-            replicas = len(_dp_ranks(plan, layer, s, stage.ranks))
-            w, g, o = model_state_bytes(params, replicas, s.zero, prec)
-            weights, grads, optimizer = weights + w, grads + g, optimizer + o
-            if replicas > 1:
+        for c, count, s, layer in cost.priced:
+            weights, grads, optimizer = (weights + count * c.weights, grads + count * c.gradients,
+                                         optimizer + count * c.optimizer)
+            if len(_dp_ranks(plan, layer, s, stage.ranks)) > 1:
                 bucket = 2 * GRAD_BUCKET_BYTES
     activations += max(c.working_bytes for c in costs)
     buffers = max(c.buffer_bytes for c in costs) + bucket

@@ -23,6 +23,7 @@ from plait.cost.compute import eager_attention_time, elementwise_time, flash_att
 from plait.cost.precision import PrecisionBytes
 from plait.plan import Strategy
 from plait.spec.cluster import Cluster
+from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
 
@@ -77,76 +78,115 @@ class BlockContext:
         return BlockContext(model, cluster, cal, prec, seq_len, seqs, tp_group, cp_group, dp_group)
 
 
-def _elementwise_bytes_per_token(model: ModelSpec, s: Strategy, eb: int) -> float:
-    """Forward bytes moved per token by the block's memory-bound kernels on one device."""
-    h = model.hidden
-    # Two norms (read + write), two residual adds (read 2, write 1), each on the full hidden state.
-    replicated = (2 * 2 * h + 2 * 3 * h) * eb
-    if model.dropout:
-        replicated += 2 * (2 * h * eb + h)  # dropout read+write and 1-byte mask, after attention and MLP
-    if model.gated_mlp:
-        sharded = 3 * model.ffn * eb  # SwiGLU reads gate and up, writes the product
-    else:
-        sharded = 2 * model.ffn * eb  # GeLU reads and writes
-    if not model.learned_positions:
-        sharded += 2 * (model.q_dim + model.kv_dim) * eb  # RoPE on q and k
+SUBLAYERS = {"decoder": 2, "moe": 2, "encoder": 2, "vision": 2, "cross_decoder": 3, "patch_embed": 1, "projector": 1}
+"""Residual sublayers of each layer kind (attention, cross-attention, MLP), each closing with one
+row-parallel GEMM whose output tensor parallelism reduces (patch embedding and projector: one output)."""
+
+
+def _elementwise_bytes_per_token(block: Block, s: Strategy, eb: int) -> float:
+    """Forward bytes moved per token by the layer's memory-bound kernels on one device."""
+    h, subs = block.hidden, SUBLAYERS[block.kind]
+    # Norms (read + write) and residual adds (read 2, write 1), each on the full hidden state.
+    replicated = (block.norms * 2 * h + subs * 3 * h) * eb
+    if block.dropout:
+        replicated += subs * (2 * h * eb + h)  # dropout read+write and 1-byte mask after each sublayer
+    width = block.ffn + (block.top_k * block.expert_ffn if block.kind == "moe" else 0)
+    sharded = (3 if block.gated_mlp else 2) * width * eb  # SwiGLU reads gate and up, writes the product
+    if block.rope:
+        sharded += 2 * (block.q_dim + block.kv_dim) * eb  # RoPE on q and k
     return replicated / (s.tp if s.sp else 1) + sharded / s.tp
 
 
-@lru_cache(maxsize=16384)
-def block_time(s: Strategy, ctx: BlockContext) -> BlockTime:
-    """Time of one block for one micro-batch of `ctx.seqs` sequences on one device of strategy `s`."""
-    m, gpu, cal, eb = ctx.model, ctx.cluster.gpu, ctx.cal, ctx.prec.activation
+def measured_block(block: Block, ctx: BlockContext) -> bool:
+    """Whether the profile's block timings apply to `block`: the profiler measures the model's trunk layer."""
+    return ctx.cal.measured is not None and block == ctx.model.block
+
+
+def _gemms_time(block: Block, s: Strategy, tokens: float, memory_tokens: float, ctx: BlockContext
+                ) -> tuple[float, float]:
+    """(forward, backward) seconds of the layer's GEMMs on one device: forward [rows, k] @ [k, n]; backward
+    computes dgrad and wgrad of the same size. Experts run as a grouped GEMM over balanced routed tokens."""
+    gpu, cal, eb = ctx.cluster.gpu, ctx.cal, ctx.prec.activation
     peak = ctx.prec.peak_flops(gpu)
-    tokens = ctx.seqs * ctx.seq_len // s.cp  # tokens this device holds outside attention
+    fwd = bwd = 0.0
+    for g in block.gemms:
+        if g.name == "router":  # replicated on every tensor-parallel rank
+            k, n = g.k, g.n
+        else:
+            k, n = (g.k, g.n // s.tp) if g.split == "col" else (g.k // s.tp, g.n)
+        rows = {"self": tokens, "memory": memory_tokens,
+                "routed": tokens * block.top_k / max(block.experts, 1)}[g.rows]
+        rows = max(1, int(rows))
+        fwd += g.count * gemm_time(rows, n, k, gpu, cal, peak, eb)
+        bwd += g.count * (gemm_time(rows, k, n, gpu, cal, peak, eb) + gemm_time(k, n, rows, gpu, cal, peak, eb))
+    return fwd, bwd
 
-    # GEMMs: forward [tokens, k] @ [k, n]; backward computes dgrad and wgrad of the same size.
-    fwd_gemm = bwd_gemm = 0.0
-    for g in m.gemms:
-        k, n = (g.k, g.n // s.tp) if g.split == "col" else (g.k // s.tp, g.n)
-        fwd_gemm += gemm_time(tokens, n, k, gpu, cal, peak, eb)
-        bwd_gemm += gemm_time(tokens, k, n, gpu, cal, peak, eb) + gemm_time(k, n, tokens, gpu, cal, peak, eb)
 
-    # Attention core: Ulysses gives each device all tokens of heads/(tp*cp) heads; ring gives it a 1/cp
-    # slice of queries against all keys: the same work either way.
-    heads = m.heads // s.tp
-    if m.attention == "flash":
-        attn_f, attn_b = flash_attention_time(ctx.seqs * heads, ctx.seq_len // s.cp, ctx.seq_len, m.head_dim,
-                                              True, cal, peak)
-    else:
-        attn_f, attn_b = eager_attention_time(ctx.seqs * heads // s.cp, ctx.seq_len, m.head_dim, m.dropout,
-                                              gpu, cal, peak, eb)
+def _attention_time(block: Block, s: Strategy, ctx: BlockContext) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention cores. Ulysses gives each device all tokens of
+    heads/(tp*cp) heads; ring gives it a 1/cp slice of queries against all keys: the same work either way.
+    A sliding window caps the keys each query sees; bidirectional layers do the whole score matrix."""
+    if not block.has_attention:
+        return 0.0, 0.0
+    cal, gpu, eb = ctx.cal, ctx.cluster.gpu, ctx.prec.activation
+    peak = ctx.prec.peak_flops(gpu)
+    seq = block.seq(ctx.seq_len)
+    heads = block.heads // s.tp
+    if block.attention == "flash":
+        keys = block.keys(ctx.seq_len)
+        causal = block.causal and keys == seq
+        f, b = flash_attention_time(ctx.seqs * heads, seq // s.cp, keys, block.head_dim, causal, cal, peak)
+        if block.kind == "cross_decoder":
+            cf, cb = flash_attention_time(ctx.seqs * heads, seq // s.cp, block.memory_seq(ctx.seq_len),
+                                          block.head_dim, False, cal, peak)
+            f, b = f + cf, b + cb
+        return f, b
+    passes = 2 if block.kind == "cross_decoder" else 1
+    f, b = eager_attention_time(ctx.seqs * heads // s.cp, seq, block.head_dim, block.dropout, gpu, cal, peak, eb)
+    return passes * f, passes * b
 
-    elem_f = elementwise_time(tokens * _elementwise_bytes_per_token(m, s, eb), gpu, cal, kernels=8)
+
+@lru_cache(maxsize=16384)
+def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
+    """Time of `block` for one micro-batch of `ctx.seqs` sequences on one device of strategy `s`."""
+    cal, eb = ctx.cal, ctx.prec.activation
+    seq = block.seq(ctx.seq_len)
+    tokens = ctx.seqs * seq // s.cp  # tokens this device holds outside attention
+    fwd_gemm, bwd_gemm = _gemms_time(block, s, tokens, ctx.seqs * block.memory_seq(ctx.seq_len) // s.cp, ctx)
+    attn_f, attn_b = _attention_time(block, s, ctx)
+    elem_f = elementwise_time(tokens * _elementwise_bytes_per_token(block, s, eb), ctx.cluster.gpu, cal, kernels=8)
     forward = fwd_gemm + attn_f + elem_f
     backward = bwd_gemm + attn_b + 2 * elem_f
-    if cal.measured is not None and (measured := cal.measured.block(m.name, s.tp)) is not None:
+    measured = measured_block(block, ctx)
+    m = ctx.model
+    if measured and (timed := cal.measured.block(m.name, s.tp)) is not None:  # type: ignore[union-attr]
         # one rank's share, attention included
-        forward = cal.measured.seconds(measured.forward, tokens, ctx.seq_len, m.name)
-        backward = cal.measured.seconds(measured.backward, tokens, ctx.seq_len, m.name)
+        forward = cal.measured.seconds(timed.forward, tokens, seq, m.name)  # type: ignore[union-attr]
+        backward = cal.measured.seconds(timed.backward, tokens, seq, m.name)  # type: ignore[union-attr]
     recompute = {"none": 0.0, "selective": attn_f, "full": forward}[s.recompute]
-    if s.recompute != "none" and cal.measured is not None and \
-            (with_rc := cal.measured.block(m.name, s.tp, s.recompute)) is not None:
-        recompute = max(0.0, cal.measured.seconds(with_rc.backward, tokens, ctx.seq_len, m.name) - backward)
+    if s.recompute != "none" and measured and \
+            (with_rc := cal.measured.block(m.name, s.tp, s.recompute)) is not None:  # type: ignore[union-attr]
+        recompute = max(0.0, cal.measured.seconds(with_rc.backward, tokens, seq, m.name) - backward)  # type: ignore[union-attr]
 
-    # Tensor parallelism: per pass two all-reduces (or, with sp, an all-gather and a reduce-scatter of the
-    # same total traffic) of the full hidden state of the device's tokens.
-    act_bytes = tokens * m.tp_comm_elements_per_token * eb
-    tp_fwd = tp_bwd = 2 * comm.all_reduce(act_bytes, ctx.tp_group, ctx.cluster, cal)
-    runtime = measured_overheads(s, ctx)
+    # Tensor parallelism: per pass one all-reduce per sublayer (or, with sp, an all-gather and a
+    # reduce-scatter of the same total traffic) of the full hidden state of the device's tokens.
+    act_bytes = tokens * block.tp_comm_elements_per_token * eb
+    tp_fwd = tp_bwd = SUBLAYERS[block.kind] * comm.all_reduce(act_bytes, ctx.tp_group, ctx.cluster, cal)
+    runtime = measured_overheads(s, ctx) if measured else {}
     if "tp" in runtime:
         tp_fwd, tp_bwd = runtime["tp"]
 
     # Context parallelism.
     cp_fwd = cp_bwd = 0.0
-    if s.cp > 1:
+    if s.cp > 1 and block.has_attention:
         if "cp" in runtime:
             cp_fwd, cp_bwd = runtime["cp"]
         elif s.cp_mode == "ulysses":
-            a2a = comm.all_to_all(tokens * m.ulysses_elements_per_token // s.tp * eb, ctx.cp_group, ctx.cluster, cal)
+            a2a = comm.all_to_all(tokens * block.ulysses_elements_per_token // s.tp * eb, ctx.cp_group, ctx.cluster,
+                                  cal)
             cp_fwd, cp_bwd = a2a, a2a
         else:  # ring: cp-1 K/V block passes hidden behind the block attention they feed
-            kv = ctx.seqs * (ctx.seq_len // s.cp) * m.ring_kv_elements_per_token // s.tp * eb
+            kv = ctx.seqs * (seq // s.cp) * block.ring_kv_elements_per_token // s.tp * eb
             cross = ctx.cp_group.nodes > 1
             step = comm.p2p(kv, cross, ctx.cluster, cal)
             cp_fwd = max(0.0, (s.cp - 1) * step - attn_f * cal.overlap_efficiency)
@@ -156,7 +196,7 @@ def block_time(s: Strategy, ctx: BlockContext) -> BlockTime:
     # ZeRO-3 gathers parameters before forward and backward and reduce-scatters gradients each micro-batch;
     # ZeRO-2 reduce-scatters gradients each micro-batch. Prefetching hides them behind the block's compute.
     zero_fwd = zero_bwd = 0.0
-    params = m.block_params // s.tp
+    params = block.params / s.tp
     if "zero3" in runtime:
         zero_fwd, zero_bwd = runtime["zero3"]
     elif ctx.dp_group.size > 1 and s.zero >= 2:
@@ -214,17 +254,19 @@ MEASURED_ACTIVATION_BYTES = 4
 """Bytes per element of the activations a profile counts (`plait profile` measures fp32 blocks)."""
 
 
-def block_activation_bytes(s: Strategy, ctx: BlockContext, recompute: str | None = None) -> float:
-    """Bytes one block keeps for backward for one micro-batch on one device (Korthikanti's terms)."""
-    m, eb = ctx.model, ctx.prec.activation
-    tokens = ctx.seqs * ctx.seq_len / s.cp
-    measured = ctx.cal.measured.block(m.name, s.tp, recompute or s.recompute) if ctx.cal.measured else None
+def block_activation_bytes(block: Block, s: Strategy, ctx: BlockContext, recompute: str | None = None) -> float:
+    """Bytes `block` keeps for backward for one micro-batch on one device (Korthikanti's terms)."""
+    eb = ctx.prec.activation
+    seq = block.seq(ctx.seq_len)
+    tokens = ctx.seqs * seq / s.cp
+    measured = ctx.cal.measured.block(ctx.model.name, s.tp, recompute or s.recompute) \
+        if measured_block(block, ctx) else None  # type: ignore[union-attr]
     if measured is not None and not s.sp:  # measured in fp32: 16-bit keeps half (masks aside)
         return tokens * measured.activation_bytes_per_token * eb / MEASURED_ACTIVATION_BYTES
-    a = m.activation_bytes(recompute or s.recompute)  # type: ignore[arg-type]
+    a = block.activation_bytes(recompute or s.recompute)  # type: ignore[arg-type]
     replicated_div = s.tp if s.sp else 1
     scale = eb / 2  # the formulas count 16-bit activations
     per_token = ((a.replicated * scale + a.replicated_masks) / replicated_div
                  + a.sharded * scale / s.tp
-                 + (a.quadratic_per_seq_token * scale + a.sharded_quadratic_masks) * ctx.seq_len / s.tp)
+                 + (a.quadratic_per_seq_token * scale + a.sharded_quadratic_masks) * block.keys(ctx.seq_len) / s.tp)
     return tokens * per_token

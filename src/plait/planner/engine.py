@@ -24,20 +24,20 @@ import numpy as np
 from plait.cost import comm
 from plait.cost.calibration import Calibration, calibration_for
 from plait.cost.comm import GroupShape
-from plait.cost.head import head_activation_bytes
-from plait.cost.layer import BlockContext, block_activation_bytes, block_time
-from plait.cost.memory import FRAGMENTATION_FRACTION, GRAD_BUCKET_BYTES, context_bytes, model_state_bytes
+from plait.cost.layer import BlockContext
 from plait.cost.pipeline import StageTimes, simulate_pipeline
 from plait.cost.precision import PRECISIONS
+from plait.cost.price import price, price_edge, usable_memory
 from plait.errors import PlaitError
 from plait.executable import unsupported
 from plait.layout import Layout, received_fraction
 from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_plan
 from plait.planner.baselines import Candidate, run_baseline
 from plait.planner.layerwise import solve_layers
-from plait.planner.space import SpaceLimits, divisors, pareto_front, stage_strategies
+from plait.planner.space import SpaceLimits, block_strategies, divisors, pareto_front
 from plait.simulate import Report, simulate
 from plait.spec.cluster import Cluster
+from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
 DEFAULT_LIMITS = SpaceLimits()
@@ -109,17 +109,26 @@ class _Config:
         self.n = cluster.world_size // pp
         self.mb = global_batch // m  # sequences per pipeline micro-batch
         self.in_flight = _in_flight(pp, m, schedule, chunks)
-        strategies = stage_strategies(model, cluster, self.n, self.mb, seq_len, limits)
-        self.priced = [self._price(s) for s in strategies]
+        self.blocks = model.distinct_blocks
+        self.block_index = {b: i for i, b in enumerate(self.blocks)}
+        self.kind_of_layer = tuple(self.block_index[b] for b in model.stack)
+        self.priced: list[list[_Priced]] = [
+            [self._price(b, s) for s in block_strategies(b, cluster, self.n, self.mb, seq_len, limits)]
+            for b in self.blocks]
         self.stage_group = GroupShape.of(tuple(range(self.n)), cluster.gpus_per_node)
         self.hidden_bytes = self.mb * seq_len * model.hidden * self.prec.activation  # one micro-batch
         self._relayouts: dict[tuple[Layout, Layout], float] = {}
         self.uniform = False  # True: one strategy per stage (what the runtime executes today)
-        self._solved: dict[tuple[int, int, bool, bool, float], tuple[float, list[Strategy]] | None] = {}
+        self._solved: dict[tuple, tuple[float, list[Strategy]] | None] = {}
+
+    @property
+    def any_priced(self) -> bool:
+        """Whether every layer kind has at least one strategy."""
+        return all(self.priced)
 
     def relayout(self, a: Layout, b: Layout) -> float:
-        """Seconds per iteration to re-layout the hidden state from `a` to `b` (forward and backward, every
-        micro-batch)."""
+        """Seconds per iteration to re-layout the trunk's hidden state from `a` to `b` (forward and backward,
+        every micro-batch); the simulator prices each boundary's own bytes when it judges the plan."""
         if (a, b) not in self._relayouts:
             one_way = [comm.exchange(received_fraction(x, y) * self.hidden_bytes, self.stage_group, self.cluster,
                                      self.cal) for x, y in ((a, b), (b, a))]
@@ -129,83 +138,110 @@ class _Config:
     def restricted(self, layout: Layout) -> _Config:
         """A copy limited to one (dp, tp, cp, sp) layout and one strategy per stage."""
         other = copy.copy(self)
-        other.priced = [p for p in self.priced if Layout.of(p.strategy) == layout]
+        other.priced = [[p for p in pool if Layout.of(p.strategy) == layout] for pool in self.priced]
         other.uniform = True
         other._solved = {}
         return other
 
-    def _price(self, s: Strategy) -> _Priced:
+    def layouts(self) -> list[Layout]:
+        """Every layout some layer kind may use, sorted."""
+        return sorted({Layout.of(p.strategy) for pool in self.priced for p in pool})
+
+    def _context(self, s: Strategy) -> BlockContext:
         ranks = tuple(range(self.n))
-        ctx = BlockContext.for_ranks(self.model, self.cluster, self.cal, self.prec, self.seq_len, self.mb // s.dp,
-                                     s, ranks, ranks[:: s.tp])
-        dp_group = ctx.dp_group
-        bt = block_time(s, ctx)
-        params = self.model.block_params / s.tp
-        replicas = dp_group.size
-        grad, gather = comm.gradient_sync(params, s.zero, dp_group, self.prec.grad, self.prec.param, self.cluster,
-                                          self.cal)
-        sync = max(0.0, grad - bt.backward * self.cal.overlap_efficiency) + gather
-        w, g, o = model_state_bytes(params, replicas, s.zero, self.prec)
-        working = block_activation_bytes(s, ctx, "none") if s.recompute != "none" else 0.0
-        return _Priced(s, bt.forward_total + bt.backward_total, sync, w + g + o, block_activation_bytes(s, ctx),
-                       working)
+        return BlockContext.for_ranks(self.model, self.cluster, self.cal, self.prec, self.seq_len, self.mb // s.dp,
+                                      s, ranks, ranks[:: s.tp])
+
+    def _price(self, block: Block, s: Strategy) -> _Priced:
+        c = price(block, s, self._context(s))
+        return _Priced(s, c.micro_batch_s, c.exposed_sync(self.cal.overlap_efficiency), c.states, c.activation,
+                       c.working)
+
+    def cheapest(self) -> _Priced:
+        """The trunk layer's strategy with the least model-state memory (prices the edges in budgets)."""
+        pool = self.priced[self.kind_of_layer[-1]]
+        return min(pool, key=lambda p: p.states)
 
     def budget(self, device: int, capacity: float) -> float:
-        """Bytes a device group can give its blocks: capacity less context, fragmentation and the
-        embedding/head with their buffers (priced with the cheapest-memory strategy)."""
-        usable = (capacity - context_bytes(self.cal)) / (1 + FRAGMENTATION_FRACTION)
-        cheapest = min(self.priced, key=lambda p: p.states).strategy
-        replicas = self.n // cheapest.tp
-        extra = 2 * GRAD_BUCKET_BYTES + 2 * self.mb * self.seq_len * self.model.hidden * self.prec.activation / self.n
+        """Bytes a device group can give its layers: the usable memory less the embedding/head with their
+        buffers (priced with the cheapest-memory strategy)."""
+        cheapest = self.cheapest().strategy
+        extra = 2 * self.mb * self.seq_len * self.model.hidden * self.prec.activation / self.n
+        ctx = self._context(cheapest)
         if device == 0:
-            extra += sum(model_state_bytes(self.model.embedding_params / cheapest.tp, replicas, cheapest.zero,
-                                           self.prec))
+            extra += price_edge("embedding", cheapest, ctx).states
         if device == self.pp - 1:
-            head = self.model.head_params + (self.model.vocab * self.model.hidden
-                                             if self.model.tied_embeddings and self.pp > 1 else 0)
-            extra += sum(model_state_bytes(head / cheapest.tp, replicas, cheapest.zero, self.prec))
-            ctx = BlockContext(self.model, self.cluster, self.cal, self.prec, self.seq_len, self.mb // cheapest.dp,
-                               comm.SINGLE, comm.SINGLE, comm.SINGLE)
-            extra += head_activation_bytes(cheapest, ctx)
-        return usable - extra
+            head = price_edge("head", cheapest, ctx, self.pp > 1)
+            extra += head.states + head.working
+        return usable_memory(capacity, self.cal) - extra
 
-    def solve_stage(self, device: int, layers: int, budget: float) -> tuple[float, list[Strategy]] | None:
-        """Best strategies for `layers` blocks on device group `device` within `budget` bytes."""
-        key = (device, layers, device == 0, device == self.pp - 1, round(budget, -6))
+    def device_layers(self, counts: list[int]) -> list[list[int]]:
+        """The model layers of each device group, chunk by chunk (`counts` layers per group; chunks
+        interleaved in model order), in the order `assemble` reads their strategies."""
+        per_chunk = [split_layers(c, self.chunks) for c in counts]
+        out: list[list[int]] = [[] for _ in counts]
+        start = 0
+        for chunk in range(self.chunks):
+            for d in range(self.pp):
+                out[d].extend(range(start, start + per_chunk[d][chunk]))
+                start += per_chunk[d][chunk]
+        return out
+
+    def solve_stage(self, device: int, layers: list[int], budget: float) -> tuple[float, list[Strategy]] | None:
+        """Best strategies for the model layers `layers` on device group `device` within `budget` bytes."""
+        kinds = tuple(self.kind_of_layer[i] for i in layers)
+        key = (device, kinds, device == 0, device == self.pp - 1, round(budget, -6))
         if key in self._solved:
             return self._solved[key]
         result = None
-        if layers > 0 and budget > 0:
+        if layers and budget > 0:
             act_mult = self.in_flight[device] / self.chunks
-            # Recomputing a block needs its full activations for a moment: solve once without
+            # Recomputing a layer needs its full activations for a moment: solve once without
             # recompute strategies on the whole budget and once with all of them on the budget less the
             # largest such transient, and keep the faster.
-            plain = [p for p in self.priced if p.strategy.recompute == "none"]
-            working = max((p.working for p in self.priced), default=0.0)
-            for pool, room in ((plain, budget), (self.priced, budget - working)):
-                sol = self._solve(pool, layers, room, act_mult)
+            present = sorted(set(kinds))
+            pools = {k: self.priced[k] for k in present}
+            plain = {k: [p for p in pool if p.strategy.recompute == "none"] for k, pool in pools.items()}
+            working = max((p.working for pool in pools.values() for p in pool), default=0.0)
+            for pool, room in ((plain, budget), (pools, budget - working)):
+                sol = self._solve(pool, kinds, room, act_mult)
                 if sol is not None and (result is None or sol[0] < result[0]):
                     result = sol
         self._solved[key] = result
         return result
 
-    def _solve(self, pool: list[_Priced], layers: int, budget: float, act_mult: float
+    def _solve(self, pools: dict[int, list[_Priced]], kinds: tuple[int, ...], budget: float, act_mult: float
                ) -> tuple[float, list[Strategy]] | None:
-        """The layer DP over the Pareto front of `pool` within `budget` bytes."""
-        if not pool or budget <= 0:
+        """The layer DP over the layers `kinds` (each layer's kind index), each kind choosing among its
+        strategies on its time/memory Pareto front, within `budget` bytes."""
+        if budget <= 0 or any(not pools[k] for k in set(kinds)):
             return None
-        costs = [(p.mb_time * self.m + p.sync, p.states + p.activation * act_mult) for p in pool]
-        keep = pareto_front(costs)
+        costs = {k: [(p.mb_time * self.m + p.sync, p.states + p.activation * act_mult) for p in pool]
+                 for k, pool in pools.items()}
+        strategies: list[Strategy] = []  # every kept strategy of any kind, in first-seen order
+        column: dict[Strategy, int] = {}
+        for k, pool in pools.items():
+            for i in pareto_front(costs[k]):
+                column.setdefault(pool[i].strategy, len(column))
+        strategies = list(column)
         unit = budget / MEMORY_UNITS
-        times = np.array([costs[i][0] for i in keep])
-        mems = np.array([math.ceil(costs[i][1] / unit) for i in keep], dtype=np.int64)
-        strategies = [pool[i].strategy for i in keep]
+        rows = {}
+        for k, pool in pools.items():
+            t = np.full(len(strategies), np.inf)
+            mem = np.zeros(len(strategies), dtype=np.int64)
+            for p, (seconds, nbytes) in zip(pool, costs[k], strict=True):
+                j = column.get(p.strategy)
+                if j is not None:
+                    t[j], mem[j] = seconds, math.ceil(nbytes / unit)
+            rows[k] = (t, mem)
+        times = np.stack([rows[k][0] for k in kinds])
+        mems = np.stack([rows[k][1] for k in kinds])
         if self.uniform:  # switching strategy inside a stage is forbidden
             trans = np.array([[0.0 if a == b else np.inf for b in strategies] for a in strategies])
         else:
             layouts = [Layout.of(s) for s in strategies]
             trans = np.array([[self.relayout(a, b) for b in layouts] for a in layouts])
-        sol = solve_layers(np.tile(times, (layers, 1)), np.tile(mems, (layers, 1)), trans, MEMORY_UNITS)
+        sol = solve_layers(times, mems, trans, MEMORY_UNITS)
         if sol is None:
             return None
         return sol.time, [strategies[i] for i in sol.choice]
@@ -233,8 +269,10 @@ class _Config:
 def _memory_balanced(cfg: _Config, capacity: float) -> list[int]:
     """Layers per device group with equal memory use under the cheapest-memory strategy."""
     layers = cfg.model.layers
-    cheapest = min(cfg.priced, key=lambda p: p.states + p.activation)
-    per_layer = [cheapest.states + cheapest.activation * cfg.in_flight[d] / cfg.chunks for d in range(cfg.pp)]
+    cheapest = [min(pool, key=lambda p: p.states + p.activation) for pool in cfg.priced]
+    share = np.bincount(cfg.kind_of_layer, minlength=len(cheapest)) / layers  # layers of each kind, a fraction
+    per_layer = [sum(f * (c.states + c.activation * cfg.in_flight[d] / cfg.chunks) for f, c in zip(share, cheapest))
+                 for d in range(cfg.pp)]
     budgets = [max(cfg.budget(d, capacity), 1.0) for d in range(cfg.pp)]
     weights = np.array([b / w for b, w in zip(budgets, per_layer)])
     raw = weights / weights.sum() * layers
@@ -258,7 +296,8 @@ def _partition_search(cfg: _Config, capacity: float, evaluate: Callable[[Plan], 
     def attempt(counts: list[int]) -> tuple[Candidate | None, list[float]]:
         budgets = [cfg.budget(d, capacity) for d in range(pp)]
         for _ in range(FIT_RETRIES + 1):
-            solved = [cfg.solve_stage(d, counts[d], budgets[d]) for d in range(pp)]
+            ids = cfg.device_layers(counts)
+            solved = [cfg.solve_stage(d, ids[d], budgets[d]) for d in range(pp)]
             if any(s is None for s in solved):
                 return None, []
             plan = cfg.assemble(counts, [s[1] for s in solved])  # type: ignore[index]
@@ -340,9 +379,9 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
         cfg = _Config(model, cluster, cal, seq_len, global_batch, pp, m, schedule, chunks, precision, limits)
         variants = [cfg]
         if runnable and model.tied_embeddings:  # fallbacks whose first and last layers share a layout
-            variants += [cfg.restricted(lay) for lay in sorted({Layout.of(p.strategy) for p in cfg.priced})]
+            variants += [cfg.restricted(lay) for lay in cfg.layouts()]
         for variant in variants:
-            if not variant.priced:
+            if not variant.any_priced:
                 continue
             cand = _partition_search(variant, capacity, evaluate)
             if cand is not None and runnable and unsupported(cand.plan, model):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.plan import Strategy
+from plait.plan import Strategy, strategy_problem
 from plait.spec.cluster import Cluster
+from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -35,31 +36,39 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def stage_strategies(model: ModelSpec, cluster: Cluster, devices: int, micro_batch: int, seq_len: int,
+def block_strategies(block: Block, cluster: Cluster, devices: int, micro_batch: int, seq_len: int,
                      limits: SpaceLimits = SpaceLimits()) -> list[Strategy]:
-    """All valid strategies for one layer on a stage of `devices` devices whose micro-batches hold
-    `micro_batch` sequences."""
+    """All valid strategies for `block` on a stage of `devices` devices whose micro-batches hold
+    `micro_batch` sequences (layers without attention have no selective recompute)."""
     max_tp = min(limits.max_tp or cluster.gpus_per_node, devices)
+    modes = [rc for rc in limits.recompute if block.has_attention or rc != "selective"]
     out: list[Strategy] = []
     for tp in divisors(devices):
-        if tp > max_tp or model.heads % tp or model.kv_heads % tp:
+        if tp > max_tp:
             continue
         for cp in divisors(devices // tp):
             if cp > 1 and (not limits.context_parallel or (limits.max_cp and cp > limits.max_cp)):
                 continue
             dp = devices // (tp * cp)
-            if micro_batch % dp or seq_len % cp:
-                continue
-            if cp > 1 and ((model.heads // tp) % cp or (model.kv_heads // tp) % cp):
-                continue  # Ulysses needs whole heads per rank
             for sp in limits.sequence_parallel:
-                if sp and (tp == 1 or seq_len % tp):
+                if sp and tp == 1:
+                    continue
+                if strategy_problem(Strategy(dp=dp, tp=tp, cp=cp, sp=sp), block, devices, micro_batch, seq_len):
                     continue
                 zeros = limits.zero_stages if dp * cp > 1 else (0,)
                 for zero in zeros:
-                    for rc in limits.recompute:
+                    for rc in modes:
                         out.append(Strategy(dp=dp, tp=tp, cp=cp, sp=sp, zero=zero, recompute=rc))  # type: ignore[arg-type]
     return out
+
+
+def stage_strategies(model: ModelSpec, cluster: Cluster, devices: int, micro_batch: int, seq_len: int,
+                     limits: SpaceLimits = SpaceLimits()) -> list[Strategy]:
+    """The strategies valid for every layer of `model` (what one strategy for the whole model may use)."""
+    blocks = model.distinct_blocks
+    first = block_strategies(blocks[0], cluster, devices, micro_batch, seq_len, limits)
+    rest = [set(block_strategies(b, cluster, devices, micro_batch, seq_len, limits)) for b in blocks[1:]]
+    return [s for s in first if all(s in r for r in rest)]
 
 
 def pareto_front(costs: list[tuple[float, float]]) -> list[int]:

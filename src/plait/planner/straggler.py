@@ -34,12 +34,12 @@ from functools import lru_cache
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from plait.cost import comm
 from plait.cost.calibration import Calibration, calibration_for
-from plait.cost.comm import GroupShape, gradient_sync, p2p
-from plait.cost.head import embedding_time, head_activation_bytes, head_time
-from plait.cost.layer import BlockContext, block_activation_bytes, block_time
-from plait.cost.memory import FRAGMENTATION_FRACTION, GRAD_BUCKET_BYTES, context_bytes, model_state_bytes
+from plait.cost.comm import GroupShape, p2p
+from plait.cost.layer import BlockContext
 from plait.cost.precision import PRECISIONS, PrecisionBytes
+from plait.cost.price import price, price_edge, usable_memory
 from plait.errors import PlaitError
 from plait.executable import unsupported
 from plait.plan import Pipeline, Plan, Stage, Strategy, validate_plan
@@ -142,19 +142,18 @@ def group_units(cluster: Cluster, tp: int, shrink: bool, heads: tuple[int, int])
 
 def _prices(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: PrecisionBytes, seq_len: int, mbs: int,
             s: Strategy, ranks: tuple[int, ...], replicas: int) -> _Prices:
-    """Prices of strategy `s` on a unit's `ranks`, its layers' states sharded (ZeRO) over `replicas`."""
+    """Prices of strategy `s` on a unit's `ranks`, its layers' states sharded (ZeRO) over `replicas`
+    pipelines (one device of each, on different nodes)."""
     ctx = BlockContext.for_ranks(model, cluster, cal, prec, seq_len, mbs, s, ranks, ranks[:1])
-    bt = block_time(s, ctx)
-    et, ht = embedding_time(s, ctx), head_time(s, ctx)
-    working = max(head_activation_bytes(s, ctx),
-                  block_activation_bytes(s, ctx, "none") if s.recompute != "none" else 0.0)
-    states = sum(model_state_bytes(model.block_params / s.tp, replicas, s.zero, prec))
+    ctx = replace(ctx, dp_group=GroupShape(replicas, replicas, 1) if replicas > 1 else ctx.dp_group)
+    layer = price(model.block, s, ctx)
+    embedding, head = price_edge("embedding", s, ctx), price_edge("head", s, ctx)
     hidden = mbs * seq_len * model.hidden * prec.activation / s.tp
-    return _Prices(layer_s=bt.forward_total + bt.backward_total, embedding_s=et.forward + et.backward + et.tp_comm,
-                   head_s=ht.forward + ht.backward + ht.tp_comm, send_s=2 * p2p(hidden, False, cluster, cal),
-                   layer_states=states, layer_activation=block_activation_bytes(s, ctx), working=working,
-                   embedding_states=sum(model_state_bytes(model.embedding_params / s.tp, replicas, s.zero, prec)),
-                   head_states=sum(model_state_bytes(model.head_params / s.tp, replicas, s.zero, prec)))
+    return _Prices(layer_s=layer.micro_batch_s, embedding_s=embedding.time.forward + embedding.time.backward
+                   + embedding.time.tp_comm, head_s=head.time.forward + head.time.backward + head.time.tp_comm,
+                   send_s=2 * p2p(hidden, False, cluster, cal), layer_states=layer.states,
+                   layer_activation=layer.activation, working=max(head.working, layer.working),
+                   embedding_states=embedding.states, head_states=head.states)
 
 
 # ---- step 3: layers per stage ---------------------------------------------------------------------------
@@ -373,7 +372,7 @@ def _assemble(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: Precis
     pipes = build_pipelines(units, t.pp, t.spread)
     if not pipes:
         return None
-    capacity = (cluster.gpu.memory_bytes - context_bytes(cal)) / (1 + FRAGMENTATION_FRACTION) - 2 * GRAD_BUCKET_BYTES
+    capacity = usable_memory(cluster.gpu.memory_bytes, cal)
     current_cuts = _current_cuts(current)
     slopes, intercepts, cuts = [], [], []
     for units_p in pipes:
@@ -426,9 +425,11 @@ def _sync_estimate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibrat
     if len(plan.pipelines) == 1:
         return 0.0
     heaviest = max((st for p in plan.pipelines for st in p.stages), key=lambda st: st.num_layers / st.strategies[0].tp)
-    params = heaviest.num_layers * model.block_params / heaviest.strategies[0].tp
+    s = heaviest.strategies[0].model_copy(update={"zero": 0})
     group = GroupShape.of([p.stages[0].ranks[0] for p in plan.pipelines], cluster.gpus_per_node)
-    return sum(gradient_sync(params, 0, group, prec.grad, prec.param, cluster, cal))
+    ctx = BlockContext(model, cluster, cal, prec, plan.seq_len, 1, comm.SINGLE, comm.SINGLE, group)
+    layer = price(model.block, s, ctx)
+    return heaviest.num_layers * (layer.grad_reduce + layer.param_gather)
 
 
 def _degrees(t: _Template) -> tuple:
@@ -462,6 +463,10 @@ def plan_around_stragglers(model: ModelSpec, cluster: Cluster, seq_len: int, glo
     Plans in `also` (e.g. the healthy cluster's best, to return to when stragglers recover) are judged too."""
     if seq_len <= 0 or global_batch <= 0:
         raise PlaitError(f"seq_len and global_batch must be positive, got {seq_len} and {global_batch}")
+    if not model.uniform:
+        raise PlaitError(f"straggler-aware planning splits stacks of one layer kind; {model.name} has "
+                         f"{', '.join(f'{n} {k}' for k, n in model.kind_counts().items())} layers and windows: "
+                         "plan it without --slow")
     t0 = time.perf_counter()
     cal = cal or calibration_for(cluster.gpu.name)
     prec = PRECISIONS[precision]

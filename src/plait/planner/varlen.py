@@ -41,9 +41,9 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from plait.cost import comm
 from plait.cost.calibration import Calibration, calibration_for
 from plait.cost.comm import GroupShape
-from plait.cost.head import embedding_time, head_time
-from plait.cost.layer import BlockContext, block_time
+from plait.cost.layer import BlockContext
 from plait.cost.precision import PRECISIONS
+from plait.cost.price import price, price_edge
 from plait.errors import PlaitError
 from plait.plan import Strategy
 from plait.spec.cluster import Cluster
@@ -68,6 +68,9 @@ class SequenceCost:
 
     def __init__(self, model: ModelSpec, cluster: Cluster, cal: Calibration | None = None, precision: str = "bf16",
                  cp_mode: str = "ulysses") -> None:
+        if any(b.kind not in ("decoder", "moe") for b in model.stack):
+            raise PlaitError(f"variable-length planning packs decoder-only models; {model.name} has "
+                             f"{', '.join(model.kind_counts())} layers")
         self.model, self.cluster = model, cluster
         self.cal = cal or calibration_for(cluster.gpu.name)
         self.prec = PRECISIONS[precision]
@@ -85,10 +88,9 @@ class SequenceCost:
         s = Strategy(cp=group.size, cp_mode=self.cp_mode)  # type: ignore[arg-type]
         shape = group if group.size > 1 else comm.SINGLE
         ctx = BlockContext(self.model, self.cluster, self.cal, self.prec, length, 1, comm.SINGLE, shape, comm.SINGLE)
-        bt = block_time(s, ctx)
-        et, ht = embedding_time(s, ctx), head_time(s, ctx)
-        return self.model.layers * (bt.forward_total + bt.backward_total) + et.forward + et.backward + \
-            ht.forward + ht.backward
+        layers = sum(n * price(b, s, ctx).micro_batch_s for b, n in self.model.block_counts)
+        embedding, head = price_edge("embedding", s, ctx), price_edge("head", s, ctx)
+        return layers + sum(e.time.forward + e.time.backward for e in (embedding, head))
 
 
 @dataclass(frozen=True)

@@ -19,51 +19,24 @@ from pathlib import Path
 from typing import Literal
 
 from plait.errors import PlaitError
+from plait.spec import stacks
+from plait.spec.layers import LSE_BYTES, MASK_BYTES, ActivationBytes, Attention, Block, Gemm, Recompute
 
-Family = Literal["gpt", "llama"]
-Recompute = Literal["none", "selective", "full"]
-Attention = Literal["flash", "eager"]
+__all__ = ["LSE_BYTES", "MASK_BYTES", "PRESETS", "ActivationBytes", "Attention", "Block", "Gemm", "ModelSpec",
+           "Recompute", "load_model", "parse_inline"]
 
-MASK_BYTES = 1
-"""Bytes per element of a dropout mask (Megatron stores uint8 masks; Korthikanti Table 2)."""
-LSE_BYTES = 4
-"""Bytes per (token, head) of the fp32 log-sum-exp a flash-attention kernel saves for backward."""
-
-
-@dataclass(frozen=True)
-class Gemm:
-    """One token-wise linear layer of a block: y[tokens, n] = x[tokens, k] @ W[k, n].
-
-    `split` says how tensor parallelism divides it: "col" splits n (Megatron ColumnParallelLinear),
-    "row" splits k (RowParallelLinear).
-    """
-
-    name: str
-    k: int
-    n: int
-    split: Literal["col", "row"]
-
-
-@dataclass(frozen=True)
-class ActivationBytes:
-    """Bytes saved for backward by one block, per token, at 16-bit activations.
-
-    `replicated` is stored whole on every tensor-parallel rank unless sequence parallelism shards it;
-    `sharded` is divided by the tensor-parallel degree; `quadratic_per_seq_token` is multiplied by the
-    sequence length (the s^2 attention scores of eager attention) and divided by the TP degree;
-    `masks` are 1-byte dropout masks that stay 1 byte whatever the activation dtype.
-    """
-
-    replicated: float
-    sharded: float
-    quadratic_per_seq_token: float
-    replicated_masks: float
-    sharded_quadratic_masks: float
+Family = Literal["gpt", "llama", "t5", "llava"]
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a decoder-only transformer. Counts are elements; sizes are in tokens."""
+    """A transformer: an embedding, an ordered stack of layers of named kinds, and a head.
+
+    The scalar fields describe the trunk (the language model: its embedding, head and default layer).
+    `stack` lists every layer (`plait.spec.layers.Block`); left empty it is `layers` copies of the trunk's
+    decoder layer (`block`), which is what the presets of decoder-only models are. Counts are elements;
+    sizes are in tokens.
+    """
 
     name: str
     family: Family
@@ -85,6 +58,8 @@ class ModelSpec:
     tied_embeddings: bool = True
     learned_positions: bool = True  # GPT: learned position table; Llama: RoPE (no parameters)
     attention: Attention = "flash"
+    window: int = 0  # sliding-window attention of the default layer, tokens (0: global; Mistral: 4096)
+    stack: tuple[Block, ...] = ()  # every layer in order; () = `layers` copies of `block`
 
     def __post_init__(self) -> None:
         if not self.kv_heads:
@@ -98,6 +73,8 @@ class ModelSpec:
                     "pick heads that divide hidden or give head_dim explicitly"
                 )
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if self.stack:
+            object.__setattr__(self, "layers", len(self.stack))
         for f in ("layers", "hidden", "heads", "vocab", "kv_heads", "ffn", "head_dim", "max_seq_len"):
             if getattr(self, f) <= 0:
                 raise PlaitError(f"model {self.name!r}: {f} must be a positive integer, got {getattr(self, f)}")
@@ -106,113 +83,81 @@ class ModelSpec:
                 f"model {self.name!r}: heads={self.heads} is not a multiple of kv_heads={self.kv_heads}; "
                 "grouped-query attention needs kv_heads to divide heads"
             )
+        if not self.stack:
+            object.__setattr__(self, "stack", (self.block,) * self.layers)
 
-    # ---- parameters -------------------------------------------------------------------------
+    def __hash__(self) -> int:  # cached: a model is a key of every cached pricing call
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    # ---- layers -------------------------------------------------------------------------------
+    @cached_property
+    def block(self) -> Block:
+        """The trunk's default layer: a decoder layer of the scalar fields' shape."""
+        return Block(kind="decoder", hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
+                     head_dim=self.head_dim, ffn=self.ffn, gated_mlp=self.gated_mlp, norm=self.norm, bias=self.bias,
+                     qkv_bias=self.qkv_bias, out_bias=self.out_bias, mlp_bias=self.mlp_bias, dropout=self.dropout,
+                     attention=self.attention, rope=not self.learned_positions, window=self.window)
+
+    @cached_property
+    def uniform(self) -> bool:
+        """Whether every layer is the trunk's default layer (a plain decoder-only stack)."""
+        return all(b == self.block for b in self.stack)
+
+    @cached_property
+    def distinct_blocks(self) -> tuple[Block, ...]:
+        """Each different layer once, in order of first appearance."""
+        return tuple(dict.fromkeys(self.stack))
+
+    def kind_counts(self) -> dict[str, int]:
+        """Layers of each kind, in order of first appearance."""
+        out: dict[str, int] = {}
+        for b in self.stack:
+            out[b.kind] = out.get(b.kind, 0) + 1
+        return out
+
+    # ---- the trunk's default layer (uniform models; per-layer costs use `stack`) --------------
     @property
     def q_dim(self) -> int:
         """Width of the query projection (heads x head_dim)."""
-        return self.heads * self.head_dim
+        return self.block.q_dim
 
     @property
     def kv_dim(self) -> int:
         """Width of each of the key and value projections (kv_heads x head_dim)."""
-        return self.kv_heads * self.head_dim
+        return self.block.kv_dim
 
-    @cached_property
+    @property
     def gemms(self) -> tuple[Gemm, ...]:
-        """The linear layers of one block, in execution order."""
-        up = 2 * self.ffn if self.gated_mlp else self.ffn
-        return (
-            Gemm("qkv", self.hidden, self.q_dim + 2 * self.kv_dim, "col"),
-            Gemm("attn_out", self.q_dim, self.hidden, "row"),
-            Gemm("mlp_up", self.hidden, up, "col"),
-            Gemm("mlp_down", self.ffn, self.hidden, "row"),
-        )
+        """The linear layers of the default layer, in execution order."""
+        return self.block.gemms
 
-    @cached_property
+    @property
     def block_params(self) -> int:
-        """Parameters of one transformer block (weights, biases, norms)."""
-        weights = sum(g.k * g.n for g in self.gemms)
-        norm_params = (2 if self.norm == "layernorm" else 1) * self.hidden * 2
-        qkv, out, up, down = self.gemms
-        biases = (qkv.n * (self.bias or self.qkv_bias) + out.n * (self.bias or self.out_bias)
-                  + (up.n + down.n) * (self.bias or self.mlp_bias))
-        return weights + norm_params + biases
+        """Parameters of the default layer (weights, biases, norms)."""
+        return self.block.params
 
-    @cached_property
-    def embedding_params(self) -> int:
-        """Token embedding (+ learned position table)."""
-        return self.vocab * self.hidden + (self.max_seq_len * self.hidden if self.learned_positions else 0)
+    @property
+    def block_gemm_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the default layer's linear layers (2 per multiply-add)."""
+        return self.block.gemm_flops_per_token(self.max_seq_len)
 
-    @cached_property
-    def head_params(self) -> int:
-        """Final norm + LM projection (0 extra weights when tied to the embedding)."""
-        norm_params = (2 if self.norm == "layernorm" else 1) * self.hidden
-        return norm_params + (0 if self.tied_embeddings else self.vocab * self.hidden)
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token of the default layer's attention core (QK^T and AV), counted over the
+        full s x s score matrix as Megatron's published FLOP counts do (capped by a sliding window)."""
+        return self.block.attention_flops_per_token(seq_len)
 
-    @cached_property
-    def params(self) -> int:
-        """All parameters."""
-        return self.embedding_params + self.layers * self.block_params + self.head_params
+    def block_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token of the default layer."""
+        return self.block.flops_per_token(seq_len)
 
-    # ---- FLOPs --------------------------------------------------------------------------------
-    @cached_property
-    def block_gemm_flops_per_token(self) -> int:
-        """Forward FLOPs per token of the block's linear layers (2 per multiply-add)."""
-        return sum(2 * g.k * g.n for g in self.gemms)
-
-    def attention_flops_per_token(self, seq_len: int) -> int:
-        """Forward FLOPs per token of the attention core (QK^T and AV), counted over the full s x s
-        score matrix as Megatron's published FLOP counts do."""
-        return 2 * 2 * seq_len * self.q_dim
-
-    def block_flops_per_token(self, seq_len: int) -> int:
-        """Forward FLOPs per token of one block."""
-        return self.block_gemm_flops_per_token + self.attention_flops_per_token(seq_len)
-
-    @cached_property
-    def head_flops_per_token(self) -> int:
-        """Forward FLOPs per token of the LM projection."""
-        return 2 * self.hidden * self.vocab
-
-    def model_flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token without recomputation (forward + 2x for backward).
-
-        For GPT shapes this is Megatron's 72*l*h^2*(1 + s/(6h) + V/(12lh)) per token.
-        """
-        fwd = self.layers * self.block_flops_per_token(seq_len) + self.head_flops_per_token
-        return 3 * fwd
-
-    # ---- activations --------------------------------------------------------------------------
     def activation_bytes(self, recompute: Recompute) -> ActivationBytes:
-        """Bytes saved for backward per token of one block, 16-bit activations (see ActivationBytes).
+        """Bytes the default layer saves for backward per token, 16-bit activations (Block.activation_bytes)."""
+        return self.block.activation_bytes(recompute)
 
-        With eager attention, dropout, LayerNorm and a 4h GeLU MLP this reproduces Korthikanti et al.
-        2022, Table 2: s*b*h*(34 + 5*a*s/h) with no parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t)) with
-        tensor parallelism, and 2*s*b*h under full recomputation.
-        """
-        h, f = self.hidden, self.ffn
-        if recompute == "full":  # only the block input survives (sharded by sequence parallelism)
-            return ActivationBytes(2 * h, 0, 0, 0, 0)
-        drop_masks = 2 * h * MASK_BYTES if self.dropout else 0  # after attention and after the MLP
-        replicated = 2 * h + 2 * h + 2 * h + 2 * h  # norm1 in, qkv in, norm2 in, MLP in
-        q_k = 2 * self.q_dim + 2 * self.kv_dim
-        v = 2 * self.kv_dim
-        proj_in = 2 * self.q_dim
-        mlp = 3 * 2 * f if self.gated_mlp else 2 * 2 * f  # SwiGLU: gate, up, product; GeLU: in, out
-        sharded = q_k + v + proj_in + mlp
-        quadratic = 0.0
-        quad_masks = 0.0
-        if self.attention == "eager" and recompute == "none":
-            quadratic = 2 * self.heads  # softmax output, per token per score column
-            if self.dropout:
-                quadratic += 2 * self.heads  # attention-dropout output
-                quad_masks = self.heads * MASK_BYTES
-        elif self.attention == "flash":
-            sharded += LSE_BYTES * self.heads
-        return ActivationBytes(replicated, sharded, quadratic, drop_masks, quad_masks)
-
-    # ---- communication volumes (elements per token) -------------------------------------------
     @property
     def tp_comm_elements_per_token(self) -> int:
         """Elements per token of each tensor-parallel collective (4 per block per pass: 2 fwd, 2 bwd)."""
@@ -221,21 +166,80 @@ class ModelSpec:
     @property
     def ulysses_elements_per_token(self) -> int:
         """Elements per token that Ulysses all-to-alls move per forward (q, k, v in; output back)."""
-        return self.q_dim + 2 * self.kv_dim + self.q_dim
+        return self.block.ulysses_elements_per_token
 
     @property
     def ring_kv_elements_per_token(self) -> int:
         """Elements per token of the K and V blocks that ring attention passes around."""
-        return 2 * self.kv_dim
+        return self.block.ring_kv_elements_per_token
 
     @property
     def pp_elements_per_token(self) -> int:
-        """Elements per token sent between pipeline stages (the hidden state)."""
+        """Elements per token sent between pipeline stages of the trunk (the hidden state)."""
         return self.hidden
+
+    def carried_elements(self, layer: int, seq_len: int) -> float:
+        """Elements per sample that arrive at layer `layer` from the layer before it (what a pipeline
+        boundary there sends): the hidden state, plus what later layers still need. An encoder-decoder
+        carries the decoder's input through the encoder and the encoder's output through the decoder; a
+        vision tower carries the text's embeddings."""
+        prev = self.stack[max(0, layer - 1)]
+        elements = prev.seq(seq_len) * prev.hidden
+        if self.family == "t5":
+            elements = 2 * seq_len * self.hidden  # encoder output (or input) and the decoder's hidden state
+        elif prev.kind in ("vision", "patch_embed"):
+            elements += seq_len * self.hidden
+        return float(elements)
+
+    # ---- parameters -------------------------------------------------------------------------
+    @cached_property
+    def embedding_params(self) -> int:
+        """Token embedding (+ learned position table)."""
+        return self.vocab * self.hidden + (self.max_seq_len * self.hidden if self.learned_positions else 0)
+
+    @cached_property
+    def head_params(self) -> int:
+        """Final norm (T5: the encoder's and the decoder's) + LM projection (0 extra weights when tied)."""
+        norm_params = (2 if self.norm == "layernorm" else 1) * self.hidden * (2 if self.family == "t5" else 1)
+        return norm_params + (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+    @cached_property
+    def params(self) -> int:
+        """All parameters."""
+        return self.embedding_params + sum(b.params * n for b, n in self.block_counts) + self.head_params
+
+    @cached_property
+    def active_params(self) -> int:
+        """Parameters one token goes through (top-k experts of moe layers)."""
+        return self.embedding_params + sum(b.active_params * n for b, n in self.block_counts) + self.head_params
+
+    @cached_property
+    def block_counts(self) -> tuple[tuple[Block, int], ...]:
+        """(layer, how many times it occurs) of each distinct layer, in order of first appearance."""
+        counts: dict[Block, int] = {}
+        for b in self.stack:
+            counts[b] = counts.get(b, 0) + 1
+        return tuple(counts.items())
+
+    # ---- FLOPs --------------------------------------------------------------------------------
+    @cached_property
+    def head_flops_per_token(self) -> int:
+        """Forward FLOPs per token of the LM projection."""
+        return 2 * self.hidden * self.vocab
+
+    def model_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token of the sequence without recomputation (forward + 2x for backward).
+
+        For GPT shapes this is Megatron's 72*l*h^2*(1 + s/(6h) + V/(12lh)) per token. Layers that run on
+        other tokens (a vision tower's patches) count per sequence, spread over its `seq_len` tokens; moe
+        layers count their active experts (as Megatron does).
+        """
+        per_sample = sum(b.flops_per_token(seq_len) * b.seq(seq_len) * n for b, n in self.block_counts)
+        return 3 * (per_sample / seq_len + self.head_flops_per_token)
 
     def with_(self, **changes: object) -> ModelSpec:
         """A copy with some fields changed; kv_heads, ffn and head_dim that were derived from the old
-        shape are derived again from the new one unless given."""
+        shape are derived again from the new one unless given, and so is a stack of default layers."""
         derived = {
             "kv_heads": self.kv_heads == self.heads,
             "head_dim": self.head_dim * self.heads == self.hidden,
@@ -246,6 +250,8 @@ class ModelSpec:
                 changes[name] = 0
         if self.gated_mlp and "ffn" not in changes and "hidden" in changes:
             changes["ffn"] = llama_ffn(int(changes["hidden"]))  # type: ignore[call-overload]
+        if self.uniform and "stack" not in changes:
+            changes["stack"] = ()
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -267,6 +273,35 @@ def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: 
                      dropout=False, tied_embeddings=False, learned_positions=False)
 
 
+def _gemma2(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int, vocab: int,
+            window: int) -> ModelSpec:
+    """Gemma 2: GeGLU, four norms per layer, tied embeddings, local and global layers alternating."""
+    base = replace(_llama(name, layers, hidden, heads, kv_heads, ffn, vocab, 8192), head_dim=head_dim,
+                   tied_embeddings=True)
+    return replace(base, stack=stacks.windowed(base.block.with_(norms=4), layers, window, global_every=2))
+
+
+def _moe(name: str, dense: ModelSpec, **moe: int) -> ModelSpec:
+    """`dense` with MoE layers (see `stacks.moe_layers`)."""
+    return replace(dense, name=name, stack=stacks.moe_layers(dense.block, dense.layers, **moe))
+
+
+def _t5(name: str, encoder_layers: int, decoder_layers: int, hidden: int, heads: int, head_dim: int, ffn: int,
+        vocab: int, gated: bool = False, tied: bool = True, seq: int = 512) -> ModelSpec:
+    """T5 (Raffel et al. 2020): RMS norms, no biases, ReLU MLP (gated GeLU in v1.1), relative position
+    biases (a few thousand parameters, not counted), one embedding shared by encoder and decoder."""
+    base = ModelSpec(name=name, family="t5", layers=encoder_layers + decoder_layers, hidden=hidden, heads=heads,
+                     head_dim=head_dim, ffn=ffn, vocab=vocab, max_seq_len=seq, gated_mlp=gated, norm="rmsnorm",
+                     bias=False, dropout=True, tied_embeddings=tied, learned_positions=False)
+    return replace(base, stack=stacks.encoder_decoder(base.block, encoder_layers, decoder_layers))
+
+
+def _with_vision(name: str, text: ModelSpec, tower: str) -> ModelSpec:
+    """LLaVA: a vision tower and projector in front of the language model `text`."""
+    vision = stacks.vision_stack(stacks.VISION_TOWERS[tower], text.hidden)
+    return replace(text, name=name, family="llava", stack=vision + text.stack)
+
+
 PRESETS: dict[str, ModelSpec] = {
     # GPT-3 shapes (Brown et al. 2020, Table 2.1) with Megatron's padded vocabulary of 51200.
     "gpt3-1.3b": _gpt("gpt3-1.3b", 24, 2048, 16),
@@ -281,6 +316,17 @@ PRESETS: dict[str, ModelSpec] = {
     "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
     "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
     "llama3-405b": _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+    # Models of several layer kinds (their config.json files): sliding-window attention on every layer
+    # (Mistral 7B v0.1) or on every other one (Gemma 2 9B); a first dense layer before MoE layers
+    # (DeepSeekMoE 16B); an encoder-decoder (T5 11B); a CLIP ViT-L/14-336 tower with LLaVA's projector
+    # in front of Llama 3 8B (LLaVA-NeXT 8B).
+    "mistral-7b": replace(_llama("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 32768), window=4096),
+    "gemma2-9b": _gemma2("gemma2-9b", 42, 3584, 16, 8, 256, 14336, 256000, window=4096),
+    "deepseek-moe-16b": _moe("deepseek-moe-16b", _llama("deepseek-moe-16b", 28, 2048, 16, 16, 10944, 102400, 4096),
+                             experts=64, top_k=6, expert_ffn=1408, shared_ffn=2 * 1408, dense_first=1),
+    "t5-11b": _t5("t5-11b", 24, 24, 1024, 128, 128, 65536, 32128),
+    "llava-llama3-8b": _with_vision("llava-llama3-8b", _llama("llava-llama3-8b", 32, 4096, 32, 8, 14336, 128256,
+                                                              8192), "clip-l14-336"),
     # Tiny models for tests and CPU runs.
     "tiny-gpt": _gpt("tiny-gpt", 4, 128, 4, vocab=512, seq=256),
     "tiny-llama": _llama("tiny-llama", 4, 128, 4, 2, 384, 512, 256),
@@ -291,102 +337,123 @@ _INLINE_KEYS = {
     "vocab": "vocab", "seq": "max_seq_len", "max_seq_len": "max_seq_len", "head_dim": "head_dim",
     "attention": "attention", "dropout": "dropout", "tied": "tied_embeddings",
 }
-_REQUIRED_INLINE = ("layers", "hidden", "heads", "vocab")
+_STACK_KEYS = ("window", "global_every", "experts", "top_k", "expert_ffn", "shared_ffn", "dense_first", "moe_every",
+               "encoder_layers", "decoder_layers", "gated", "vision")
+"""Inline keys that shape a mixed stack: sliding windows (every layer, or all but every global_every-th),
+MoE layers (after dense_first dense ones, every moe_every-th), T5's encoder and decoder layer counts, a
+vision tower by name (`plait.spec.stacks.VISION_TOWERS`)."""
+_FAMILIES = ("gpt", "llama", "t5")
+_INLINE_EXAMPLES = {
+    "gpt": "gpt:layers=32,hidden=4096,heads=32,vocab=32000",
+    "llama": "llama:layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256",
+    "t5": "t5:encoder_layers=24,decoder_layers=24,hidden=1024,heads=128,head_dim=128,ffn=65536,vocab=32128",
+}
+
+
+def _inline_value(text: str, key: str, raw: str) -> object:
+    if key == "attention":
+        if raw not in ("flash", "eager"):
+            raise PlaitError(f"inline model {text!r}: attention must be flash or eager, got {raw!r}")
+        return raw
+    if key == "vision":
+        if raw not in stacks.VISION_TOWERS:
+            raise PlaitError(f"inline model {text!r}: unknown vision tower {raw!r}; use one of "
+                             f"{', '.join(stacks.VISION_TOWERS)}")
+        return raw
+    if key in ("dropout", "tied", "gated"):
+        if raw.lower() not in ("0", "1", "true", "false"):
+            raise PlaitError(f"inline model {text!r}: {key} must be true or false, got {raw!r}")
+        return raw.lower() in ("1", "true")
+    try:
+        return int(raw)
+    except ValueError:
+        raise PlaitError(f"inline model {text!r}: {key} must be an integer, got {raw!r}") from None
 
 
 def parse_inline(text: str) -> ModelSpec:
-    """Parse `gpt:layers=..,hidden=..,heads=..,vocab=..` or `llama:...,kv_heads=..,ffn=..`."""
+    """Parse `gpt:layers=..,hidden=..,heads=..,vocab=..`, `llama:...,kv_heads=..,ffn=..` or
+    `t5:encoder_layers=..,decoder_layers=..,...`; `_STACK_KEYS` make mixed stacks, e.g.
+    `llama:...,window=4096,global_every=2` (Gemma-2's alternation) or `llama:...,experts=64,top_k=6,
+    expert_ffn=1408,dense_first=1`."""
     family, _, body = text.partition(":")
-    if family not in ("gpt", "llama"):
-        raise PlaitError(f"inline model {text!r} must start with 'gpt:' or 'llama:'")
+    if family not in _FAMILIES:
+        raise PlaitError(f"inline model {text!r} must start with 'gpt:', 'llama:' or 't5:'")
     values: dict[str, object] = {}
     for item in filter(None, (p.strip() for p in body.split(","))):
         key, eq, raw = item.partition("=")
         key = key.strip()
-        if not eq or key not in _INLINE_KEYS:
-            raise PlaitError(
-                f"inline model {text!r}: cannot read {item!r}; use key=value with keys "
-                + ", ".join(sorted(_INLINE_KEYS))
-            )
-        field = _INLINE_KEYS[key]
-        if field in values:
+        if not eq or (key not in _INLINE_KEYS and key not in _STACK_KEYS):
+            raise PlaitError(f"inline model {text!r}: cannot read {item!r}; use key=value with keys "
+                             + ", ".join(sorted([*_INLINE_KEYS, *_STACK_KEYS])))
+        if key in values or _INLINE_KEYS.get(key, key) in values:
             raise PlaitError(f"inline model {text!r} gives {key} twice; give each key once")
-        raw = raw.strip()
-        if field == "attention":
-            if raw not in ("flash", "eager"):
-                raise PlaitError(f"inline model {text!r}: attention must be flash or eager, got {raw!r}")
-            values[field] = raw
-        elif field in ("dropout", "tied_embeddings"):
-            if raw.lower() not in ("0", "1", "true", "false"):
-                raise PlaitError(f"inline model {text!r}: {key} must be true or false, got {raw!r}")
-            values[field] = raw.lower() in ("1", "true")
-        else:
-            try:
-                values[field] = int(raw)
-            except ValueError:
-                raise PlaitError(f"inline model {text!r}: {key} must be an integer, got {raw!r}") from None
-    missing = [k for k in _REQUIRED_INLINE if k not in values]
+        values[_INLINE_KEYS.get(key, key)] = _inline_value(text, key, raw.strip())
+    if family == "t5":
+        values.setdefault("layers", int(values.get("encoder_layers", 0)) + int(values.get("decoder_layers", 0)))
+    missing = [k for k in ("layers", "hidden", "heads", "vocab") if not values.get(k)]
+    if family == "t5":
+        missing = [k for k in ("encoder_layers", "decoder_layers") if not values.get(k)] + missing[1:]
     if missing:
-        raise PlaitError(f"inline model {text!r} lacks {', '.join(missing)}; give e.g. "
-                         f"{family}:layers=32,hidden=4096,heads=32,vocab=32000")
-    name = text
+        raise PlaitError(f"inline model {text!r} lacks {', '.join(missing)}; give e.g. {_INLINE_EXAMPLES[family]}")
+    shape = {k: values.pop(k) for k in _STACK_KEYS if k in values}
     if family == "gpt":
-        return ModelSpec(name=name, family="gpt", **values)  # type: ignore[arg-type]
-    base = {"max_seq_len": 4096, **values}
-    hidden = base.pop("hidden")
-    return replace(_llama(name, base.pop("layers"), hidden, base.pop("heads"),  # type: ignore[arg-type]
-                          base.pop("kv_heads", 0), base.pop("ffn", 0) or llama_ffn(hidden),  # type: ignore[arg-type]
-                          base.pop("vocab"), base.pop("max_seq_len")), **base)  # type: ignore[arg-type]
+        model = ModelSpec(name=text, family="gpt", **values)  # type: ignore[arg-type]
+    elif family == "t5":
+        model = _t5(text, int(shape.pop("encoder_layers")), int(shape.pop("decoder_layers")),  # type: ignore[call-overload]
+                    int(values["hidden"]), int(values["heads"]), int(values.get("head_dim", 0)),  # type: ignore[call-overload]
+                    int(values.get("ffn", 0)) or 4 * int(values["hidden"]), int(values["vocab"]),  # type: ignore[call-overload]
+                    gated=bool(shape.pop("gated", False)), tied=bool(values.get("tied_embeddings", True)),
+                    seq=int(values.get("max_seq_len", 512)))  # type: ignore[call-overload]
+    else:
+        base = {"max_seq_len": 4096, **values}
+        hidden = base.pop("hidden")
+        model = replace(_llama(text, base.pop("layers"), hidden, base.pop("heads"),  # type: ignore[arg-type]
+                               base.pop("kv_heads", 0), base.pop("ffn", 0) or llama_ffn(hidden),  # type: ignore[arg-type]
+                               base.pop("vocab"), base.pop("max_seq_len")), **base)  # type: ignore[arg-type]
+    return _shape_stack(text, model, shape)
 
 
-_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+def _shape_stack(text: str, model: ModelSpec, shape: dict[str, object]) -> ModelSpec:
+    """`model` with the mixed-stack keys of an inline spec applied (see `_STACK_KEYS`)."""
+    stack = model.stack
+    if "window" in shape:
+        window = int(shape.pop("window"))  # type: ignore[call-overload]
+        every = int(shape.pop("global_every", 0))  # type: ignore[call-overload]
+        stack = tuple(b.with_(window=window if not (every and (i + 1) % every == 0) else 0)
+                      if b.has_attention else b for i, b in enumerate(stack))
+    moe_keys = ("experts", "top_k", "expert_ffn", "shared_ffn", "dense_first", "moe_every")
+    if any(k in shape for k in moe_keys):
+        if model.family == "t5":
+            raise PlaitError(f"inline model {text!r}: MoE keys apply to gpt and llama stacks only")
+        missing = [k for k in ("experts", "top_k", "expert_ffn") if k not in shape]
+        if missing:
+            raise PlaitError(f"inline model {text!r}: MoE layers need {', '.join(missing)} too; give e.g. "
+                             "experts=64,top_k=6,expert_ffn=1408")
+        moe = {k: int(shape.pop(k)) for k in moe_keys if k in shape}  # type: ignore[call-overload]
+        moe["every"] = moe.pop("moe_every", 1)
+        mixed = stacks.moe_layers(model.block, model.layers, **moe)
+        stack = tuple(m if m.kind == "moe" else b for m, b in zip(mixed, stack, strict=True))
+    if "vision" in shape:
+        stack = stacks.vision_stack(stacks.VISION_TOWERS[str(shape.pop("vision"))], model.hidden) + stack
+        model = replace(model, family="llava")
+    if shape:
+        raise PlaitError(f"inline model {text!r}: {', '.join(shape)} needs "
+                         + ("window" if "global_every" in shape else "encoder_layers and decoder_layers (t5:)"))
+    return replace(model, stack=stack) if stack != model.stack else model
 
 
 def from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
-    """ModelSpec from a Hugging Face `config.json` (Llama, Mistral, Qwen2 or GPT-2 field names)."""
-    model_type = str(config.get("model_type", "")).lower()
+    """ModelSpec from a Hugging Face `config.json` (`plait.spec.hf_config`)."""
+    from plait.spec.hf_config import from_hf_config as read
 
-    def need(*keys: str) -> int:
-        for key in keys:
-            if config.get(key) is not None:
-                return int(config[key])
-        raise PlaitError(f"config.json of {name!r} has no {keys[0]!r}; is it a decoder-only LM config?")
-
-    if model_type == "gpt2" or "n_embd" in config:
-        hidden = need("n_embd", "hidden_size")
-        return ModelSpec(
-            name=name, family="gpt", layers=need("n_layer", "num_hidden_layers"), hidden=hidden,
-            heads=need("n_head", "num_attention_heads"), vocab=need("vocab_size"),
-            ffn=int(config.get("n_inner") or 4 * hidden), max_seq_len=need("n_positions", "n_ctx"),
-            tied_embeddings=bool(config.get("tie_word_embeddings", True)),
-        )
-    if config.get("num_local_experts") or config.get("num_experts"):
-        raise PlaitError(f"config.json of {name!r} describes a mixture-of-experts model; experts are not modelled "
-                         "yet: give a dense Llama, Mistral, Qwen2 or GPT-2 config")
-    if model_type and model_type not in _HF_LLAMA_TYPES:
-        raise PlaitError(
-            f"config.json of {name!r} has model_type {model_type!r}; supported: gpt2, "
-            + ", ".join(_HF_LLAMA_TYPES)
-        )
-    heads = need("num_attention_heads")
-    hidden = need("hidden_size")
-    return ModelSpec(
-        name=name, family="llama", layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
-        kv_heads=int(config.get("num_key_value_heads") or heads), ffn=need("intermediate_size"),
-        vocab=need("vocab_size"), head_dim=int(config.get("head_dim") or 0),
-        max_seq_len=int(config.get("max_position_embeddings") or 4096), gated_mlp=True, norm="rmsnorm",
-        bias=False, qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-        out_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)),
-        dropout=False, tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        learned_positions=False,
-    )
+    return read(config, name)
 
 
 def load_model(ref: str) -> ModelSpec:
     """A ModelSpec from a preset name, a path to a Hugging Face config.json, or an inline spec."""
     if ref in PRESETS:
         return PRESETS[ref]
-    if ref.startswith(("gpt:", "llama:")):
+    if ref.startswith(tuple(f"{f}:" for f in _FAMILIES)):
         return parse_inline(ref)
     path = Path(ref)
     if path.is_dir():

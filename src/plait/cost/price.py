@@ -1,0 +1,158 @@
+"""The one place that prices: a layer (or the embedding, or the head) under a strategy on its ranks.
+
+`price(block, strategy, ctx)` gives the seconds of one micro-batch on one device by cause, the bytes the
+device holds for it (model states after ZeRO, saved activations, transients, gather buffers) and the
+once-per-step gradient synchronisation; `price_edge` does the same for the embedding and the head;
+`usable_memory` is what a device can give its model. The simulator, the search engine, the straggler
+planner and the variable-length planner all price through these functions and compute no term of their own.
+`BlockContext` (cost/layer.py) carries the run: model, cluster, calibration, precision, sequence length,
+sequences per micro-batch and the shapes of the tensor, context and data-parallel groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+from plait.cost import comm
+from plait.cost.calibration import Calibration
+from plait.cost.compute import elementwise_time
+from plait.cost.head import EdgeTime, embedding_time, head_activation_bytes, head_time
+from plait.cost.layer import BlockContext, BlockTime, block_activation_bytes, block_time, runtime_kinds
+from plait.cost.memory import FRAGMENTATION_FRACTION, GRAD_BUCKET_BYTES, context_bytes, model_state_bytes
+from plait.plan import Strategy
+from plait.spec.layers import Block
+
+Edge = Literal["embedding", "head"]
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer (or edge) under one strategy, one micro-batch on one device. Seconds and bytes."""
+
+    time: BlockTime
+    params: float  # parameters this device holds before ZeRO sharding (its tensor-parallel shard)
+    weights: float  # bytes after ZeRO over the data-parallel group
+    gradients: float
+    optimizer: float
+    activation: float  # bytes kept for backward per micro-batch in flight
+    working: float  # transient bytes: a recomputed layer's full activations, the loss's logits
+    buffers: float  # ZeRO-3 keeps the current and the prefetched layer unsharded
+    grad_reduce: float  # seconds per step reducing gradients before the optimizer (whole, not overlapped)
+    param_gather: float  # seconds per step gathering ZeRO-1/2 parameters after the optimizer
+
+    @property
+    def states(self) -> float:
+        """Bytes of weights, gradients and optimizer state."""
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def micro_batch_s(self) -> float:
+        """Seconds of forward and backward with exposed communication, one micro-batch."""
+        return self.time.forward_total + self.time.backward_total
+
+    def exposed_sync(self, overlap_efficiency: float) -> float:
+        """Seconds per step of gradient synchronisation left after overlapping the reduction with this
+        layer's backward (the search's estimate; the simulator overlaps with the whole stage)."""
+        return max(0.0, self.grad_reduce - self.time.backward * overlap_efficiency) + self.param_gather
+
+
+def _states_and_sync(params: float, s: Strategy, ctx: BlockContext) -> tuple[float, float, float, float, float]:
+    """(weights, gradients, optimizer bytes, reduce seconds, gather seconds) of `params` shared by
+    `ctx.dp_group`."""
+    replicas = ctx.dp_group.size
+    w, g, o = model_state_bytes(params, replicas, s.zero, ctx.prec)
+    reduce_t, gather_t = comm.gradient_sync(params, s.zero, ctx.dp_group, ctx.prec.grad, ctx.prec.param,
+                                            ctx.cluster, ctx.cal)
+    return w, g, o, reduce_t, gather_t
+
+
+@lru_cache(maxsize=16384)
+def price(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
+    """Time and memory terms of `block` under `s` in the run `ctx` (see LayerCost)."""
+    params = block.params / s.tp
+    w, g, o, reduce_t, gather_t = _states_and_sync(params, s, ctx)
+    working = block_activation_bytes(block, s, ctx, "none") if s.recompute != "none" else 0.0
+    gathered = 2 * params * (ctx.prec.param + ctx.prec.grad) if s.zero == 3 and ctx.dp_group.size > 1 else 0.0
+    return LayerCost(time=block_time(block, s, ctx), params=params, weights=w, gradients=g, optimizer=o,
+                     activation=block_activation_bytes(block, s, ctx), working=working, buffers=gathered,
+                     grad_reduce=reduce_t, param_gather=gather_t)
+
+
+def edge_params(edge: Edge, ctx: BlockContext, pipelined: bool) -> float:
+    """Parameters of the embedding or the head (a head tied to an embedding on another stage keeps a copy)."""
+    m = ctx.model
+    if edge == "embedding":
+        return m.embedding_params
+    return m.head_params + (m.vocab * m.hidden if m.tied_embeddings and pipelined else 0)
+
+
+@lru_cache(maxsize=4096)
+def price_edge(edge: Edge, s: Strategy, ctx: BlockContext, pipelined: bool = False) -> LayerCost:
+    """The embedding (first stage) or the head with its loss (last stage) under `s`; `pipelined`: the head
+    is on another stage than a tied embedding."""
+    et: EdgeTime = embedding_time(s, ctx) if edge == "embedding" else head_time(s, ctx)
+    time = BlockTime(forward=et.forward, backward=et.backward, recompute=0.0, tp_comm=et.tp_comm, cp_comm=0.0,
+                     zero_comm=0.0, forward_comm=et.tp_comm / 2)
+    params = edge_params(edge, ctx, pipelined) / s.tp
+    w, g, o, reduce_t, gather_t = _states_and_sync(params, s, ctx)
+    working = head_activation_bytes(s, ctx) if edge == "head" else 0.0
+    return LayerCost(time=time, params=params, weights=w, gradients=g, optimizer=o, activation=0.0,
+                     working=working, buffers=0.0, grad_reduce=reduce_t, param_gather=gather_t)
+
+
+def usable_memory(capacity: float, cal: Calibration, bucketed: bool = True) -> float:
+    """Bytes of a device of `capacity` bytes that its model can use: less the context (or profiled
+    process) and the allocator's fragmentation, and the data-parallel gradient buckets when `bucketed`."""
+    usable = (capacity - context_bytes(cal)) / (1 + FRAGMENTATION_FRACTION)
+    return usable - (2 * GRAD_BUCKET_BYTES if bucketed else 0.0)
+
+
+def recompute_flops_per_token(block: Block, recompute: str, seq_len: int) -> float:
+    """Forward FLOPs repeated per token of the sequence by recomputing `block` (full: the whole layer,
+    selective: the attention cores), for a run of `seq_len` tokens per sequence."""
+    per_own_token = {"full": block.flops_per_token(seq_len),
+                     "selective": block.attention_flops_per_token(seq_len)}.get(recompute, 0.0)
+    return per_own_token * block.seq(seq_len) / seq_len
+
+
+def tied_embedding_sync(ctx: BlockContext) -> float:
+    """Seconds per step summing the gradients of an embedding and the head tied to it on another stage
+    (Megatron's embedding group: an all-reduce between the two stages' devices)."""
+    m = ctx.model
+    return comm.all_reduce(m.vocab * m.hidden * ctx.prec.grad, comm.GroupShape(2, 2, 1), ctx.cluster, ctx.cal)
+
+
+@dataclass(frozen=True)
+class Held:
+    """Parameters a device updates in its optimizer step: a priced layer, how many of it, its strategy and
+    how many replicas share it."""
+
+    cost: LayerCost
+    count: int
+    strategy: Strategy
+    replicas: int
+
+    @property
+    def local_params(self) -> float:
+        """Parameters this device's optimizer updates (its ZeRO shard)."""
+        return self.count * self.cost.params / (self.replicas if self.strategy.zero >= 1 else 1)
+
+
+def optimizer_time(held: list[Held], ctx: BlockContext) -> float:
+    """Seconds of one optimizer step over a device's parameters: AdamW's memory traffic, or the profiled step
+    (clipping, AdamW, zeroing) at the per-parameter rate of each layout (DTensor shards cost more per
+    parameter than plain tensors) plus the largest fixed part."""
+    measured, name = ctx.cal.measured, ctx.model.name
+    if measured is None or measured.optimizer_curve(name) is None:
+        local = sum(h.local_params for h in held)
+        return elementwise_time(local * ctx.prec.optimizer_traffic, ctx.cluster.gpu, ctx.cal, kernels=4)
+    per_param = fixed = 0.0
+    for h in held:
+        s, replicas = h.strategy, h.replicas
+        kinds = runtime_kinds(s, replicas) or ([("zero", "zero3", replicas)] if s.zero and replicas > 1 else [])
+        curve, stretch = measured.optimizer_curve(name, *(kinds[0][1:] if kinds else ("none", 1)))
+        per_param += stretch * curve.per_param_s * h.local_params
+        fixed = max(fixed, stretch * curve.intercept_s)
+    return per_param + fixed

@@ -1,0 +1,343 @@
+"""Layer kinds: what one layer of a model is, by shape alone.
+
+A model is an ordered sequence of layers (`ModelSpec.stack`), each a `Block` of a named kind:
+
+    decoder        causal self-attention + MLP (GPT, Llama, Mistral, Gemma-2; `window` > 0 for local layers)
+    moe            causal self-attention + router + experts (+ shared experts), top-k routing
+    encoder        bidirectional self-attention + MLP (T5's encoder, BERT)
+    cross_decoder  causal self-attention + cross-attention to an encoder's output + MLP (T5's decoder)
+    vision         bidirectional self-attention + MLP over image patches (ViT, CLIP, SigLIP towers)
+    patch_embed    an image cut into patches and projected to the tower's width (+ class token, positions)
+    projector      an MLP from the vision tower's width to the language model's (LLaVA)
+
+Everything the cost model needs of a layer is derived here: its token-wise GEMMs, parameters, forward
+FLOPs per token (the attention term depends on the sequence and the window), the bytes it keeps for
+backward per token by recompute mode (Korthikanti et al. 2022, Table 2, generalised) and the elements its
+collectives move. Counts are elements; sizes are in tokens; FLOPs count a multiply-add as 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Literal
+
+from plait.errors import PlaitError
+
+Kind = Literal["decoder", "moe", "encoder", "cross_decoder", "vision", "patch_embed", "projector"]
+KINDS: tuple[str, ...] = ("decoder", "moe", "encoder", "cross_decoder", "vision", "patch_embed", "projector")
+Recompute = Literal["none", "selective", "full"]
+Attention = Literal["flash", "eager"]
+Norm = Literal["layernorm", "rmsnorm"]
+
+MASK_BYTES = 1
+"""Bytes per element of a dropout mask (Megatron stores uint8 masks; Korthikanti Table 2)."""
+LSE_BYTES = 4
+"""Bytes per (token, head) of the fp32 log-sum-exp a flash-attention kernel saves for backward."""
+ROUTER_BYTES = 4
+"""Bytes per (token, expert) of the fp32 router logits and probabilities an MoE layer keeps for backward."""
+IMAGE_CHANNELS = 3
+"""Input channels of an image (RGB)."""
+
+ATTENTION_KINDS = ("decoder", "moe", "encoder", "cross_decoder", "vision")
+"""Kinds with self-attention (heads, tensor and context parallelism over heads apply)."""
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One token-wise linear layer: y[tokens, n] = x[tokens, k] @ W[k, n], `count` times (experts).
+
+    `split` says how tensor parallelism divides it: "col" splits n (Megatron ColumnParallelLinear),
+    "row" splits k (RowParallelLinear). `rows` says which tokens it runs on: "self" the layer's own,
+    "memory" the encoder output a cross-attention reads, "routed" the layer's tokens times top-k (each
+    token goes through k experts). `count` is how many such matrices exist (experts hold one each).
+    """
+
+    name: str
+    k: int
+    n: int
+    split: Literal["col", "row"]
+    rows: Literal["self", "memory", "routed"] = "self"
+    count: int = 1
+
+    @property
+    def params(self) -> int:
+        return self.k * self.n * self.count
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes saved for backward by one layer, per token, at 16-bit activations.
+
+    `replicated` is stored whole on every tensor-parallel rank unless sequence parallelism shards it;
+    `sharded` is divided by the tensor-parallel degree; `quadratic_per_seq_token` is multiplied by the
+    number of keys each query sees (the s^2 attention scores of eager attention) and divided by the TP
+    degree; `masks` are 1-byte dropout masks that stay 1 byte whatever the activation dtype.
+    """
+
+    replicated: float
+    sharded: float
+    quadratic_per_seq_token: float
+    replicated_masks: float
+    sharded_quadratic_masks: float
+
+
+@dataclass(frozen=True)
+class Block:
+    """Shape of one layer. Widths in elements; `tokens` and `memory_tokens` per sample (0: the run's
+    sequence length); `window` in tokens (0: every earlier token)."""
+
+    kind: Kind = "decoder"
+    hidden: int = 0
+    heads: int = 0
+    kv_heads: int = 0  # 0 = same as heads
+    head_dim: int = 0  # 0 = hidden // heads
+    ffn: int = 0  # MLP width (dense layers; shared experts' total width in moe layers); 0 = 4 * hidden
+    gated_mlp: bool = False  # SwiGLU/GeGLU: three matrices (gate, up, down)
+    norm: Norm = "layernorm"
+    norms: int = 2  # hidden-size norms in the layer (Gemma-2 has 4; a cross decoder 3)
+    bias: bool = True  # biases on every linear (GPT, CLIP) or not (Llama, T5)
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    dropout: bool = True
+    attention: Attention = "flash"
+    rope: bool = False  # rotary positions applied to q and k inside the layer
+    window: int = 0
+    tokens: int = 0
+    memory_tokens: int = 0
+    experts: int = 0  # routed experts (moe)
+    top_k: int = 0  # experts per token (moe)
+    expert_ffn: int = 0  # one routed expert's MLP width (moe)
+    in_dim: int = 0  # input width of patch_embed (channels x patch^2) and projector (the tower's hidden)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise PlaitError(f"layer kind {self.kind!r} is unknown; use one of {', '.join(KINDS)}")
+        if self.has_attention:
+            if not self.kv_heads:
+                object.__setattr__(self, "kv_heads", self.heads)
+            if not self.head_dim:
+                if self.heads <= 0 or self.hidden % self.heads:
+                    raise PlaitError(f"{self.kind} layer: hidden={self.hidden} is not divisible by heads="
+                                     f"{self.heads}; pick heads that divide hidden or give head_dim explicitly")
+                object.__setattr__(self, "head_dim", self.hidden // self.heads)
+            for f in ("heads", "kv_heads", "head_dim"):
+                if getattr(self, f) <= 0:
+                    raise PlaitError(f"{self.kind} layer: {f} must be a positive integer, got {getattr(self, f)}")
+            if self.heads % self.kv_heads:
+                raise PlaitError(f"{self.kind} layer: heads={self.heads} is not a multiple of kv_heads="
+                                 f"{self.kv_heads}; grouped-query attention needs kv_heads to divide heads")
+        if not self.ffn and self.kind not in ("patch_embed", "moe"):
+            object.__setattr__(self, "ffn", 4 * self.hidden)
+        if self.hidden <= 0:
+            raise PlaitError(f"{self.kind} layer: hidden must be a positive integer, got {self.hidden}")
+        if self.kind == "moe" and (self.experts <= 0 or not 0 < self.top_k <= self.experts or self.expert_ffn <= 0):
+            raise PlaitError(f"moe layer: needs experts > 0, 0 < top_k <= experts and expert_ffn > 0 (got experts="
+                             f"{self.experts}, top_k={self.top_k}, expert_ffn={self.expert_ffn})")
+        if self.kind in ("patch_embed", "projector") and self.in_dim <= 0:
+            raise PlaitError(f"{self.kind} layer: in_dim (input width) must be a positive integer")
+        for f in ("window", "tokens", "memory_tokens"):
+            if getattr(self, f) < 0:
+                raise PlaitError(f"{self.kind} layer: {f} must be >= 0, got {getattr(self, f)}")
+
+    # ---- shape -----------------------------------------------------------------------------
+    @property
+    def has_attention(self) -> bool:
+        return self.kind in ATTENTION_KINDS
+
+    @property
+    def causal(self) -> bool:
+        return self.kind in ("decoder", "moe", "cross_decoder")
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection (heads x head_dim)."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of each of the key and value projections (kv_heads x head_dim)."""
+        return self.kv_heads * self.head_dim
+
+    def seq(self, seq_len: int) -> int:
+        """Tokens per sample this layer runs on, for a run of `seq_len` tokens per sequence."""
+        return self.tokens or seq_len
+
+    def memory_seq(self, seq_len: int) -> int:
+        """Encoder tokens per sample a cross-attention reads."""
+        return self.memory_tokens or seq_len
+
+    def keys(self, seq_len: int) -> int:
+        """Keys each query attends to as counted for FLOPs (the full s x s matrix, as Megatron counts,
+        capped by a sliding window)."""
+        s = self.seq(seq_len)
+        return min(s, self.window) if self.window else s
+
+    @cached_property
+    def gemms(self) -> tuple[Gemm, ...]:
+        """The linear layers of the layer, in execution order."""
+        h = self.hidden
+        if self.kind == "patch_embed":
+            return (Gemm("patch", self.in_dim, h, "col"),)
+        if self.kind == "projector":
+            return (Gemm("proj_up", self.in_dim, self.ffn, "col"), Gemm("proj_down", self.ffn, h, "row"))
+        out: list[Gemm] = [Gemm("qkv", h, self.q_dim + 2 * self.kv_dim, "col"), Gemm("attn_out", self.q_dim, h, "row")]
+        if self.kind == "cross_decoder":
+            out += [Gemm("cross_q", h, self.q_dim, "col"), Gemm("cross_kv", h, 2 * self.kv_dim, "col", rows="memory"),
+                    Gemm("cross_out", self.q_dim, h, "row")]
+        up = 2 if self.gated_mlp else 1
+        if self.kind == "moe":
+            out.append(Gemm("router", h, self.experts, "col"))  # replicated in practice; tiny
+            out += [Gemm("expert_up", h, up * self.expert_ffn, "col", rows="routed", count=self.experts),
+                    Gemm("expert_down", self.expert_ffn, h, "row", rows="routed", count=self.experts)]
+            if self.ffn:  # shared experts, always active
+                out += [Gemm("shared_up", h, up * self.ffn, "col"), Gemm("shared_down", self.ffn, h, "row")]
+            return tuple(out)
+        return (*out, Gemm("mlp_up", h, up * self.ffn, "col"), Gemm("mlp_down", self.ffn, h, "row"))
+
+    # ---- parameters -----------------------------------------------------------------------
+    @cached_property
+    def params(self) -> int:
+        """Parameters of the layer (weights, biases, norms; every expert)."""
+        weights = sum(g.params for g in self.gemms)
+        norm_params = (2 if self.norm == "layernorm" else 1) * self.hidden * self.norms
+        if self.kind == "patch_embed":  # patch projection (+ bias), position table (class token aside), norms
+            return weights + self.hidden * self.bias + self.seq(0) * self.hidden + norm_params
+        biases = 0
+        for g in self.gemms:
+            if g.name in ("qkv", "cross_q", "cross_kv"):
+                biases += g.n * g.count * (self.bias or self.qkv_bias)
+            elif g.name in ("attn_out", "cross_out"):
+                biases += g.n * g.count * (self.bias or self.out_bias)
+            elif g.name != "router":
+                biases += g.n * g.count * (self.bias or self.mlp_bias)
+        return weights + norm_params + biases
+
+    @cached_property
+    def active_params(self) -> int:
+        """Parameters one token goes through (a moe layer's top-k experts, not all of them)."""
+        if self.kind != "moe":
+            return self.params
+        bias = self.bias or self.mlp_bias
+        routed = sum(g.params + g.n * g.count * bias for g in self.gemms if g.rows == "routed")
+        return self.params - routed * (self.experts - self.top_k) // self.experts
+
+    # ---- FLOPs ----------------------------------------------------------------------------
+    def gemm_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs of the layer's linear layers per token of its own (cross-attention's K/V
+        projections of the encoder output counted per decoder token)."""
+        s = self.seq(seq_len)
+        total = 0.0
+        for g in self.gemms:
+            rows = {"self": 1.0, "memory": self.memory_seq(seq_len) / s, "routed": self.top_k / self.experts
+                    if self.experts else 0.0}[g.rows]
+            total += 2 * g.k * g.n * g.count * rows
+        return total
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token of the attention cores (QK^T and AV) over the keys each query sees."""
+        if not self.has_attention:
+            return 0.0
+        flops = 2 * 2 * self.keys(seq_len) * self.q_dim
+        if self.kind == "cross_decoder":
+            flops += 2 * 2 * self.memory_seq(seq_len) * self.q_dim
+        return flops
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token of the layer."""
+        return self.gemm_flops_per_token(seq_len) + self.attention_flops_per_token(seq_len)
+
+    # ---- activations ----------------------------------------------------------------------
+    def activation_bytes(self, recompute: Recompute) -> ActivationBytes:
+        """Bytes saved for backward per token of the layer, 16-bit activations (see ActivationBytes).
+
+        With eager attention, dropout, LayerNorm and a 4h GeLU MLP a decoder layer reproduces Korthikanti
+        et al. 2022, Table 2: s*b*h*(34 + 5*a*s/h) with no parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t))
+        with tensor parallelism, and 2*s*b*h under full recomputation.
+        """
+        h = self.hidden
+        if recompute == "full":  # only the layer input survives (sharded by sequence parallelism)
+            return ActivationBytes(2 * (self.in_dim if self.kind == "projector" else h), 0, 0, 0, 0)
+        if self.kind == "patch_embed":  # the patch pixels into the projection
+            return ActivationBytes(2 * self.in_dim, 0, 0, 0, 0)
+        if self.kind == "projector":  # input, hidden pre- and post-activation
+            return ActivationBytes(2 * self.in_dim, 2 * 2 * self.ffn, 0, 0, 0)
+        drop_masks = 2 * h * MASK_BYTES if self.dropout else 0  # after attention and after the MLP
+        replicated = 2 * h + 2 * h + 2 * h + 2 * h  # norm1 in, qkv in, norm2 in, MLP in
+        q_k = 2 * self.q_dim + 2 * self.kv_dim
+        v = 2 * self.kv_dim
+        proj_in = 2 * self.q_dim
+        mlp_width = 3 if self.gated_mlp else 2  # SwiGLU: gate, up, product; GeLU: in, out
+        mlp = mlp_width * 2 * self.ffn  # a moe layer's ffn is its shared experts' width
+        sharded = q_k + v + proj_in + mlp
+        if self.kind == "moe":  # routed tokens' expert inputs and MLP activations, router probabilities
+            replicated += self.top_k * 2 * h + ROUTER_BYTES * self.experts
+            sharded += self.top_k * mlp_width * 2 * self.expert_ffn
+        if self.kind == "cross_decoder":  # norm + query in, scores' q and output, encoder K/V per token
+            replicated += 2 * h + 2 * h
+            sharded += 2 * self.q_dim + 2 * self.q_dim + 2 * 2 * self.kv_dim
+            if self.dropout:
+                drop_masks += h * MASK_BYTES
+        quadratic = 0.0
+        quad_masks = 0.0
+        heads = self.heads * (2 if self.kind == "cross_decoder" else 1)
+        if self.attention == "eager" and recompute == "none":
+            quadratic = 2 * heads  # softmax output, per token per score column
+            if self.dropout:
+                quadratic += 2 * heads  # attention-dropout output
+                quad_masks = heads * MASK_BYTES
+        elif self.attention == "flash":
+            sharded += LSE_BYTES * heads
+        return ActivationBytes(replicated, sharded, quadratic, drop_masks, quad_masks)
+
+    # ---- communication volumes (elements per token) ---------------------------------------
+    @property
+    def tp_comm_elements_per_token(self) -> int:
+        """Elements per token of each tensor-parallel collective (2 per pass in a plain layer; a cross
+        decoder has a third row-parallel output, counted in `tp_collectives`)."""
+        return self.hidden
+
+    @property
+    def tp_collectives(self) -> int:
+        """Tensor-parallel collectives of the hidden state per pass (one per row-parallel output)."""
+        return sum(1 for g in self.gemms if g.split == "row")
+
+    @property
+    def ulysses_elements_per_token(self) -> int:
+        """Elements per token that Ulysses all-to-alls move per forward (q, k, v in; output back)."""
+        return self.q_dim + 2 * self.kv_dim + self.q_dim
+
+    @property
+    def ring_kv_elements_per_token(self) -> int:
+        """Elements per token of the K and V blocks that ring attention passes around."""
+        return 2 * self.kv_dim
+
+    def tp_divides(self, tp: int) -> str | None:
+        """Why tensor parallelism of degree `tp` cannot split this layer (None when it can)."""
+        if self.has_attention and (self.heads % tp or self.kv_heads % tp):
+            return f"tp={tp} does not divide heads={self.heads} and kv_heads={self.kv_heads}"
+        for g in self.gemms:
+            width = g.n if g.split == "col" else g.k
+            if g.name != "router" and width % tp:
+                return f"tp={tp} does not divide the {g.name} width {width}"
+        return None
+
+    def with_(self, **changes: object) -> Block:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        """Short text such as `decoder h4096 a32/8 ffn14336 w4096`."""
+        if self.kind in ("patch_embed", "projector"):
+            return f"{self.kind} {self.in_dim}->{self.hidden}"
+        text = f"{self.kind} h{self.hidden} a{self.heads}"
+        if self.kv_heads != self.heads:
+            text += f"/{self.kv_heads}"
+        text += f" ffn{self.ffn}"
+        if self.kind == "moe":
+            text += f" e{self.experts}x{self.expert_ffn} top{self.top_k}"
+        if self.window:
+            text += f" w{self.window}"
+        if self.tokens:
+            text += f" t{self.tokens}"
+        return text
