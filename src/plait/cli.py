@@ -188,6 +188,8 @@ def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster)
         if value > 0:
             bd.add_row(key, _fmt_s(value), f"{value / report.iteration_time_s:.1%}")
     out.print(bd)
+    if len(report.by_kind) > 3:  # more than one layer kind besides the embedding and head
+        _print_kinds(report)
     from plait.cost.memory import unit
 
     name, size = unit(max(d.memory.total for d in report.devices))
@@ -206,6 +208,20 @@ def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster)
     if len(report.devices) > 16:
         mem.caption = f"first 16 of {len(report.devices)} device groups"
     out.print(mem)
+
+
+def _print_kinds(report: Report) -> None:
+    """Time and memory of each layer kind (first pipeline)."""
+    table = Table(title="by layer kind (first pipeline; seconds summed over its device groups)",
+                  box=box.SIMPLE_HEAD)
+    for col in ("kind", "layers", "params", "time", "share", "states GiB/dev", "activ GiB/mb/dev"):
+        table.add_column(col, justify="left" if col == "kind" else "right")
+    total = sum(k.seconds for k in report.by_kind.values()) or 1.0
+    for kind, k in report.by_kind.items():
+        table.add_row(kind, str(k.layers), f"{k.params / 1e9:.2f}B" if k.params >= 1e8 else f"{k.params / 1e6:.1f}M",
+                      _fmt_s(k.seconds), f"{k.seconds / total:.1%}", f"{k.states_gib:.2f}",
+                      f"{k.activation_gib_per_micro_batch:.2f}")
+    out.print(table)
 
 
 @app.command(name="simulate")

@@ -8,7 +8,7 @@ backward where the plan allows) and steps its optimizer. The iteration ends when
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from plait.cost import comm
 from plait.cost.calibration import Calibration, calibration_for
@@ -47,6 +47,7 @@ class StageCost:
     activation_bytes: float  # saved by one micro-batch
     working_bytes: float  # transient on top of the saved activations (recompute, logits)
     priced: list[tuple[LayerCost, int, Strategy, int]]  # (price, count, strategy, first layer) of each run and edge
+    kinds: list[str]  # the layer kind (or "embedding", "head") of each entry of `priced`
     buffer_bytes: float
 
 
@@ -61,6 +62,20 @@ class DeviceGroup:
     memory: MemoryTerms
     end_s: float  # when this group finishes the iteration
     parts: dict[str, float]  # breakdown of end_s
+
+
+@dataclass(frozen=True)
+class KindSummary:
+    """One layer kind (or the embedding or head) of the first pipeline: how many layers, their parameters,
+    the seconds its device groups spend on them per iteration (forward, backward, recompute and exposed
+    communication, every micro-batch), the largest model states and saved activations per micro-batch that
+    one device holds of them (GiB)."""
+
+    layers: int
+    params: float
+    seconds: float
+    states_gib: float
+    activation_gib_per_micro_batch: float
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,7 @@ class Report:
     breakdown: dict[str, float]
     devices: tuple[DeviceGroup, ...] = field(repr=False)
     pipelines: tuple[PipelineResult, ...] = field(repr=False)
+    by_kind: dict[str, KindSummary] = field(default_factory=dict, repr=False)
 
     @property
     def over_memory_gib(self) -> float:
@@ -99,6 +115,7 @@ class Report:
             "fits": self.fits,
             "over_memory_gib": self.over_memory_gib,
             "breakdown": self.breakdown,
+            "by_kind": {k: asdict(v) for k, v in self.by_kind.items()},
             "devices": [
                 {"pipeline": d.pipeline, "stage": d.index, "ranks": [d.ranks[0], d.ranks[-1]],
                  "layers": [list(r) for r in d.layers], "end_s": d.end_s,
@@ -151,6 +168,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     fwd = bwd = 0.0
     act = working = 0.0
     priced: list[tuple[LayerCost, int, Strategy, int]] = []
+    kinds: list[str] = []
     buffers = 0.0
     prev = pipe.stages[stage_index - 1].strategies[-1] if stage_index > 0 else None  # what arrives
     stage_group = GroupShape.of(stage.ranks, cluster.gpus_per_node)
@@ -172,6 +190,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         act += count * c.activation
         working = max(working, c.working)
         priced.append((c, count, s, layer))
+        kinds.append(block.kind)
         buffers = max(buffers, c.buffers)
         if prev is not None and Layout.of(prev) != Layout.of(s):
             # Re-layout of the hidden state between differing strategies (or from the previous stage's):
@@ -199,6 +218,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         parts["tp_comm"] += c.time.tp_comm
         working = max(working, c.working)
         priced.append((c, 1, s, layer))
+        kinds.append(edge)
     send = 0.0
     if not last:
         nxt = pipe.stages[stage_index + 1]
@@ -211,7 +231,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     if speed != 1.0:
         fwd, bwd = fwd * speed, bwd * speed
         parts = {k: v * speed for k, v in parts.items()}
-    return StageCost(parts, fwd, bwd, send, act, working, priced, buffers)
+    return StageCost(parts, fwd, bwd, send, act, working, priced, kinds, buffers)
 
 
 def _simulate_pipelines(plan: Plan, all_costs: list[list[StageCost]], record: bool
@@ -325,6 +345,7 @@ def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | 
             memory = _memory(chunk_costs, alive[d], stage, plan, prec, cal)
             layers = tuple(pipe.stages[j].layers for j in range(d, len(costs), pp))
             groups.append(DeviceGroup(pi, d, stage.ranks, layers, memory, end, parts))
+    by_kind = _by_kind(plan, all_costs[0], model)
     critical = max(groups, key=lambda g: g.end_s)
     iteration = critical.end_s
     tokens = plan.global_batch * plan.seq_len
@@ -347,7 +368,31 @@ def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | 
         breakdown={k: critical.parts.get(k, 0.0) for k in BREAKDOWN_KEYS},
         devices=tuple(groups),
         pipelines=tuple(results),
+        by_kind=by_kind,
     )
+
+
+def _by_kind(plan: Plan, costs: list[StageCost], model: ModelSpec) -> dict[str, KindSummary]:
+    """Time and memory of each layer kind of the first pipeline (see KindSummary)."""
+    pipe = plan.pipelines[0]
+    pp = len(pipe.stages) // plan.chunks
+    layers: dict[str, int] = {}
+    params: dict[str, float] = {}
+    for b in model.stack:
+        layers[b.kind] = layers.get(b.kind, 0) + 1
+        params[b.kind] = params.get(b.kind, 0.0) + b.params
+    layers |= {"embedding": 1, "head": 1}
+    params |= {"embedding": float(model.embedding_params), "head": float(model.head_params)}
+    seconds = dict.fromkeys(layers, 0.0)
+    states: dict[str, list[float]] = {k: [0.0] * pp for k in layers}
+    activ: dict[str, list[float]] = {k: [0.0] * pp for k in layers}
+    for j, cost in enumerate(costs):
+        for (c, count, _, _), kind in zip(cost.priced, cost.kinds, strict=True):
+            seconds[kind] += pipe.micro_batches * count * c.micro_batch_s
+            states[kind][j % pp] += count * c.states
+            activ[kind][j % pp] += count * c.activation
+    return {k: KindSummary(layers[k], params[k], seconds[k], max(states[k]) / GIB, max(activ[k]) / GIB)
+            for k in layers}
 
 
 def _recompute_flops(plan: Plan, model: ModelSpec) -> float:

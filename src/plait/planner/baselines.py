@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from plait.cost.calibration import Calibration
 from plait.errors import PlaitError
-from plait.plan import Plan, uniform_plan
+from plait.plan import Plan, Strategy, strategy_problem, uniform_plan
 from plait.planner.space import divisors
 from plait.simulate import Report, simulate
 from plait.spec.cluster import Cluster
@@ -45,6 +45,12 @@ def micro_batch_sizes(global_batch: int, dp: int, limit: int = 64) -> list[int]:
     return [b for b in divisors(per_replica) if b <= limit]
 
 
+def _splits_every_layer(model: ModelSpec, tp: int, sp: bool, seq_len: int) -> bool:
+    """Whether tensor parallelism of degree `tp` (with sequence parallelism `sp`) runs every layer kind."""
+    s = Strategy(tp=tp, sp=sp)
+    return all(strategy_problem(s, b, tp, 1, seq_len) is None for b in model.distinct_blocks)
+
+
 def grid_layouts(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int,
                  kind: str = "megatron-grid") -> Iterator[list[str]]:
     """Groups of uniform layouts (as --strategy text); within a group only the micro-batch size grows, so
@@ -57,7 +63,7 @@ def grid_layouts(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch:
     elif kind == "megatron-grid":
         shapes = [(tp, pp, ("none", "selective", "full"), (0, 1))
                   for tp in divisors(min(n, cluster.gpus_per_node))
-                  if model.heads % tp == 0 and model.kv_heads % tp == 0
+                  if _splits_every_layer(model, tp, False, seq_len)
                   for pp in divisors(n // tp) if pp <= model.layers]
     else:
         raise PlaitError(f"unknown baseline {kind!r}; choose one of {', '.join(BASELINES)}")
@@ -67,7 +73,7 @@ def grid_layouts(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch:
             for zero in zeros:
                 if zero and dp == 1:
                     continue
-                for sp in ((0, 1) if tp > 1 and seq_len % tp == 0 else (0,)):
+                for sp in ((0, 1) if tp > 1 and _splits_every_layer(model, tp, True, seq_len) else (0,)):
                     for vpp in ((1, 2, 4) if pp > 1 else (1,)):
                         if pp * vpp > model.layers:
                             continue

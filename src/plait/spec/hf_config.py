@@ -48,12 +48,12 @@ def from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
             ffn=int(c.get("n_inner") or 4 * hidden), max_seq_len=c.need("n_positions", "n_ctx"),
             tied_embeddings=bool(c.get("tie_word_embeddings", True)),
         )
-    if model_type and model_type not in LLAMA_TYPES:
-        raise PlaitError(f"config.json of {name!r} has model_type {model_type!r}; supported: "
-                         + ", ".join((*TEXT_TYPES, "llava", "llava_next")))
     if config.get("kv_lora_rank") or config.get("q_lora_rank"):
         raise PlaitError(f"config.json of {name!r} uses multi-head latent attention (DeepSeek-V2/V3), which is not "
                          "modelled yet; give a config with standard attention (e.g. DeepSeekMoE 16B)")
+    if model_type and model_type not in LLAMA_TYPES:
+        raise PlaitError(f"config.json of {name!r} has model_type {model_type!r}; supported: "
+                         + ", ".join((*TEXT_TYPES, "llava", "llava_next")))
     return _decoder(_Config(config, name), name, model_type)
 
 
@@ -81,7 +81,7 @@ def _decoder(c: _Config, name: str, model_type: str) -> ModelSpec:
     if moe:
         mixed = _moe_layers(c, block, layers, model_type)
         stack = tuple(m.with_(window=b.window) if m.kind == "moe" else b for m, b in zip(mixed, stack, strict=True))
-    return replace(model, stack=stack) if stack != model.stack else model
+    return replace(model, mixed=stack) if stack != model.stack else model
 
 
 def _local_layers(c: _Config, layers: int, model_type: str) -> tuple[bool, ...] | None:
@@ -143,5 +143,5 @@ def _llava(config: dict, name: str) -> ModelSpec:
                                image=v.need("image_size"), patch=v.need("patch_size"), class_token=not siglip,
                                pre_norm=not siglip)
     keep_class = config.get("vision_feature_select_strategy") == "full"
-    return replace(text, family="llava", stack=stacks.vision_stack(tower, text.hidden, keep_class_token=keep_class)
+    return replace(text, family="llava", mixed=stacks.vision_stack(tower, text.hidden, keep_class_token=keep_class)
                    + text.stack)

@@ -33,8 +33,8 @@ class ModelSpec:
     """A transformer: an embedding, an ordered stack of layers of named kinds, and a head.
 
     The scalar fields describe the trunk (the language model: its embedding, head and default layer).
-    `stack` lists every layer (`plait.spec.layers.Block`); left empty it is `layers` copies of the trunk's
-    decoder layer (`block`), which is what the presets of decoder-only models are. Counts are elements;
+    `stack` lists every layer (`plait.spec.layers.Block`): `mixed` when the layers differ, else `layers`
+    copies of the trunk's decoder layer (`block`), which is what the presets of decoder-only models are. Counts are elements;
     sizes are in tokens.
     """
 
@@ -59,7 +59,7 @@ class ModelSpec:
     learned_positions: bool = True  # GPT: learned position table; Llama: RoPE (no parameters)
     attention: Attention = "flash"
     window: int = 0  # sliding-window attention of the default layer, tokens (0: global; Mistral: 4096)
-    stack: tuple[Block, ...] = ()  # every layer in order; () = `layers` copies of `block`
+    mixed: tuple[Block, ...] = ()  # every layer in order when they differ; () = `layers` copies of `block`
 
     def __post_init__(self) -> None:
         if not self.kv_heads:
@@ -73,8 +73,8 @@ class ModelSpec:
                     "pick heads that divide hidden or give head_dim explicitly"
                 )
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
-        if self.stack:
-            object.__setattr__(self, "layers", len(self.stack))
+        if self.mixed:
+            object.__setattr__(self, "layers", len(self.mixed))
         for f in ("layers", "hidden", "heads", "vocab", "kv_heads", "ffn", "head_dim", "max_seq_len"):
             if getattr(self, f) <= 0:
                 raise PlaitError(f"model {self.name!r}: {f} must be a positive integer, got {getattr(self, f)}")
@@ -83,8 +83,6 @@ class ModelSpec:
                 f"model {self.name!r}: heads={self.heads} is not a multiple of kv_heads={self.kv_heads}; "
                 "grouped-query attention needs kv_heads to divide heads"
             )
-        if not self.stack:
-            object.__setattr__(self, "stack", (self.block,) * self.layers)
 
     def __hash__(self) -> int:  # cached: a model is a key of every cached pricing call
         cached = self.__dict__.get("_hash")
@@ -101,6 +99,11 @@ class ModelSpec:
                      head_dim=self.head_dim, ffn=self.ffn, gated_mlp=self.gated_mlp, norm=self.norm, bias=self.bias,
                      qkv_bias=self.qkv_bias, out_bias=self.out_bias, mlp_bias=self.mlp_bias, dropout=self.dropout,
                      attention=self.attention, rope=not self.learned_positions, window=self.window)
+
+    @cached_property
+    def stack(self) -> tuple[Block, ...]:
+        """Every layer in model order."""
+        return self.mixed or (self.block,) * self.layers
 
     @cached_property
     def uniform(self) -> bool:
@@ -239,7 +242,7 @@ class ModelSpec:
 
     def with_(self, **changes: object) -> ModelSpec:
         """A copy with some fields changed; kv_heads, ffn and head_dim that were derived from the old
-        shape are derived again from the new one unless given, and so is a stack of default layers."""
+        shape are derived again from the new one unless given."""
         derived = {
             "kv_heads": self.kv_heads == self.heads,
             "head_dim": self.head_dim * self.heads == self.hidden,
@@ -250,8 +253,6 @@ class ModelSpec:
                 changes[name] = 0
         if self.gated_mlp and "ffn" not in changes and "hidden" in changes:
             changes["ffn"] = llama_ffn(int(changes["hidden"]))  # type: ignore[call-overload]
-        if self.uniform and "stack" not in changes:
-            changes["stack"] = ()
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -278,12 +279,12 @@ def _gemma2(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head
     """Gemma 2: GeGLU, four norms per layer, tied embeddings, local and global layers alternating."""
     base = replace(_llama(name, layers, hidden, heads, kv_heads, ffn, vocab, 8192), head_dim=head_dim,
                    tied_embeddings=True)
-    return replace(base, stack=stacks.windowed(base.block.with_(norms=4), layers, window, global_every=2))
+    return replace(base, mixed=stacks.windowed(base.block.with_(norms=4), layers, window, global_every=2))
 
 
 def _moe(name: str, dense: ModelSpec, **moe: int) -> ModelSpec:
     """`dense` with MoE layers (see `stacks.moe_layers`)."""
-    return replace(dense, name=name, stack=stacks.moe_layers(dense.block, dense.layers, **moe))
+    return replace(dense, name=name, mixed=stacks.moe_layers(dense.block, dense.layers, **moe))
 
 
 def _t5(name: str, encoder_layers: int, decoder_layers: int, hidden: int, heads: int, head_dim: int, ffn: int,
@@ -293,13 +294,13 @@ def _t5(name: str, encoder_layers: int, decoder_layers: int, hidden: int, heads:
     base = ModelSpec(name=name, family="t5", layers=encoder_layers + decoder_layers, hidden=hidden, heads=heads,
                      head_dim=head_dim, ffn=ffn, vocab=vocab, max_seq_len=seq, gated_mlp=gated, norm="rmsnorm",
                      bias=False, dropout=True, tied_embeddings=tied, learned_positions=False)
-    return replace(base, stack=stacks.encoder_decoder(base.block, encoder_layers, decoder_layers))
+    return replace(base, mixed=stacks.encoder_decoder(base.block, encoder_layers, decoder_layers))
 
 
 def _with_vision(name: str, text: ModelSpec, tower: str) -> ModelSpec:
     """LLaVA: a vision tower and projector in front of the language model `text`."""
     vision = stacks.vision_stack(stacks.VISION_TOWERS[tower], text.hidden)
-    return replace(text, name=name, family="llava", stack=vision + text.stack)
+    return replace(text, name=name, family="llava", mixed=vision + text.stack)
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -439,7 +440,7 @@ def _shape_stack(text: str, model: ModelSpec, shape: dict[str, object]) -> Model
     if shape:
         raise PlaitError(f"inline model {text!r}: {', '.join(shape)} needs "
                          + ("window" if "global_every" in shape else "encoder_layers and decoder_layers (t5:)"))
-    return replace(model, stack=stack) if stack != model.stack else model
+    return replace(model, mixed=stack) if stack != model.stack else model
 
 
 def from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
