@@ -4,6 +4,7 @@ little as possible, and the cost model prices the bytes the runtime moves."""
 from __future__ import annotations
 
 import itertools
+from math import lcm
 
 import pytest
 from hypothesis import given, settings
@@ -70,3 +71,31 @@ def test_every_position_ends_with_exactly_its_piece(n, data) -> None:
 ])
 def test_received_fraction(src, dst, fraction) -> None:
     assert received_fraction(src, dst) == pytest.approx(fraction)
+
+
+def enumerated_fraction(src: Layout, dst: Layout) -> float:
+    """The most any position receives, summed over `exchange`'s blocks (the reference for the closed form)."""
+    batch, tokens = lcm(src.dp, dst.dp), lcm(src.token_parts, dst.token_parts)
+    got = [0] * src.devices
+    for block in exchange(src, dst, batch, tokens):
+        if block.sender != block.receiver:
+            got[block.receiver] += block.cells
+    return max(got) / (batch * tokens)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(st.integers(1, 64), st.sampled_from([12, 16, 24, 32, 36, 48, 60, 64])), st.data())
+def test_received_fraction_equals_the_exchange(n, data) -> None:
+    src = data.draw(st.sampled_from(layouts(n)))
+    dst = data.draw(st.sampled_from(layouts(n)))
+    assert received_fraction(src, dst) == enumerated_fraction(src, dst)
+
+
+def test_received_fraction_equals_the_exchange_for_every_pair_of_24() -> None:
+    for src, dst in itertools.product(layouts(24), repeat=2):
+        assert received_fraction(src, dst) == enumerated_fraction(src, dst), (src, dst)
+
+
+def test_received_fraction_needs_equal_device_counts() -> None:
+    with pytest.raises(ValueError):
+        received_fraction(Layout(dp=2), Layout(dp=4))

@@ -8,14 +8,15 @@ its tensor-parallel part of that chunk; positions that differ in tp alone (witho
 Between consecutive layers (or pipeline stages) whose layouts differ, every position must end with its new
 piece. `exchange` says who sends what: a position keeps what it already holds, and a piece held by several
 replicas is sent by one of them (spread over the receivers). The runtime executes it as one all-to-all;
-the cost model prices the same bytes (`received_fraction`), so planner and runtime agree on the traffic.
+the cost model prices the same bytes (`received_fraction`, computed from the layouts' shapes without
+listing the blocks), so planner and runtime agree on the traffic.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from math import lcm
+from math import gcd, lcm
 
 from plait.plan import Strategy
 
@@ -45,6 +46,11 @@ class Layout:
     def token_parts(self) -> int:
         """Parts the sequence is cut into (context chunks, each cut again by sp)."""
         return self.cp * (self.tp if self.sp else 1)
+
+    @property
+    def copies(self) -> int:
+        """Consecutive positions holding the same piece (the tp ranks of a chunk without sp)."""
+        return 1 if self.sp else self.tp
 
     @property
     def data_degree(self) -> int:
@@ -99,14 +105,35 @@ def exchange(src: Layout, dst: Layout, batch: int, tokens: int) -> tuple[Block, 
     return tuple(blocks)
 
 
+def _kept_cells(src: Layout, dst: Layout, position: int, batch: int, tokens: int) -> int:
+    """Cells of `position`'s `dst` piece it already holds in `src` (a [batch, tokens] activation)."""
+    (sb, st), (db, dt) = src.piece(position, batch, tokens), dst.piece(position, batch, tokens)
+    b, t = _overlap(sb, db), _overlap(st, dt)
+    return 0 if b is None or t is None else (b[1] - b[0]) * (t[1] - t[0])
+
+
+def _distinct_positions(src: Layout, dst: Layout) -> range:
+    """Positions that between them meet every (src piece, dst piece) overlap a position can have.
+
+    Pieces change only every `copies` positions, so both are constant on runs of gcd(copies) positions.
+    Shifting a position by devices / gcd(src.dp, dst.dp) moves both its src and dst pieces by the same
+    batch offset and keeps their token ranges, so one such period suffices: lcm(src.dp * src.token_parts,
+    dst.dp * dst.token_parts) / gcd(src.dp, dst.dp) positions, never all pairs of devices."""
+    return range(0, src.devices // gcd(src.dp, dst.dp), gcd(src.copies, dst.copies))
+
+
+@lru_cache(maxsize=None)
 def received_fraction(src: Layout, dst: Layout) -> float:
     """The most any position receives from others when switching from `src` to `dst`, as a fraction of
-    the whole activation (0 when the layouts are equal)."""
+    the whole activation (0 when the layouts are equal): what `exchange`'s blocks move, from the shapes.
+
+    Every position wants a dst piece of the same size and receives the part it does not hold in src, so
+    the most received is that size less the least kept over the distinct positions."""
+    if src.devices != dst.devices:
+        raise ValueError(f"layouts of {src.devices} and {dst.devices} positions")
     if src == dst:
         return 0.0
     batch, tokens = lcm(src.dp, dst.dp), lcm(src.token_parts, dst.token_parts)
-    got = [0] * src.devices
-    for block in exchange(src, dst, batch, tokens):
-        if block.sender != block.receiver:
-            got[block.receiver] += block.cells
-    return max(got) / (batch * tokens)
+    wanted = batch // dst.dp * (tokens // dst.token_parts)
+    kept = min(_kept_cells(src, dst, p, batch, tokens) for p in _distinct_positions(src, dst))
+    return (wanted - kept) / (batch * tokens)
