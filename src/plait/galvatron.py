@@ -95,7 +95,8 @@ def layer_types(model: ModelSpec) -> tuple[LayerType, ...]:
     """Galvatron's layer types of `model`: type i is the model's i-th layer kind in order of first appearance
     (its distinct Blocks and their counts; a kind with several shapes, e.g. Gemma-2's windowed and global
     decoder layers, is one type)."""
-    return tuple(tuple((b, n) for b, n in model.block_counts if b.kind == kind) for kind in model.kind_counts())
+    return tuple(tuple((b, n) for b, n in model.block_counts if b.kind == kind)
+                 for kind in model.kind_counts())
 
 
 def _layers_text(model: ModelSpec) -> str:
@@ -635,6 +636,10 @@ def _clip(value: float, bounds: tuple[float, float]) -> float:
     return min(max(value, bounds[0]), bounds[1])
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _type_name(types: tuple[LayerType, ...], i: int) -> str:
     """`layertype_1 (cross_decoder)`, or plain `block` for a model of one kind."""
     return f"layertype_{i} ({types[i][0][0].kind})" if len(types) > 1 else "block"
@@ -650,10 +655,9 @@ def _check_model(galv: GalvatronCalibration, model: ModelSpec) -> None:
     profiled = max(len(galv.layer_times), 1 + max((m.layer_type for m in galv.layer_memory), default=-1))
     if profiled != len(types):
         kinds = ", ".join(model.kind_counts())
-        plural = "s" if len(types) > 1 else ""
-        raise PlaitError(f"the Galvatron profile has {profiled} layer types but {model.name} has {len(types)} "
-                         f"layer kind{plural} ({kinds}); layertype_<i> is the model's i-th kind, so use a profile "
-                         "of this model with one layer type per kind")
+        raise PlaitError(f"the Galvatron profile has {_count(profiled, 'layer type')} but {model.name} has "
+                         f"{_count(len(types), 'layer kind')} ({kinds}); layertype_<i> is the model's i-th kind, "
+                         "so use a profile of this model with one layer type per kind")
     for name, theirs, ours in (("hidden", galv.hidden, model.hidden), ("heads", galv.heads, model.heads)):
         if theirs is not None and theirs != ours:
             raise PlaitError(f"the Galvatron profile was measured with {name}={theirs} but {model.name} has "
@@ -711,9 +715,11 @@ def _fit_gemm_efficiency(galv: GalvatronCalibration, model: ModelSpec, cluster: 
                  for (batch, seq), ms in points]
     if not fits:
         return None
-    over = f"(layer type, batch, seq) points of {len(types)} layer types" if len(types) > 1 else "(batch, seq) points"
-    why = (f"median over {len(fits)} {over} of the value that makes plait's block forward time equal Galvatron's "
-           "measured one (other constants from base" + (f"; {skipped} non-positive points skipped)" if skipped else ")"))
+    over = (f"(layer type, batch, seq) points of {len(types)} layer types" if len(types) > 1
+            else "(batch, seq) points")
+    why = (f"median over {len(fits)} {over} of the value that makes plait's block forward time equal "
+           "Galvatron's measured one (other constants from base"
+           + (f"; {skipped} non-positive points skipped)" if skipped else ")"))
     return statistics.median(fits), why
 
 
