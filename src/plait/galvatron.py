@@ -49,7 +49,8 @@ Layer types. Galvatron numbers the layer types of a model in the order its layer
 T5 = [encoder layers, decoder layers], Swin = one type per stage); its profiles key each type
 `layertype_<i>`, and its strategy files list every layer of every type in that order. plait maps
 Galvatron's layer type i to the model's i-th layer kind in order of first appearance (`layer_types`:
-`t5-11b` is encoder = 0, cross_decoder = 1; a decoder-only model, windowed or not, has one type). The
+`t5-11b` is encoder = 0, cross_decoder = 1; a decoder-only model, windowed or not, has one type; a profile
+whose types are shapes of one kind, like Swin's stages, does not fit a plait model and is refused). The
 strategy file itself has no per-type fields, so a plan of a multi-kind model is exported and imported as
 per-layer lists over `model.stack`.
 
@@ -182,11 +183,11 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
     """A plait Plan from a Galvatron strategy file (`galvatron_config_*.json`).
 
     Per-layer lists cover all layers of all kinds in model order (Galvatron's layer types one after
-    another, see `layer_types`). One pipeline; stage k is blocks pp_division[k] on ranks [k*W/pp, (k+1)*W/pp) in ascending order; each
-    block gets dp = W/pp/tp, tp, (use_sp: cp = that degree, Ulysses, instead of tp), zero from dp_types
-    and default_dp_type, recompute full where checkpoint = 1; micro_batches = chunks, micro_batch_size =
-    global_bsz / chunks; schedule 1f1b for pipedream_flush, gpipe for gpipe. Blocks of a stage that all
-    share one strategy are stored as a single strategy.
+    another, see `layer_types`). One pipeline; stage k is blocks pp_division[k] on ranks
+    [k*W/pp, (k+1)*W/pp) in ascending order; each block gets dp = W/pp/tp, tp, (use_sp: cp = that degree,
+    Ulysses, instead of tp), zero from dp_types and default_dp_type, recompute full where checkpoint = 1;
+    micro_batches = chunks, micro_batch_size = global_bsz / chunks; schedule 1f1b for pipedream_flush,
+    gpipe for gpipe. Blocks of a stage that all share one strategy are stored as a single strategy.
 
     `precision`: bf16/fp16/fp32, default from the file name's `_bf16`-style token, else bf16.
     `sequence_parallel`: Galvatron was launched with `--sequence-parallel` (Megatron SP on every TP block).
@@ -577,9 +578,10 @@ def load_galvatron_profiles(model_dir: str | Path, hardware_dir: str | Path | No
     in it); `profile` picks the files `computation_profiling_<profile>.json` and
     `memory_profiling_<profile>.json` (e.g. `bf16_hidden4096_head32_seqlen2048`) when the directory holds
     several. The memory profile is optional. Every `layertype_<i>` of both files is read (`layer_times[i]`,
-    `LayerMemory.layer_type`); `to_calibration` maps type i to the model's i-th layer kind. `hardware_dir` is a `profile_hardware/hardware_configs`
-    directory (None: no hardware profile). Galvatron's files do not record the GPU type: `gpu_name` is
-    stored so that `to_calibration` can refuse a cluster of another GPU type.
+    `LayerMemory.layer_type`); `to_calibration` maps type i to the model's i-th layer kind (`layer_types`).
+    `hardware_dir` is a `profile_hardware/hardware_configs` directory (None: no hardware profile).
+    Galvatron's files do not record the GPU type: `gpu_name` is stored so that `to_calibration` can refuse a
+    cluster of another GPU type.
     """
     if not gpu_name:
         raise PlaitError("give the GPU type the Galvatron profiles were measured on, e.g. A100-80GB")
