@@ -19,11 +19,13 @@ from plait.cost.calibration import Calibration, calibration_for
 from plait.cost.comm import SINGLE
 from plait.cost.layer import BlockContext, block_time
 from plait.cost.precision import PRECISIONS
+from plait.cost.price import price
 from plait.errors import PlaitError
 from plait.galvatron import (
     GalvatronVocabWarning,
     explain_calibration,
     galvatron_config,
+    layer_types,
     load_galvatron_config,
     load_galvatron_profiles,
     save_galvatron_config,
@@ -38,6 +40,7 @@ CONFIGS = DATA / "configs"
 GPT27_1NODE = CONFIGS / "galvatron_config_gpt-2.7b_1nodes_8gpus_per_node_40GB_bf16_example.json"
 LLAMA_3D = CONFIGS / "galvatron_config_llama-7b_2nodes_8gpus_per_node_40GB_bf16_3D_example.json"
 LLAMA_TPCONSEC_OFF = CONFIGS / "galvatron_config_hidden4096_head32_1nodes_8gpus_per_node_36GB_bf16_[tpconsec_off].json"
+T5_3B_CONFIG = CONFIGS / "galvatron_config_t5-3B_1nodes_8gpus_per_node_34GB_bf16_[tpconsec_off].json"
 HARDWARE = DATA / "hardware_configs"
 GPT_PROFILE = "bf16_hidden4096_head32_seqlen2048"
 
@@ -48,6 +51,9 @@ LLAMA7 = PRESETS["llama2-7b"]  # Galvatron's llama-7b: 32 layers, hidden 4096, 3
 GPT67 = PRESETS["gpt3-6.7b"]  # hidden 4096, 32 heads: the shape of gpt_hf's hidden4096_head32 profiles
 SMALL = parse_inline("gpt:layers=8,hidden=256,heads=8,vocab=512,seq=1024")
 A100 = calibration_for("A100-80GB")
+T5_SMALL = parse_inline("t5:encoder_layers=4,decoder_layers=4,hidden=256,heads=4,vocab=1000")
+T5_3B = parse_inline("t5:encoder_layers=24,decoder_layers=24,hidden=1024,heads=32,head_dim=128,ffn=16384,vocab=32128")
+"""Galvatron's t5-3B (models/T5/meta_configs/t5-3B.json): d_model 1024, 32 heads of d_kv 128, d_ff 16384."""
 
 
 def expect_error(fn, *needles: str) -> PlaitError:
@@ -251,6 +257,7 @@ def test_strategy_searched_for_another_cluster(tmp_path):
     (GPT27_1NODE, GPT27, ONE_NODE),
     (LLAMA_TPCONSEC_OFF, LLAMA7, ONE_NODE),
     (LLAMA_3D, LLAMA7, TWO_NODES),
+    (T5_3B_CONFIG, T5_3B, ONE_NODE),
 ])
 def test_shipped_configs_round_trip(tmp_path, path, model, cluster):
     plan = load_quiet(path, model, cluster)
@@ -506,3 +513,136 @@ def test_a_profile_is_never_applied_to_another_gpu_or_model(tmp_path):
         {"layertype_0_bsz1_seq512": 1.3, "layertype_1_bsz1_seq512": 2.3}))
     t5 = load_galvatron_profiles(tmp_path, None, "A100-80GB")
     expect_error(lambda: to_calibration(t5, SMALL, ONE_NODE, A100), "2 layer types")
+
+
+# ==== several layer types ==========================================================================
+
+def test_layer_types_are_the_models_kinds_in_order():
+    encoder, decoder = layer_types(PRESETS["t5-11b"])
+    assert [(b.kind, n) for b, n in encoder] == [("encoder", 24)]
+    assert [(b.kind, n) for b, n in decoder] == [("cross_decoder", 24)]
+    assert [[b.kind for b, _ in t] for t in layer_types(PRESETS["llava-llama3-8b"])] == [
+        ["patch_embed"], ["vision"], ["projector"], ["decoder"]]
+    assert [[b.kind for b, _ in t] for t in layer_types(PRESETS["deepseek-moe-16b"])] == [["decoder"], ["moe"]]
+    (gemma,) = layer_types(PRESETS["gemma2-9b"])  # windowed and global decoder layers: one kind, two shapes
+    assert sorted(n for _, n in gemma) == [21, 21] and {b.window for b, _ in gemma} == {0, 4096}
+    assert layer_types(SMALL) == (((SMALL.block, SMALL.layers),),)
+
+
+def test_shipped_t5_config_covers_encoder_then_decoder_layers():
+    plan = load_quiet(T5_3B_CONFIG, T5_3B, ONE_NODE, 512)
+    (stage,) = plan.pipelines[0].stages
+    assert stage.layers == (0, 48)
+    # dp_types_enc 1x22,0x7,1x19 with default zero2: encoder 0-21 zero3, 22-23 and decoder 24-28 zero2.
+    assert runs(stage) == [("dp8 tp1 zero3 rc=full", 22), ("dp8 tp1 zero2 rc=full", 7),
+                           ("dp8 tp1 zero3 rc=full", 19)]
+    half = parse_inline("t5:encoder_layers=12,decoder_layers=12,hidden=1024,heads=32,head_dim=128,ffn=16384,vocab=32128")
+    expect_error(lambda: load_quiet(T5_3B_CONFIG, half, ONE_NODE, 512), "48 entries",
+                 "24 layers (12 encoder + 12 cross_decoder)")
+
+
+def _t5_plan(model: ModelSpec) -> Plan:
+    """Two stages cut inside the encoder, per-layer strategies that differ between encoder and decoder."""
+    cut = model.kind_counts()["encoder"] // 2
+    enc = Strategy(dp=2, tp=4, zero=3, recompute="full")
+    dec = Strategy(dp=4, tp=2, zero=2)
+    ulysses = Strategy(dp=2, cp=4, zero=2)
+    second = tuple(enc if b.kind == "encoder" else dec for b in model.stack[cut:-1]) + (ulysses,)
+    return Plan(model=model.name, seq_len=512, global_batch=32, schedule="gpipe",
+                pipelines=(Pipeline(stages=(
+                    Stage(layers=(0, cut), ranks=tuple(range(8)), strategies=(enc,)),
+                    Stage(layers=(cut, model.layers), ranks=tuple(range(8, 16)), strategies=second)),
+                    micro_batches=8, micro_batch_size=4),))
+
+
+@pytest.mark.parametrize("model", [T5_SMALL, PRESETS["t5-11b"]], ids=["t5-small-inline", "t5-11b"])
+def test_multi_kind_plans_round_trip(tmp_path, model):
+    plan = _t5_plan(model)
+    out = tmp_path / "g.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GalvatronVocabWarning)
+        save_galvatron_config(plan, model, out)
+        assert load_galvatron_config(out, model, TWO_NODES, 512) == plan
+    cfg = json.loads(out.read_text())
+    enc, dec = model.kind_counts()["encoder"], model.kind_counts()["cross_decoder"]
+    assert cfg["tp_sizes_enc"] == ",".join(["4"] * enc + ["2"] * (dec - 1) + ["4"])
+    assert cfg["use_sp"] == ",".join(["0"] * (enc + dec - 1) + ["1"])
+    assert cfg["pp_division"] == f"{enc // 2},{enc - enc // 2 + dec}"
+    expect_error(lambda: galvatron_config(plan, PRESETS["gpt3-2.7b"]), "32 layers; save it with the model")
+    expect_error(lambda: galvatron_config(plan, T5_3B if model is T5_SMALL else T5_SMALL),
+                 "(4 encoder + 4 cross_decoder)" if model is not T5_SMALL else "(24 encoder + 24 cross_decoder)")
+
+
+def _forward_ms_per_sample(block, model: ModelSpec, efficiency: float, batch: int, seq: int) -> float:
+    """plait's forward milliseconds per sequence of one layer on one GPU at a given gemm_efficiency."""
+    ctx = BlockContext(model, ONE_NODE, replace(A100, gemm_efficiency=efficiency), PRECISIONS["bf16"], seq, batch,
+                       SINGLE, SINGLE, SINGLE)
+    return price(block, Strategy(), ctx).time.forward * 1e3 / batch
+
+
+def _write_t5_profiles(directory: Path, model: ModelSpec, efficiency: float, swap: bool = False) -> None:
+    """A computation and memory profile pair keyed as Galvatron's T5 files (models/T5/configs/*_t5-3B.json):
+    layertype_0 = encoder, layertype_1 = decoder, times that plait's own prices give at `efficiency`
+    (`swap`: each type gets the other kind's numbers)."""
+    blocks = [t[0][0] for t in layer_types(model)]
+    if swap:
+        blocks.reverse()
+    times: dict[str, float] = {}
+    for bsz in (1, 2, 4, 8):
+        for i, block in enumerate(blocks):
+            times[f"layertype_{i}_bsz{bsz}_seq512"] = _forward_ms_per_sample(block, model, efficiency, bsz, 512)
+        times[f"layertype_other_bsz{bsz}_seq[512,512]"] = 1.0
+    times["layernum[2,2]_bsz8_seq[512,512]"] = 23.6  # raw runs, not read
+    memory = {f"layertype_{i}_sp": {"512": {"parameter_size": block.params * 4 / 2**20,
+                                            "tp_activation_per_bsz_dict": {"1": 52.5, "2": 28.0, "checkpoint": 1.0}}}
+              for i, block in enumerate(blocks)}
+    memory["other_memory_pp_off_sp"] = {"[512,512]": {"model_states": {"1": 1684.8}, "activation": {"1": 89.6}}}
+    (directory / "computation_profiling_bf16_t5-small.json").write_text(json.dumps(times, indent=4))
+    (directory / "memory_profiling_bf16_t5-small.json").write_text(json.dumps(memory, indent=4))
+
+
+def test_two_layertype_profiles_map_to_the_models_two_kinds(tmp_path):
+    _write_t5_profiles(tmp_path, T5_SMALL, efficiency=0.5)
+    galv = load_galvatron_profiles(tmp_path, None, "A100-80GB")
+    assert len(galv.layer_times) == 2
+    assert [(m.layer_type, m.seq_len, m.sequence_parallel) for m in galv.layer_memory] == [(0, 512, True), (1, 512, True)]
+    assert sorted(galv.layer_times[1].forward_ms_per_sample) == [(b, 512) for b in (1, 2, 4, 8)]
+    # Each type is priced with its own kind: the fit recovers the efficiency the times were made with.
+    assert to_calibration(galv, T5_SMALL, ONE_NODE, A100).gemm_efficiency == pytest.approx(0.5, rel=1e-3)
+    assert "8 (layer type, batch, seq) points of 2 layer types" in explain_calibration(
+        galv, T5_SMALL, ONE_NODE, A100)["gemm_efficiency"]
+    # Types in the other order: the decoder's larger parameter size lands on the encoder.
+    swapped = tmp_path / "swapped"
+    swapped.mkdir()
+    _write_t5_profiles(swapped, T5_SMALL, efficiency=0.5, swap=True)
+    expect_error(lambda: to_calibration(load_galvatron_profiles(swapped, None, "A100-80GB"), T5_SMALL, ONE_NODE, A100),
+                 "layertype_0 (encoder)", "use the profile of this model")
+
+
+def test_shipped_t5_profiles_calibrate_a_t5_3b():
+    galv = load_galvatron_profiles(DATA / "T5", None, "A100-80GB")
+    raw = json.loads((DATA / "T5" / "computation_profiling_bf16_t5-3B.json").read_text())
+    assert galv.layer_times[1].forward_ms_per_sample[(8, 512)] == raw["layertype_1_bsz8_seq512"]
+    assert [m.parameter_mib for m in galv.layer_memory] == [192.107421875, 258.19140625]
+    cal = to_calibration(galv, T5_3B, ONE_NODE, A100)
+    assert replace(cal, gemm_efficiency=A100.gemm_efficiency) == A100
+    assert 0.05 < cal.gemm_efficiency < 0.95
+
+
+def test_layer_type_counts_that_differ_are_refused(tmp_path):
+    _write_t5_profiles(tmp_path, T5_SMALL, efficiency=0.5)
+    two = load_galvatron_profiles(tmp_path, None, "A100-80GB")
+    expect_error(lambda: to_calibration(two, SMALL, ONE_NODE, A100), "2 layer types", "1 layer kind (decoder)",
+                 "one layer type per kind")
+    expect_error(lambda: to_calibration(two, PRESETS["llava-llama3-8b"], ONE_NODE, A100),
+                 "4 layer kinds (patch_embed, vision, projector, decoder)")
+    one = load_galvatron_profiles(DATA / "gpt_hf", None, "A100-80GB", profile=GPT_PROFILE)
+    expect_error(lambda: to_calibration(one, T5_SMALL, ONE_NODE, A100), "1 layer type but",
+                 "2 layer kinds (encoder, cross_decoder)")
+    # A memory profile with more types than the computation profile counts too.
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "computation_profiling_bf16_t5-small.json").write_text(json.dumps({"layertype_0_bsz1_seq512": 1.0}))
+    (mixed / "memory_profiling_bf16_t5-small.json").write_text((tmp_path / "memory_profiling_bf16_t5-small.json").read_text())
+    expect_error(lambda: to_calibration(load_galvatron_profiles(mixed, None, "A100-80GB"), SMALL, ONE_NODE, A100),
+                 "2 layer types")

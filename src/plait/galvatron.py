@@ -45,6 +45,15 @@ Profiles (written by Galvatron's `ModelProfiler` and `HardwareProfiler`):
 * `overlap_coefficient.json`: `overlap_coe` = how many times slower computation or communication runs when
   both run at once (the larger of the two slowdowns, measured with a GEMM and an all-reduce; >= 1).
 
+Layer types. Galvatron numbers the layer types of a model in the order its layers run (`layernum_list`:
+T5 = [encoder layers, decoder layers], Swin = one type per stage); its profiles key each type
+`layertype_<i>`, and its strategy files list every layer of every type in that order. plait maps
+Galvatron's layer type i to the model's i-th layer kind in order of first appearance (`layer_types`:
+`t5-11b` is encoder = 0, cross_decoder = 1; a decoder-only model, windowed or not, has one type; a profile
+whose types are shapes of one kind, like Swin's stages, does not fit a plait model and is refused). The
+strategy file itself has no per-type fields, so a plan of a multi-kind model is exported and imported as
+per-layer lists over `model.stack`.
+
 None of these files names the GPU it was measured on: `load_galvatron_profiles` takes the GPU type from the
 caller and `to_calibration` refuses a cluster of any other GPU type.
 """
@@ -69,6 +78,7 @@ from plait.cost.price import price
 from plait.errors import PlaitError
 from plait.plan import Pipeline, Plan, Stage, Strategy, validate_plan, write_atomically
 from plait.spec.cluster import GB, Cluster
+from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
 MIB = 2**20
@@ -76,6 +86,26 @@ MIB = 2**20
 _DP_TYPES = {"ddp": 0, "zero2": 2, "zero3": 3}
 _SCHEDULES = {"pipedream_flush": "1f1b", "gpipe": "gpipe"}
 _PRECISION_TOKEN = re.compile(r"_(bf16|fp16|fp32)(?=_|\.json$|$)")
+
+
+LayerType = tuple[tuple[Block, int], ...]
+"""One Galvatron layer type in plait: the distinct layers of one kind, each with how often it occurs."""
+
+
+def layer_types(model: ModelSpec) -> tuple[LayerType, ...]:
+    """Galvatron's layer types of `model`: type i is the model's i-th layer kind in order of first appearance
+    (its distinct Blocks and their counts; a kind with several shapes, e.g. Gemma-2's windowed and global
+    decoder layers, is one type)."""
+    return tuple(tuple((b, n) for b, n in model.block_counts if b.kind == kind)
+                 for kind in model.kind_counts())
+
+
+def _layers_text(model: ModelSpec) -> str:
+    """`48 layers (24 encoder + 24 cross_decoder)`, or `32 layers` for a model of one kind."""
+    counts = model.kind_counts()
+    if len(counts) == 1:
+        return f"{model.layers} layers"
+    return f"{model.layers} layers ({' + '.join(f'{n} {kind}' for kind, n in counts.items())})"
 
 
 class GalvatronVocabWarning(UserWarning):
@@ -111,7 +141,8 @@ def _int_field(cfg: dict[str, Any], key: str, where: str, default: int | None = 
 
 
 def _int_list(cfg: dict[str, Any], key: str, where: str, n: int | None,
-              default: int | None = None) -> list[int]:
+              default: int | None = None, layers: str = "") -> list[int]:
+    """Comma-separated integers of `key`; `n` entries unless None; `layers` says what the n entries are."""
     if key not in cfg:
         if default is None or n is None:
             raise PlaitError(f"{where} has no {key!r}; is it a galvatron_config_*.json strategy file?")
@@ -122,7 +153,7 @@ def _int_list(cfg: dict[str, Any], key: str, where: str, n: int | None,
     except ValueError:
         raise PlaitError(f"{where}: {key} must be comma-separated integers, got {value!r}") from None
     if n is not None and len(items) != n:
-        raise PlaitError(f"{where}: {key} has {len(items)} entries but the model has {n} layers; "
+        raise PlaitError(f"{where}: {key} has {len(items)} entries but the model has {layers or f'{n} layers'}; "
                          "use a strategy searched for this model")
     return items
 
@@ -151,11 +182,12 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
                           strict_vocab: bool = False) -> Plan:
     """A plait Plan from a Galvatron strategy file (`galvatron_config_*.json`).
 
-    One pipeline; stage k is blocks pp_division[k] on ranks [k*W/pp, (k+1)*W/pp) in ascending order; each
-    block gets dp = W/pp/tp, tp, (use_sp: cp = that degree, Ulysses, instead of tp), zero from dp_types
-    and default_dp_type, recompute full where checkpoint = 1; micro_batches = chunks, micro_batch_size =
-    global_bsz / chunks; schedule 1f1b for pipedream_flush, gpipe for gpipe. Blocks of a stage that all
-    share one strategy are stored as a single strategy.
+    Per-layer lists cover all layers of all kinds in model order (Galvatron's layer types one after
+    another, see `layer_types`). One pipeline; stage k is blocks pp_division[k] on ranks
+    [k*W/pp, (k+1)*W/pp) in ascending order; each block gets dp = W/pp/tp, tp, (use_sp: cp = that degree,
+    Ulysses, instead of tp), zero from dp_types and default_dp_type, recompute full where checkpoint = 1;
+    micro_batches = chunks, micro_batch_size = global_bsz / chunks; schedule 1f1b for pipedream_flush,
+    gpipe for gpipe. Blocks of a stage that all share one strategy are stored as a single strategy.
 
     `precision`: bf16/fp16/fp32, default from the file name's `_bf16`-style token, else bf16.
     `sequence_parallel`: Galvatron was launched with `--sequence-parallel` (Megatron SP on every TP block).
@@ -167,13 +199,13 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
     path = Path(path)
     where = f"Galvatron config {str(path)!r}"
     cfg = _read_json(path, "Galvatron config")
-    n = model.layers
+    n, layers = model.layers, _layers_text(model)
     pp = _int_field(cfg, "pp_deg", where)
-    tp_sizes = _int_list(cfg, "tp_sizes_enc", where, n)
-    consec = _int_list(cfg, "tp_consecutive_flags", where, n, default=1)
-    dp_types = _int_list(cfg, "dp_types_enc", where, n)
-    use_sp = _int_list(cfg, "use_sp", where, n, default=0)
-    ckpt = _int_list(cfg, "checkpoint", where, n, default=0)
+    tp_sizes = _int_list(cfg, "tp_sizes_enc", where, n, layers=layers)
+    consec = _int_list(cfg, "tp_consecutive_flags", where, n, default=1, layers=layers)
+    dp_types = _int_list(cfg, "dp_types_enc", where, n, layers=layers)
+    use_sp = _int_list(cfg, "use_sp", where, n, default=0, layers=layers)
+    ckpt = _int_list(cfg, "checkpoint", where, n, default=0, layers=layers)
     for key, values in (("tp_consecutive_flags", consec), ("dp_types_enc", dp_types), ("use_sp", use_sp),
                         ("checkpoint", ckpt)):
         _flags(values, key, where)
@@ -194,7 +226,7 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
         division = [n // pp] * (pp - 1) + [n - n // pp * (pp - 1)]
     if len(division) != pp or sum(division) != n or min(division) < 1:
         raise PlaitError(f"{where}: pp_division {division} must give {pp} positive block counts adding up to "
-                         f"{n}, the layers of {model.name}")
+                         f"{n}, the {layers} of {model.name}")
 
     dp_type = cfg.get("default_dp_type", "ddp")
     if dp_type not in _DP_TYPES:
@@ -265,7 +297,7 @@ def galvatron_config(plan: Plan, model: ModelSpec, *, strict_vocab: bool = False
     per_stage = len(pipe.stages[0].ranks)
     if pipe.stages[-1].layers[1] != model.layers:
         raise PlaitError(f"the plan covers {pipe.stages[-1].layers[1]} layers but {model.name} has "
-                         f"{model.layers}; save it with the model it was made for")
+                         f"{_layers_text(model)}; save it with the model it was made for")
     for k, stage in enumerate(pipe.stages):
         expected = tuple(range(k * per_stage, (k + 1) * per_stage))
         if stage.ranks != expected:
@@ -545,9 +577,11 @@ def load_galvatron_profiles(model_dir: str | Path, hardware_dir: str | Path | No
     `model_dir` is a Galvatron `models/<model>/configs` directory (or one computation_profiling_*.json file
     in it); `profile` picks the files `computation_profiling_<profile>.json` and
     `memory_profiling_<profile>.json` (e.g. `bf16_hidden4096_head32_seqlen2048`) when the directory holds
-    several. The memory profile is optional. `hardware_dir` is a `profile_hardware/hardware_configs`
-    directory (None: no hardware profile). Galvatron's files do not record the GPU type: `gpu_name` is
-    stored so that `to_calibration` can refuse a cluster of another GPU type.
+    several. The memory profile is optional. Every `layertype_<i>` of both files is read (`layer_times[i]`,
+    `LayerMemory.layer_type`); `to_calibration` maps type i to the model's i-th layer kind (`layer_types`).
+    `hardware_dir` is a `profile_hardware/hardware_configs` directory (None: no hardware profile).
+    Galvatron's files do not record the GPU type: `gpu_name` is stored so that `to_calibration` can refuse a
+    cluster of another GPU type.
     """
     if not gpu_name:
         raise PlaitError("give the GPU type the Galvatron profiles were measured on, e.g. A100-80GB")
@@ -604,60 +638,89 @@ def _clip(value: float, bounds: tuple[float, float]) -> float:
     return min(max(value, bounds[0]), bounds[1])
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _type_name(types: tuple[LayerType, ...], i: int) -> str:
+    """`layertype_1 (cross_decoder)`, or plain `block` for a model of one kind."""
+    return f"layertype_{i} ({types[i][0][0].kind})" if len(types) > 1 else "block"
+
+
+def _mean_params(layer_type: LayerType) -> float:
+    """Parameters of one layer of a type (the mean over its layers)."""
+    return sum(b.params * n for b, n in layer_type) / sum(n for _, n in layer_type)
+
+
 def _check_model(galv: GalvatronCalibration, model: ModelSpec) -> None:
-    if len(galv.layer_times) != 1:
-        raise PlaitError(f"the Galvatron profile has {len(galv.layer_times)} layer types; plait models "
-                         "decoder-only transformers with one block type")
+    types = layer_types(model)
+    profiled = max(len(galv.layer_times), 1 + max((m.layer_type for m in galv.layer_memory), default=-1))
+    if profiled != len(types):
+        kinds = ", ".join(model.kind_counts())
+        raise PlaitError(f"the Galvatron profile has {_count(profiled, 'layer type')} but {model.name} has "
+                         f"{_count(len(types), 'layer kind')} ({kinds}); layertype_<i> is the model's i-th kind, "
+                         "so use a profile of this model with one layer type per kind")
     for name, theirs, ours in (("hidden", galv.hidden, model.hidden), ("heads", galv.heads, model.heads)):
         if theirs is not None and theirs != ours:
             raise PlaitError(f"the Galvatron profile was measured with {name}={theirs} but {model.name} has "
                              f"{name}={ours}; use the profile of this model")
-    params = model.block_params * 4 / MIB
-    for mem in galv.layer_memory[:1]:
+    for mem in galv.layer_memory:
+        params = _mean_params(types[mem.layer_type]) * 4 / MIB
         if abs(mem.parameter_mib - params) > PARAMETER_TOLERANCE * params:
-            raise PlaitError(f"the Galvatron profile's block has {mem.parameter_mib:.1f} MiB of fp32 "
-                             "parameters "
-                             f"but a block of {model.name} has {params:.1f} MiB; use the profile of this model")
+            what = _type_name(types, mem.layer_type)
+            raise PlaitError(f"the Galvatron profile's {what} has {mem.parameter_mib:.1f} MiB of fp32 "
+                             f"parameters but a {what} of {model.name} has {params:.1f} MiB; use the profile of "
+                             "this model")
 
 
-def _block_forward_s(efficiency: float, model: ModelSpec, cluster: Cluster, base: Calibration, precision: str,
-                     batch: int, seq: int) -> float:
-    """plait's forward seconds of one block on one GPU (no parallelism) at a given gemm_efficiency."""
+def _block_forward_s(efficiency: float, layer_type: LayerType, model: ModelSpec, cluster: Cluster,
+                     base: Calibration, precision: str, batch: int, seq: int) -> float:
+    """plait's forward seconds of one layer of a Galvatron layer type on one GPU (no parallelism) at a given
+    gemm_efficiency: the mean over the type's layers, as Galvatron's per-layer difference measures it."""
     ctx = BlockContext(model, cluster, replace(base, gemm_efficiency=efficiency), PRECISIONS[precision], seq,
                        batch, SINGLE, SINGLE, SINGLE)
-    return price(ctx.model.block, Strategy(), ctx).time.forward
+    total = sum(price(block, Strategy(), ctx).time.forward * n for block, n in layer_type)
+    return total / sum(n for _, n in layer_type)
+
+
+def _fit_point(layer_type: LayerType, model: ModelSpec, cluster: Cluster, base: Calibration, precision: str,
+               batch: int, seq: int, target_s: float) -> float:
+    """The gemm_efficiency (within GEMM_EFFICIENCY_RANGE) at which one layer's forward takes `target_s`."""
+    def forward(efficiency: float) -> float:
+        return _block_forward_s(efficiency, layer_type, model, cluster, base, precision, batch, seq)
+
+    lo, hi = GEMM_EFFICIENCY_RANGE
+    if forward(hi) >= target_s:
+        return hi
+    if forward(lo) <= target_s:
+        return lo
+    for _ in range(30):  # forward time falls as the efficiency rises
+        mid = 0.5 * (lo + hi)
+        if forward(mid) > target_s:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
 
 
 def _fit_gemm_efficiency(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluster,
                          base: Calibration) -> tuple[float, str] | None:
-    """The gemm_efficiency that makes plait's forward time of one block (tp=1, one GPU) equal each measured
-    point, the median over the points."""
+    """The gemm_efficiency that makes plait's forward time of one layer (tp=1, one GPU) equal each measured
+    point of each layer type (priced with the type's own layers), the median over the points."""
     precision = galv.precision or "bf16"
-    measured = galv.layer_times[0].forward_ms_per_sample
-    points = sorted((k, v) for k, v in measured.items() if v > 0)
-    if not points:
+    types = layer_types(model)
+    fits, skipped = [], 0
+    for layer_type, measured in zip(types, galv.layer_times, strict=True):
+        points = sorted((k, v) for k, v in measured.forward_ms_per_sample.items() if v > 0)
+        skipped += len(measured.forward_ms_per_sample) - len(points)
+        fits += [_fit_point(layer_type, model, cluster, base, precision, batch, seq, ms * 1e-3 * batch)
+                 for (batch, seq), ms in points]
+    if not fits:
         return None
-    lo_bound, hi_bound = GEMM_EFFICIENCY_RANGE
-    fits = []
-    for (batch, seq), ms in points:
-        target = ms * 1e-3 * batch
-        lo, hi = lo_bound, hi_bound
-        if _block_forward_s(hi, model, cluster, base, precision, batch, seq) >= target:
-            fits.append(hi)
-            continue
-        if _block_forward_s(lo, model, cluster, base, precision, batch, seq) <= target:
-            fits.append(lo)
-            continue
-        for _ in range(30):  # forward time falls as the efficiency rises
-            mid = 0.5 * (lo + hi)
-            if _block_forward_s(mid, model, cluster, base, precision, batch, seq) > target:
-                lo = mid
-            else:
-                hi = mid
-        fits.append(0.5 * (lo + hi))
-    skipped = len(measured) - len(points)
-    why = (f"median over {len(points)} (batch, seq) points of the value that makes plait's block forward time "
-           "equal Galvatron's measured one (other constants from base"
+    over = (f"(layer type, batch, seq) points of {len(types)} layer types" if len(types) > 1
+            else "(batch, seq) points")
+    why = (f"median over {len(fits)} {over} of the value that makes plait's block forward time equal "
+           "Galvatron's measured one (other constants from base"
            + (f"; {skipped} non-positive points skipped)" if skipped else ")"))
     return statistics.median(fits), why
 
@@ -756,9 +819,11 @@ def to_calibration(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluste
     """plait calibration constants derived from Galvatron profiles; constants they say nothing about stay
     as in `base`.
 
-    * gemm_efficiency: for every measured (batch, seq) forward time of one block, the value that makes
-      plait's own forward time of that block (tp=1, one GPU, at the GPU's peak for the profile's precision)
-      equal it; the median of these, within (0.05, 0.95). It absorbs every error of plait's attention and
+    * gemm_efficiency: for every measured (batch, seq) forward time of one block of every layer type, the
+      value that makes plait's own forward time of that block (tp=1, one GPU, at the GPU's peak for the
+      profile's precision) equal it; the median of these, within (0.05, 0.95). Layer type i is priced as
+      the model's i-th layer kind (`layer_types`; the mean over that kind's layers), and the profile must
+      have as many layer types as the model has kinds. It absorbs every error of plait's attention and
       elementwise terms, which keep their base constants, so `model` must describe the profiled block
       (attention kind, dropout, MLP). The peak is that of the profile's precision (bf16 if not named).
     * nvlink_efficiency: all-reduce bus bandwidth over one whole node / the cluster's NVLink bandwidth. The
