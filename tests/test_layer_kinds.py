@@ -142,6 +142,7 @@ def test_inline_mixed_stacks() -> None:
     expect_error(lambda: parse_inline("llama:layers=2,hidden=256,heads=4,vocab=1000,experts=8"), "top_k")
     expect_error(lambda: parse_inline("llama:layers=2,hidden=256,heads=4,vocab=1000,vision=vit-huge"), "vision tower")
     expect_error(lambda: parse_inline("t5:hidden=256,heads=4,vocab=1000"), "encoder_layers")
+    expect_error(lambda: parse_inline("t5:encoder_layers=2,decoder_layers=2,hidden=256,heads=4"), "vocab")
     expect_error(lambda: parse_inline("llama:layers=2,hidden=256,heads=4,vocab=1000,global_every=2"), "window")
 
 

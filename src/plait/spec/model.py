@@ -393,7 +393,8 @@ def parse_inline(text: str) -> ModelSpec:
         values.setdefault("layers", int(values.get("encoder_layers", 0)) + int(values.get("decoder_layers", 0)))
     missing = [k for k in ("layers", "hidden", "heads", "vocab") if not values.get(k)]
     if family == "t5":
-        missing = [k for k in ("encoder_layers", "decoder_layers") if not values.get(k)] + missing[1:]
+        missing = [k for k in ("encoder_layers", "decoder_layers") if not values.get(k)] + \
+            [k for k in missing if k != "layers"]
     if missing:
         raise PlaitError(f"inline model {text!r} lacks {', '.join(missing)}; give e.g. {_INLINE_EXAMPLES[family]}")
     shape = {k: values.pop(k) for k in _STACK_KEYS if k in values}
