@@ -9,6 +9,8 @@ from plait.spec.model import ModelSpec
 
 def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     """Why `plan` cannot run on this version's runtime (one line), or None if it can."""
+    if (reason := unbuildable(model)) is not None:
+        return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
     for pi, pipe in enumerate(plan.pipelines):
@@ -53,4 +55,16 @@ def _unsupported_replicas(plan: Plan, model: ModelSpec) -> str | None:
                 if shapes.setdefault(layer, (s.tp, s.sp)) != (s.tp, s.sp):
                     return (f"layer {layer} is split tp={s.tp} in pipeline {pi} but tp={shapes[layer][0]} in another; "
                             "with several pipelines a layer needs one tensor-parallel layout")
+    return None
+
+
+def unbuildable(model: ModelSpec) -> str | None:
+    """Why the runtime cannot build `model` (one line), or None if it can: it builds GPT and Llama stacks of
+    plain decoder layers with global attention."""
+    if model.family not in ("llama", "gpt"):
+        return f"model {model.name!r} has family {model.family!r}; the runtime builds llama or gpt models"
+    if not model.uniform or model.window:
+        kinds = ", ".join(f"{n} {k}" for k, n in model.kind_counts().items())
+        return (f"model {model.name!r} mixes layer kinds or attention windows ({kinds}); the runtime builds "
+                "stacks of identical decoder layers with global attention")
     return None

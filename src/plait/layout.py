@@ -15,7 +15,7 @@ listing the blocks), so planner and runtime agree on the traffic.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from math import gcd, lcm
 
 from plait.plan import Strategy
@@ -122,7 +122,7 @@ def _distinct_positions(src: Layout, dst: Layout) -> range:
     return range(0, src.devices // gcd(src.dp, dst.dp), gcd(src.copies, dst.copies))
 
 
-@lru_cache(maxsize=None)
+@cache
 def received_fraction(src: Layout, dst: Layout) -> float:
     """The most any position receives from others when switching from `src` to `dst`, as a fraction of
     the whole activation (0 when the layouts are equal): what `exchange`'s blocks move, from the shapes.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from plait.errors import PlaitError
+from plait.executable import unbuildable
 from plait.models.gpt import GPT
 from plait.models.llama import Llama, Transformer, TransformerBlock
 from plait.spec.model import ModelSpec
@@ -23,8 +24,8 @@ def build_model(spec: ModelSpec, *, dropout: float = 0.0, dtype: torch.dtype = t
     Parameters take `dtype`; the RoPE table stays float32.
     """
     families = {"llama": Llama, "gpt": GPT}
-    if spec.family not in families:
-        raise PlaitError(f"model {spec.name!r} has family {spec.family!r}; the runtime builds llama or gpt")
+    if (reason := unbuildable(spec)) is not None:
+        raise PlaitError(reason)
     with torch.device(device):
         model = families[spec.family](spec, dropout=dropout)
     if seed is not None and model.tok_embeddings.weight.device.type != "meta":

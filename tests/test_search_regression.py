@@ -1,0 +1,33 @@
+"""The search finds again the plans it found for benchmarks/search_quality.py's cases before models became
+stacks of layer kinds (tests/data/search_baseline.json, recorded with the previous release's code), with the
+same predicted iteration time within 0.1%. The cases up to 16 GPUs run here; `python
+benchmarks/search_regression.py` runs all recorded cases (up to 1,024 GPUs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from plait.planner.engine import search
+from plait.spec.cluster import dgx
+from plait.spec.model import PRESETS
+
+BASELINE = json.loads((Path(__file__).parent / "data" / "search_baseline.json").read_text())
+TOLERANCE = 1e-3
+"""Largest relative change of a found plan's predicted iteration time."""
+SMALL = [row for row in BASELINE if row["case"][1] * row["case"][2] <= 16]
+
+
+@pytest.mark.parametrize("row", SMALL, ids=[f"{r['case'][0]}-{r['case'][1] * r['case'][2]}gpu-s{r['case'][4]}-"
+                                            f"{r['case'][6] or 'full'}" for r in SMALL])
+def test_search_finds_the_recorded_plan(row: dict) -> None:
+    name, nodes, per_node, gpu, seq, gbs, mem = row["case"]
+    cluster = dgx(nodes, per_node, gpu)
+    if mem is not None:
+        cluster = cluster.with_memory(mem)
+    result = search(PRESETS[name], cluster, seq, gbs)
+    assert result.report is not None
+    assert result.report.iteration_time_s == pytest.approx(row["iteration_time_s"], rel=TOLERANCE)
+    assert json.loads(result.plan.model_dump_json()) == row["plan"]
