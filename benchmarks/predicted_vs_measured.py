@@ -57,7 +57,7 @@ def mixed_plan(model: str) -> Plan:
     s = (Strategy(dp=2), Strategy(dp=2), Strategy(tp=2, sp=True), Strategy(tp=2, sp=True))
     return Plan(model=model, seq_len=SEQ, global_batch=GBS, precision="fp32",
                 pipelines=(Pipeline(stages=(Stage(layers=(0, 4), ranks=(0, 1), strategies=s),), micro_batches=1,
-                                    micro_batch_size=GBS),))
+                                    micro_batch_sequences=GBS),))
 
 
 def measure(plan: Plan, steps: int, skip: int, tmp: Path) -> tuple[float, float, dict[str, float]]:
@@ -109,7 +109,7 @@ def describe(plan: Plan) -> str:
     stages = " | ".join(", ".join(dict.fromkeys(s.short() for s, _ in st.layer_strategies())) for st in pipe.stages)
     pp = len(pipe.stages) // plan.chunks
     chunks = f" x {plan.chunks} chunks" if plan.chunks > 1 else ""
-    return f"pp={pp}{chunks} m={pipe.micro_batches}x{pipe.micro_batch_size} {plan.schedule}: {stages}"
+    return f"pp={pp}{chunks} m={pipe.micro_batches}x{pipe.micro_batch_sequences} {plan.schedule}: {stages}"
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from plait.plan import Plan
 from plait.planner.engine import search
 from plait.spec.cluster import dgx
 from plait.spec.model import PRESETS
@@ -42,7 +43,7 @@ def main() -> None:
         result = search(PRESETS[name], cluster, seq, gbs)
         elapsed = time.perf_counter() - t0
         now = result.report.iteration_time_s if result.report else float("inf")
-        same = result.plan is not None and json.loads(result.plan.model_dump_json()) == row["plan"]
+        same = result.plan is not None and result.plan == Plan.model_validate(row["plan"])  # recorded as a version-1 plan
         table.add_row(name, str(nodes * per_node), str(seq), str(mem or "full"), f"{row['iteration_time_s']:.4f}",
                       f"{now:.4f}", f"{now / row['iteration_time_s'] - 1:+.4%}", "yes" if same else "no",
                       f"{row['search_s']:.1f} s", f"{elapsed:.1f} s")

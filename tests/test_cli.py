@@ -199,7 +199,7 @@ def per_layer_plan() -> Plan:
     b = Strategy(dp=4, tp=1)
     stage = Stage(layers=(0, 4), ranks=(0, 1, 2, 3), strategies=(a, a, b, b))
     return Plan(model="tiny-llama", seq_len=256, global_batch=8,
-                pipelines=(Pipeline(stages=(stage,), micro_batches=2, micro_batch_size=4),))
+                pipelines=(Pipeline(stages=(stage,), micro_batches=2, micro_batch_sequences=4),))
 
 
 def test_hand_written_per_layer_plan(tmp_path):
@@ -220,7 +220,7 @@ def test_hand_written_two_stage_plan_yaml(tmp_path):
     path.write_text(
         "model: tiny-gpt\nseq_len: 256\nglobal_batch: 8\nschedule: 1f1b\n"
         "pipelines:\n"
-        "- micro_batches: 4\n  micro_batch_size: 2\n  stages:\n"
+        "- micro_batches: 4\n  micro_batch_sequences: 2\n  stages:\n"
         "  - {layers: [0, 2], ranks: [0, 1], strategies: [{dp: 2}]}\n"
         "  - {layers: [2, 4], ranks: [2, 3], strategies: [{tp: 2}]}\n"
     )

@@ -10,7 +10,7 @@ S = Strategy
 
 
 def plan(model: str, stages: list[Stage], pipelines: int = 1, micro_batches: int = 4) -> Plan:
-    pipe = Pipeline(stages=tuple(stages), micro_batches=micro_batches, micro_batch_size=2)
+    pipe = Pipeline(stages=tuple(stages), micro_batches=micro_batches, micro_batch_sequences=2)
     return Plan(model=model, seq_len=64, global_batch=8 * pipelines, pipelines=(pipe,) * pipelines)
 
 

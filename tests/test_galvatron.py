@@ -114,7 +114,7 @@ def test_shipped_gpt_config_with_per_layer_tp_and_sdp():
     assert plan.schedule == "1f1b" and plan.chunks == 1 and plan.precision == "bf16"
     assert plan.global_batch == 64 and plan.seq_len == 2048 and plan.model == GPT27.name
     (pipe,) = plan.pipelines
-    assert (pipe.micro_batches, pipe.micro_batch_size) == (4, 16)
+    assert (pipe.micro_batches, pipe.micro_batch_sequences) == (4, 16)
     first, second = pipe.stages
     assert (first.layers, first.ranks) == ((0, 16), (0, 1, 2, 3))
     assert (second.layers, second.ranks) == ((16, 32), (4, 5, 6, 7))
@@ -129,7 +129,7 @@ def test_shipped_llama_config_with_per_layer_recompute_and_dp_types():
     assert stage.ranks == tuple(range(8)) and stage.layers == (0, 32)
     # dp_types_enc 1x26,0x3,1x3 with default zero2; checkpoint 1x29,0x3.
     assert runs(stage) == [("dp8 tp1 zero3 rc=full", 26), ("dp8 tp1 zero2 rc=full", 3), ("dp8 tp1 zero3", 3)]
-    assert (plan.pipelines[0].micro_batches, plan.pipelines[0].micro_batch_size) == (8, 8)
+    assert (plan.pipelines[0].micro_batches, plan.pipelines[0].micro_batch_sequences) == (8, 8)
 
 
 def test_shipped_3d_config_on_two_nodes():
@@ -137,7 +137,7 @@ def test_shipped_3d_config_on_two_nodes():
     first, second = plan.pipelines[0].stages
     assert first.ranks == tuple(range(8)) and second.ranks == tuple(range(8, 16))
     assert first.strategies == second.strategies == (Strategy(dp=4, tp=2, zero=2),)
-    assert (plan.pipelines[0].micro_batches, plan.pipelines[0].micro_batch_size) == (32, 8)
+    assert (plan.pipelines[0].micro_batches, plan.pipelines[0].micro_batch_sequences) == (32, 8)
 
 
 def test_vocab_layout_that_plait_cannot_express_warns_or_raises():
@@ -322,7 +322,7 @@ def _plans(draw) -> tuple[Plan, object]:
     mbs = per * draw(st.integers(1, 2))
     m = draw(st.integers(1, 8))
     plan = Plan(model=SMALL.name, seq_len=1024, global_batch=m * mbs, schedule=draw(st.sampled_from(["1f1b", "gpipe"])),
-                pipelines=(Pipeline(stages=tuple(stages), micro_batches=m, micro_batch_size=mbs),))
+                pipelines=(Pipeline(stages=tuple(stages), micro_batches=m, micro_batch_sequences=mbs),))
     return plan, cluster
 
 
@@ -341,14 +341,14 @@ def _two_pipelines() -> Plan:
     stage = Stage(layers=(0, 8), ranks=(0, 1, 2, 3), strategies=(Strategy(dp=4),))
     other = Stage(layers=(0, 8), ranks=(4, 5, 6, 7), strategies=(Strategy(dp=4),))
     return Plan(model=SMALL.name, seq_len=1024, global_batch=16,
-                pipelines=(Pipeline(stages=(stage,), micro_batches=2, micro_batch_size=4),
-                           Pipeline(stages=(other,), micro_batches=2, micro_batch_size=4)))
+                pipelines=(Pipeline(stages=(stage,), micro_batches=2, micro_batch_sequences=4),
+                           Pipeline(stages=(other,), micro_batches=2, micro_batch_sequences=4)))
 
 
 def _one_stage(*strategies: Strategy, ranks=tuple(range(8)), **plan_fields) -> Plan:
     stage = Stage(layers=(0, 8), ranks=ranks, strategies=strategies)
     return Plan(model=SMALL.name, seq_len=1024, global_batch=16, **plan_fields,
-                pipelines=(Pipeline(stages=(stage,), micro_batches=2, micro_batch_size=8),))
+                pipelines=(Pipeline(stages=(stage,), micro_batches=2, micro_batch_sequences=8),))
 
 
 @pytest.mark.parametrize("plan, needles", [
@@ -552,7 +552,7 @@ def _t5_plan(model: ModelSpec) -> Plan:
                 pipelines=(Pipeline(stages=(
                     Stage(layers=(0, cut), ranks=tuple(range(8)), strategies=(enc,)),
                     Stage(layers=(cut, model.layers), ranks=tuple(range(8, 16)), strategies=second)),
-                    micro_batches=8, micro_batch_size=4),))
+                    micro_batches=8, micro_batch_sequences=4),))
 
 
 @pytest.mark.parametrize("model", [T5_SMALL, PRESETS["t5-11b"]], ids=["t5-small-inline", "t5-11b"])

@@ -44,7 +44,7 @@ def one_stage_plan(strategies: tuple[Strategy, ...], ranks=tuple(range(8)), mbs:
                    model: ModelSpec = TINY, seq: int = 256, **plan_kw) -> Plan:
     stage = Stage(layers=(0, model.layers), ranks=tuple(ranks), strategies=strategies)
     kw = {"model": model.name, "seq_len": seq, "global_batch": mbs * mb,
-          "pipelines": (Pipeline(stages=(stage,), micro_batches=mb, micro_batch_size=mbs),)}
+          "pipelines": (Pipeline(stages=(stage,), micro_batches=mb, micro_batch_sequences=mbs),)}
     kw.update(plan_kw)
     return Plan(**kw)
 
@@ -58,7 +58,7 @@ def test_megatron_175b_interleaved() -> None:
     assert p.precision == "bf16" and p.overlap_grad_reduce and p.version == PLAN_VERSION
     assert len(p.pipelines) == 1
     pipe = p.pipelines[0]
-    assert pipe.micro_batches == 48 and pipe.micro_batch_size == 48 and pipe.samples == 2304
+    assert pipe.micro_batches == 48 and pipe.micro_batch_sequences == 48 and pipe.samples == 2304
     assert len(pipe.stages) == 16
     for j, stage in enumerate(pipe.stages):
         assert stage.layers == (6 * j, 6 * j + 6) and stage.num_layers == 6
@@ -78,7 +78,7 @@ def test_defaults_infer_dp_and_gbs() -> None:
     pipe = p.pipelines[0]
     s = pipe.stages[0].strategies[0]
     assert (s.tp, s.dp, s.cp, s.sp, s.zero, s.recompute, s.cp_mode) == (2, 2, 1, False, 0, "none", "ulysses")
-    assert pipe.micro_batch_size == 2  # mbs=1 per replica x dp=2
+    assert pipe.micro_batch_sequences == 2  # mbs=1 per replica x dp=2
     assert pipe.micro_batches == 8  # 4 * pp
     assert p.global_batch == 16
     assert p.schedule == "1f1b" and p.chunks == 1 and p.precision == "bf16" and p.overlap_grad_reduce
@@ -99,7 +99,7 @@ def test_all_keys() -> None:
     s = p.pipelines[0].stages[0].strategies[0]
     assert (s.tp, s.cp, s.dp, s.sp, s.zero, s.recompute, s.cp_mode) == (2, 2, 2, True, 3, "selective", "ring")
     assert p.schedule == "gpipe" and p.precision == "fp16" and not p.overlap_grad_reduce
-    assert p.pipelines[0].micro_batch_size == 4 and p.pipelines[0].micro_batches == 4
+    assert p.pipelines[0].micro_batch_sequences == 4 and p.pipelines[0].micro_batches == 4
 
 
 def test_uneven_layer_split_puts_fewer_layers_first() -> None:
@@ -204,15 +204,15 @@ def test_overlapping_ranks_between_stages() -> None:
     st0 = Stage(layers=(0, 2), ranks=(0, 1, 2, 3), strategies=(S(dp=4),))
     st1 = Stage(layers=(2, 4), ranks=(3, 4, 5, 6), strategies=(S(dp=4),))
     p = Plan(model="tiny-gpt", seq_len=256, global_batch=16,
-             pipelines=(Pipeline(stages=(st0, st1), micro_batches=4, micro_batch_size=4),))
+             pipelines=(Pipeline(stages=(st0, st1), micro_batches=4, micro_batch_sequences=4),))
     expect_error(lambda: validate_plan(p, TINY, C8), "rank 3", "stage 0", "stage 1")
 
 
 def test_overlapping_ranks_between_pipelines() -> None:
     a = Pipeline(stages=(Stage(layers=(0, 4), ranks=(0, 1, 2, 3), strategies=(S(dp=4),)),),
-                 micro_batches=1, micro_batch_size=4)
+                 micro_batches=1, micro_batch_sequences=4)
     b = Pipeline(stages=(Stage(layers=(0, 4), ranks=(2, 3, 4, 5), strategies=(S(dp=4),)),),
-                 micro_batches=1, micro_batch_size=4)
+                 micro_batches=1, micro_batch_sequences=4)
     p = Plan(model="tiny-gpt", seq_len=256, global_batch=8, pipelines=(a, b))
     expect_error(lambda: validate_plan(p, TINY, C8), "rank 2", "pipeline 0", "pipeline 1")
 
@@ -221,7 +221,7 @@ def test_layers_must_cover_model() -> None:
     p = one_stage_plan((S(dp=8),))
     short = p.model_copy(update={"pipelines": (Pipeline(
         stages=(Stage(layers=(0, 3), ranks=tuple(range(8)), strategies=(S(dp=8),)),),
-        micro_batches=2, micro_batch_size=8),)})
+        micro_batches=2, micro_batch_sequences=8),)})
     expect_error(lambda: validate_plan(short, TINY, C8), "0..2", "4 layers", "end at 4")
     long = one_stage_plan((S(dp=8),), model=TINY.with_(layers=6))
     expect_error(lambda: validate_plan(long, TINY, C8), "0..5", "4 layers")
@@ -231,10 +231,10 @@ def test_gap_between_stages() -> None:
     st0 = Stage(layers=(0, 1), ranks=(0, 1, 2, 3), strategies=(S(dp=4),))
     st1 = Stage(layers=(2, 4), ranks=(4, 5, 6, 7), strategies=(S(dp=4),))
     p = Plan(model="tiny-gpt", seq_len=256, global_batch=16,
-             pipelines=(Pipeline(stages=(st0, st1), micro_batches=4, micro_batch_size=4),))
+             pipelines=(Pipeline(stages=(st0, st1), micro_batches=4, micro_batch_sequences=4),))
     expect_error(lambda: validate_plan(p, TINY, C8), "stage 1", "layer 2", "expected 1")
     overlap = p.model_copy(update={"pipelines": (Pipeline(
-        stages=(st0.model_copy(update={"layers": (0, 3)}), st1), micro_batches=4, micro_batch_size=4),)})
+        stages=(st0.model_copy(update={"layers": (0, 3)}), st1), micro_batches=4, micro_batch_sequences=4),)})
     expect_error(lambda: validate_plan(overlap, TINY, C8), "layer 2", "expected 3")
 
 
@@ -251,9 +251,9 @@ def test_chunk_ranks_must_repeat_device_groups() -> None:
         Stage(layers=(3, 4), ranks=(0, 1, 2, 3), strategies=(S(dp=4),)),
     )
     p = Plan(model="tiny-gpt", seq_len=256, global_batch=16, schedule="interleaved", chunks=2,
-             pipelines=(Pipeline(stages=stages, micro_batches=4, micro_batch_size=4),))
+             pipelines=(Pipeline(stages=stages, micro_batches=4, micro_batch_sequences=4),))
     expect_error(lambda: validate_plan(p, TINY, C8), "stage 2", "stage 0")
-    three = p.model_copy(update={"pipelines": (Pipeline(stages=stages[:3], micro_batches=4, micro_batch_size=4),)})
+    three = p.model_copy(update={"pipelines": (Pipeline(stages=stages[:3], micro_batches=4, micro_batch_sequences=4),)})
     expect_error(lambda: validate_plan(three, TINY, C8), "3 stages", "chunks=2")
 
 
@@ -262,7 +262,7 @@ def test_hand_written_interleaved_plan_validates() -> None:
     stages = tuple(Stage(layers=(i, i + 1), ranks=g, strategies=(S(dp=2, tp=2),))
                    for i, g in enumerate((g0, g1, g0, g1)))
     p = Plan(model="tiny-gpt", seq_len=256, global_batch=8, schedule="interleaved", chunks=2,
-             pipelines=(Pipeline(stages=stages, micro_batches=4, micro_batch_size=2),))
+             pipelines=(Pipeline(stages=stages, micro_batches=4, micro_batch_sequences=2),))
     validate_plan(p, TINY, C8)
     assert p.pp == 2 and p.ranks == tuple(range(8))
 
@@ -272,7 +272,7 @@ def test_interleaved_micro_batches_hand_written() -> None:
     stages = tuple(Stage(layers=(i, i + 1), ranks=g, strategies=(S(dp=4),))
                    for i, g in enumerate((g0, g1, g0, g1)))
     p = Plan(model="tiny-gpt", seq_len=256, global_batch=12, schedule="interleaved", chunks=2,
-             pipelines=(Pipeline(stages=stages, micro_batches=3, micro_batch_size=4),))
+             pipelines=(Pipeline(stages=stages, micro_batches=3, micro_batch_sequences=4),))
     expect_error(lambda: validate_plan(p, TINY, C8), "(3)", "(2)")
 
 
@@ -281,7 +281,7 @@ def test_chunks_without_interleaved_hand_written() -> None:
     stages = tuple(Stage(layers=(i, i + 1), ranks=g, strategies=(S(dp=4),))
                    for i, g in enumerate((g0, g1, g0, g1)))
     p = Plan(model="tiny-gpt", seq_len=256, global_batch=16, schedule="gpipe", chunks=2,
-             pipelines=(Pipeline(stages=stages, micro_batches=4, micro_batch_size=4),))
+             pipelines=(Pipeline(stages=stages, micro_batches=4, micro_batch_sequences=4),))
     expect_error(lambda: validate_plan(p, TINY, C8), "chunks=2", "'interleaved'")
 
 
@@ -325,11 +325,11 @@ def test_malleus_two_different_pipelines_one_device_left_out() -> None:
     fast = Pipeline(stages=(
         Stage(layers=(0, 1), ranks=(0, 1), strategies=(S(dp=2),)),
         Stage(layers=(1, 4), ranks=(2, 3), strategies=(S(tp=2),)),
-    ), micro_batches=4, micro_batch_size=2)
+    ), micro_batches=4, micro_batch_sequences=2)
     slow = Pipeline(stages=(
         Stage(layers=(0, 3), ranks=(4, 5), strategies=(S(tp=2, sp=True),)),
         Stage(layers=(3, 4), ranks=(6,), strategies=(S(),)),
-    ), micro_batches=3, micro_batch_size=2)
+    ), micro_batches=3, micro_batch_sequences=2)
     p = Plan(model="tiny-gpt", seq_len=256, global_batch=14, pipelines=(fast, slow))
     validate_plan(p, TINY, C8.with_slow({7: 4.0}))
     assert p.ranks == (0, 1, 2, 3, 4, 5, 6)  # rank 7 (the straggler) is left out
@@ -508,7 +508,7 @@ def test_uniform_plan_property(case) -> None:
     validate_plan(p, model, cluster)
     pipe = p.pipelines[0]
     assert len(pipe.stages) == pp * vpp and p.pp == pp and p.chunks == vpp
-    assert pipe.micro_batches == micro and pipe.micro_batch_size == mbs * dp
+    assert pipe.micro_batches == micro and pipe.micro_batch_sequences == mbs * dp
     assert p.ranks == tuple(range(cluster.world_size))
     assert [s.layers[0] for s in pipe.stages[1:]] == [s.layers[1] for s in pipe.stages[:-1]]
     assert pipe.stages[-1].layers[1] == model.layers
@@ -534,3 +534,28 @@ def test_saved_plan_has_normal_permissions(tmp_path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+
+
+# ---- plan file versions -----------------------------------------------------------------------------
+
+def test_version_1_plans_are_migrated_when_read(tmp_path: Path) -> None:
+    plan = uniform_plan("dp=2,tp=2,mbs=2,gbs=16", PRESETS["tiny-llama"], load_cluster("1x4xA100-80GB"), 64)
+    old = json.loads(plan.model_dump_json())
+    old["version"] = 1
+    for pipe in old["pipelines"]:
+        pipe["micro_batch_size"] = pipe.pop("micro_batch_sequences")
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(old))
+    read = load_plan(path)
+    assert read == plan and read.version == plan_mod.PLAN_VERSION
+    assert read.pipelines[0].micro_batch_sequences == 4  # mbs=2 per replica x dp=2
+    assert read.pipelines[0].per_replica(read.pipelines[0].stages[0].strategies[0]) == 2
+
+
+def test_newer_plans_are_refused_in_one_line(tmp_path: Path) -> None:
+    plan = uniform_plan("dp=2,gbs=4", PRESETS["tiny-llama"], load_cluster("1x2xA100-80GB"), 64)
+    raw = json.loads(plan.model_dump_json())
+    raw["version"] = plan_mod.PLAN_VERSION + 1
+    path = tmp_path / "future.json"
+    path.write_text(json.dumps(raw))
+    expect_error(lambda: load_plan(path), f"version {plan_mod.PLAN_VERSION + 1}", "upgrade plait")

@@ -137,11 +137,11 @@ FOUR_RANKS = [
 
 
 def _plan(stages: list[tuple[tuple[int, int], tuple[int, ...], tuple[Strategy, ...]]], micro_batches: int,
-          micro_batch_size: int, schedule: str = "1f1b", chunks: int = 1) -> Plan:
-    return Plan(model="tiny-llama", seq_len=SEQ, global_batch=micro_batches * micro_batch_size, schedule=schedule,
+          micro_batch_sequences: int, schedule: str = "1f1b", chunks: int = 1) -> Plan:
+    return Plan(model="tiny-llama", seq_len=SEQ, global_batch=micro_batches * micro_batch_sequences, schedule=schedule,
                 chunks=chunks, precision="fp32",
                 pipelines=(Pipeline(stages=tuple(Stage(layers=lay, ranks=r, strategies=s) for lay, r, s in stages),
-                                    micro_batches=micro_batches, micro_batch_size=micro_batch_size),))
+                                    micro_batches=micro_batches, micro_batch_sequences=micro_batch_sequences),))
 
 
 S = Strategy
@@ -166,7 +166,7 @@ def _pipelines(model: str, pipes: list[tuple[list[tuple[tuple[int, int], tuple[i
                ) -> Plan:
     """A plan of several pipelines: (stages as (layers, ranks, strategy), micro-batches, micro-batch size)."""
     pipelines = tuple(Pipeline(stages=tuple(Stage(layers=lay, ranks=r, strategies=(s,)) for lay, r, s in stages),
-                               micro_batches=m, micro_batch_size=b) for stages, m, b in pipes)
+                               micro_batches=m, micro_batch_sequences=b) for stages, m, b in pipes)
     return Plan(model=model, seq_len=SEQ, global_batch=sum(p.samples for p in pipelines), precision="fp32",
                 pipelines=pipelines)
 

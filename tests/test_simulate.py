@@ -113,7 +113,7 @@ def _layered_plan() -> Plan:
         [Strategy(dp=4, tp=2, recompute="full")] * 10
     stage = Stage(layers=(0, 40), ranks=tuple(range(8)), strategies=tuple(strategies))
     return Plan(model=GPT13.name, seq_len=2048, global_batch=16,
-                pipelines=(Pipeline(stages=(stage,), micro_batches=2, micro_batch_size=8),))
+                pipelines=(Pipeline(stages=(stage,), micro_batches=2, micro_batch_sequences=8),))
 
 
 def test_per_layer_strategies_pay_for_relayout() -> None:
@@ -127,7 +127,7 @@ def _two_stages(first: Strategy, second: Strategy) -> Plan:
     stages = (Stage(layers=(0, 20), ranks=tuple(range(4)), strategies=(first,)),
               Stage(layers=(20, 40), ranks=tuple(range(4, 8)), strategies=(second,)))
     return Plan(model=GPT13.name, seq_len=2048, global_batch=32,
-                pipelines=(Pipeline(stages=stages, micro_batches=8, micro_batch_size=4),))
+                pipelines=(Pipeline(stages=stages, micro_batches=8, micro_batch_sequences=4),))
 
 
 def test_stages_laid_out_differently_pay_for_relayout_where_they_meet() -> None:
@@ -148,10 +148,10 @@ def test_non_uniform_pipelines_wait_for_the_slowest() -> None:
     s = Strategy(tp=2)
     fast = Pipeline(stages=(Stage(layers=(0, 20), ranks=(0, 1), strategies=(s,)),
                             Stage(layers=(20, 40), ranks=(2, 3), strategies=(s,))), micro_batches=10,
-                    micro_batch_size=1)
+                    micro_batch_sequences=1)
     slow = Pipeline(stages=(Stage(layers=(0, 25), ranks=(4, 5), strategies=(s,)),
                             Stage(layers=(25, 40), ranks=(6, 7), strategies=(s,))), micro_batches=6,
-                    micro_batch_size=1)
+                    micro_batch_sequences=1)
     plan = Plan(model=GPT13.name, seq_len=2048, global_batch=16, pipelines=(fast, slow))
     cluster = dgx(2, 8, "A100-80GB")
     r = simulate(plan, GPT13, cluster)

@@ -139,7 +139,7 @@ def _two_stage(cut: int, layers: int = 8) -> Plan:
     s = (Strategy(),)
     return Plan(model="m", seq_len=8, global_batch=4, precision="fp32", pipelines=(Pipeline(
         stages=(Stage(layers=(0, cut), ranks=(0,), strategies=s), Stage(layers=(cut, layers), ranks=(1,), strategies=s)),
-        micro_batches=4, micro_batch_size=1),))
+        micro_batches=4, micro_batch_sequences=1),))
 
 
 def test_moved_layers_and_their_migration_time() -> None:
@@ -160,10 +160,10 @@ def test_a_change_of_zero_sharding_moves_state_too() -> None:
     spec = load_model("llama:layers=4,hidden=128,heads=4,kv_heads=2,ffn=384,vocab=512")
     sharded = Plan(model=spec.name, seq_len=8, global_batch=4, precision="fp32", pipelines=(Pipeline(
         stages=(Stage(layers=(0, 4), ranks=(0, 1), strategies=(Strategy(dp=2, zero=3),)),),
-        micro_batches=2, micro_batch_size=2),))
+        micro_batches=2, micro_batch_sequences=2),))
     replicas = Plan(model=spec.name, seq_len=8, global_batch=4, precision="fp32", pipelines=tuple(
         Pipeline(stages=(Stage(layers=(0, 4), ranks=(r,), strategies=(Strategy(zero=1),)),), micro_batches=2,
-                 micro_batch_size=1) for r in (0, 1)))
+                 micro_batch_sequences=1) for r in (0, 1)))
     assert moved_layers(sharded, sharded) == 0
     assert moved_layers(sharded, replicas) == 8
     fp32, c = PRECISIONS["fp32"], dgx(1, 2, "A100-80GB")

@@ -186,7 +186,7 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
     another, see `layer_types`). One pipeline; stage k is blocks pp_division[k] on ranks
     [k*W/pp, (k+1)*W/pp) in ascending order; each block gets dp = W/pp/tp, tp, (use_sp: cp = that degree,
     Ulysses, instead of tp), zero from dp_types and default_dp_type, recompute full where checkpoint = 1;
-    micro_batches = chunks, micro_batch_size = global_bsz / chunks; schedule 1f1b for pipedream_flush,
+    micro_batches = chunks, micro_batch_sequences = global_bsz / chunks; schedule 1f1b for pipedream_flush,
     gpipe for gpipe. Blocks of a stage that all share one strategy are stored as a single strategy.
 
     `precision`: bf16/fp16/fp32, default from the file name's `_bf16`-style token, else bf16.
@@ -270,7 +270,7 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
     plan = Plan(model=model.name, seq_len=seq_len, global_batch=global_bsz,
                 schedule=_SCHEDULES[pipeline_type], precision=precision,  # type: ignore[arg-type]
                 pipelines=(Pipeline(stages=tuple(stages), micro_batches=chunks,
-                                    micro_batch_size=global_bsz // chunks),))
+                                    micro_batch_sequences=global_bsz // chunks),))
     validate_plan(plan, model, cluster)
     vocab_tp, vocab_cp = (1, vtp) if vsp else (vtp, 1)
     note = _vocab_mismatch(plan, vocab_tp, vocab_cp, 3 if embed_sdp else _DP_TYPES[dp_type])

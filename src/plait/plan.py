@@ -34,7 +34,10 @@ from plait.spec.model import ModelSpec, Recompute
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["bf16", "fp16", "fp32"]
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+"""Version of the plan file. 2: a pipeline's micro-batch is `micro_batch_sequences` (version 1 called it
+`micro_batch_size`, which the --strategy shorthand's `mbs`, sequences per data-parallel replica, did not
+mean)."""
 
 
 class Strategy(BaseModel):
@@ -120,17 +123,40 @@ class Pipeline(BaseModel):
 
     stages: tuple[Stage, ...] = Field(min_length=1)
     micro_batches: int = Field(ge=1, description="micro-batches per iteration")
-    micro_batch_size: int = Field(ge=1, description="sequences per micro-batch, split over each layer's dp")
+    micro_batch_sequences: int = Field(ge=1, description="sequences per micro-batch of the whole pipeline, split "
+                                                       "over each layer's data-parallel replicas")
 
     @property
     def samples(self) -> int:
-        return self.micro_batches * self.micro_batch_size
+        return self.micro_batches * self.micro_batch_sequences
+
+    def per_replica(self, s: Strategy) -> int:
+        """Sequences per micro-batch on one data-parallel replica of a layer of strategy `s` (the `mbs` of
+        the --strategy shorthand)."""
+        return self.micro_batch_sequences // s.dp
 
 
 class Plan(BaseModel):
     """A complete parallel execution plan for one training iteration."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, raw: object) -> object:
+        """Plans of older versions read as this version's; newer ones are refused."""
+        if not isinstance(raw, dict):
+            return raw
+        version = raw.get("version", 1)
+        if not isinstance(version, int) or version < 1:
+            raise ValueError(f"version must be a positive integer, got {version!r}")
+        if version > PLAN_VERSION:
+            raise ValueError(f"plan version {version} is newer than this plait reads ({PLAN_VERSION}); upgrade plait")
+        if version == 1:
+            raw = {**raw, "version": PLAN_VERSION, "pipelines": [
+                {("micro_batch_sequences" if k == "micro_batch_size" else k): v for k, v in p.items()}
+                if isinstance(p, dict) else p for p in raw.get("pipelines", [])]}
+        return raw
 
     version: int = PLAN_VERSION
     model: str = Field(description="name of the model the plan was made for")
@@ -241,7 +267,7 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
             for layer in range(*stage.layers):  # each distinct (strategy, layer shape) once, in layer order
                 seen.setdefault((stage.strategy(layer), model.stack[layer]), layer)
             for (strategy, block), layer in seen.items():
-                _validate_strategy(strategy, block, len(stage.ranks), pipe.micro_batch_size, plan,
+                _validate_strategy(strategy, block, len(stage.ranks), pipe.micro_batch_sequences, plan,
                                    f"{sw} layer {layer} ({block.kind})")
         if expected != model.layers:
             raise PlaitError(f"{where} covers layers 0..{expected - 1} but {model.name} has {model.layers} "
@@ -249,7 +275,7 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
         samples += pipe.samples
     if samples != plan.global_batch:
         raise PlaitError(f"pipelines process {samples} sequences per step but global_batch is "
-                         f"{plan.global_batch}; micro_batches x micro_batch_size must add up to it")
+                         f"{plan.global_batch}; micro_batches x micro_batch_sequences must add up to it")
 
 
 def _validate_ranks(ranks: tuple[int, ...], used: dict[int, str], where: str, cluster: Cluster) -> None:
@@ -396,6 +422,6 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     plan = Plan(model=model.name, seq_len=seq_len, global_batch=gbs, schedule=schedule, chunks=vpp,  # type: ignore[arg-type]
                 precision=precision, overlap_grad_reduce=_bool(d, "overlap", True),  # type: ignore[arg-type]
                 pipelines=(Pipeline(stages=tuple(stages), micro_batches=gbs // (mbs * dp),
-                                    micro_batch_size=mbs * dp),))
+                                    micro_batch_sequences=mbs * dp),))
     validate_plan(plan, model, cluster)
     return plan

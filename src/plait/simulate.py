@@ -170,11 +170,14 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     priced: list[tuple[LayerCost, int, Strategy, int]] = []
     kinds: list[str] = []
     buffers = 0.0
-    prev = pipe.stages[stage_index - 1].strategies[-1] if stage_index > 0 else None  # what arrives
+    before = pipe.stages[stage_index - 1] if stage_index > 0 else None
+    # What arrives, when a stage of as many ranks sends it rank by rank; between stages of different sizes
+    # the send itself moves the pieces.
+    prev = before.strategies[-1] if before is not None and len(before.ranks) == len(stage.ranks) else None
     stage_group = GroupShape.of(stage.ranks, cluster.gpus_per_node)
 
     def context(s: Strategy, layer: int) -> BlockContext:
-        return BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.micro_batch_size // s.dp, s,
+        return BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.per_replica(s), s,
                                       stage.ranks, _dp_ranks(plan, layer, s, stage.ranks))
 
     for s, block, count, layer in layer_runs(stage, model):
@@ -196,7 +199,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
             # Re-layout of the hidden state between differing strategies (or from the previous stage's):
             # one exchange over the stage each way (plait.layout); the backward moves the gradient back.
             a, b = Layout.of(prev), Layout.of(s)
-            moved = carried_bytes(model, layer, pipe.micro_batch_size, plan.seq_len, prec)
+            moved = carried_bytes(model, layer, pipe.micro_batch_sequences, plan.seq_len, prec)
             f = comm.exchange(received_fraction(a, b) * moved, stage_group, cluster, cal)
             g = comm.exchange(received_fraction(b, a) * moved, stage_group, cluster, cal)
             fwd += f
@@ -222,7 +225,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     send = 0.0
     if not last:
         nxt = pipe.stages[stage_index + 1]
-        moved = carried_bytes(model, stage.layers[1], pipe.micro_batch_size, plan.seq_len, prec)
+        moved = carried_bytes(model, stage.layers[1], pipe.micro_batch_sequences, plan.seq_len, prec)
         piece = moved / (last_s.dp * Layout.of(last_s).token_parts)  # each rank sends its own piece
         cross = comm.nodes_of(stage.ranks, cluster.gpus_per_node) != comm.nodes_of(nxt.ranks, cluster.gpus_per_node)
         send = comm.p2p(piece, cross, cluster, cal)
@@ -263,7 +266,7 @@ def _shared_core_relief(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Cal
                  for pipe, res in zip(plan.pipelines, results, strict=True) for d in range(res.devices))
     busy = 1.0 + (measured.ranks_per_node - 1) * min(1.0, busy_s / (span * cluster.world_size))
     first = plan.pipelines[0].stages[0].strategy(plan.pipelines[0].stages[0].layers[0])
-    tokens = plan.pipelines[0].micro_batch_size // first.dp * plan.seq_len
+    tokens = plan.pipelines[0].per_replica(first) * plan.seq_len
     full = measured.contention(model.name, tokens, plan.seq_len)
     return min(1.0, measured.contention_at(model.name, tokens, plan.seq_len, busy) / full) if full > 0 else 1.0
 

@@ -263,7 +263,7 @@ class _Config:
                 start += n_layers
         return Plan(model=self.model.name, seq_len=self.seq_len, global_batch=self.global_batch,
                     schedule=self.schedule, chunks=self.chunks, precision=self.precision,  # type: ignore[arg-type]
-                    pipelines=(Pipeline(stages=tuple(stages), micro_batches=self.m, micro_batch_size=self.mb),))
+                    pipelines=(Pipeline(stages=tuple(stages), micro_batches=self.m, micro_batch_sequences=self.mb),))
 
 
 def _memory_balanced(cfg: _Config, capacity: float) -> list[int]:

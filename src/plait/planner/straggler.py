@@ -409,7 +409,7 @@ def _assemble(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: Precis
         for u, n in zip(units_p, counts):
             stages.append(Stage(layers=(start, start + n), ranks=u.ranks, strategies=(strategy_of[u.tp],)))
             start += n
-        pipelines.append(Pipeline(stages=tuple(stages), micro_batches=m, micro_batch_size=t.mbs))
+        pipelines.append(Pipeline(stages=tuple(stages), micro_batches=m, micro_batch_sequences=t.mbs))
     plan = Plan(model=model.name, seq_len=seq_len, global_batch=global_batch, precision=precision,  # type: ignore[arg-type]
                 pipelines=tuple(pipelines))
     estimate = max(a * m + b for a, b, m in zip(slopes, intercepts, micro) if m) + \
@@ -440,7 +440,7 @@ def _current_degrees(plan: Plan) -> tuple:
     """The current plan's degrees in template terms (first pipeline's first stage and layer)."""
     pipe = plan.pipelines[0]
     s = pipe.stages[0].strategies[0]
-    return (s.tp, len(pipe.stages) // plan.chunks, pipe.micro_batch_size // s.dp, s.recompute,
+    return (s.tp, len(pipe.stages) // plan.chunks, pipe.per_replica(s), s.recompute,
             min(s.zero, 1) if s.dp > 1 or len(plan.pipelines) > 1 else 0)
 
 

@@ -269,7 +269,7 @@ class Adaptive:
             probe = Plan(model=plan.model, seq_len=plan.seq_len, global_batch=1, precision=plan.precision,
                          pipelines=(Pipeline(stages=(Stage(layers=(0, self.spec.layers), ranks=(0,),
                                                            strategies=(Strategy(),)),),
-                                             micro_batches=1, micro_batch_size=1),))
+                                             micro_batches=1, micro_batch_sequences=1),))
             probe_s = sum(simulate(probe, self.spec, self.cluster, cal=self.cal, validate=False).devices[0].parts.get(k, 0.0)
                           for k in BUSY_PARTS)
             used = set(plan.ranks)

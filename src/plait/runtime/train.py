@@ -252,9 +252,9 @@ class Placed:
         pipe = plan.pipelines[where.pipeline]
         offset = sum(p.samples for p in plan.pipelines[: where.pipeline])
         sl = where.output_segment.sequence_slice(plan.seq_len) or (0, plan.seq_len)
-        return (range(offset, offset + pipe.samples, pipe.micro_batch_size),
-                where.input_segment.batch_rows(pipe.micro_batch_size),
-                where.output_segment.batch_rows(pipe.micro_batch_size), sl)
+        return (range(offset, offset + pipe.samples, pipe.micro_batch_sequences),
+                where.input_segment.batch_rows(pipe.micro_batch_sequences),
+                where.output_segment.batch_rows(pipe.micro_batch_sequences), sl)
 
 
 def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeClock | None = None,
