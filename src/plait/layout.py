@@ -19,6 +19,7 @@ from functools import cache, lru_cache
 from math import gcd, lcm
 
 from plait.plan import Strategy
+from plait.spec.degrees import Degrees
 
 
 @dataclass(frozen=True, order=True)
@@ -40,7 +41,7 @@ class Layout:
 
     def coords(self, position: int) -> tuple[int, int, int]:
         """(dp, cp, tp) coordinates of a position in the stage's rank list."""
-        return position // (self.tp * self.cp), (position // self.tp) % self.cp, position % self.tp
+        return Degrees(dp=self.dp, tp=self.tp, cp=self.cp).coords(position)
 
     @property
     def token_parts(self) -> int:

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from plait.errors import PlaitError
 from plait.spec.cluster import Cluster
+from plait.spec.degrees import Degrees
 from plait.spec.layers import Block
 from plait.spec.model import ModelSpec, Recompute
 
@@ -53,6 +54,11 @@ class Strategy(BaseModel):
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage over the dp group: 0 none, 1 optimizer, "
                                                   "2 +gradients, 3 +parameters (FSDP)")
     recompute: Recompute = "none"
+
+    @property
+    def degrees(self) -> Degrees:
+        """The layer's degrees over its stage (the one object that gives coordinates and groups)."""
+        return Degrees(dp=self.dp, tp=self.tp, cp=self.cp)
 
     @property
     def devices(self) -> int:

@@ -128,15 +128,14 @@ class Report:
 def _dp_ranks(plan: Plan, layer: int, s: Strategy, ranks: tuple[int, ...]) -> tuple[int, ...]:
     """Ranks holding the same shard of `layer` (tp coordinate 0: every dp and cp coordinate, since context
     parallel ranks hold the same weights and reduce their gradients too) across every pipeline."""
-    own = ranks[:: s.tp]
+    own = s.degrees.group(ranks, "data")
     if len(plan.pipelines) == 1:
         return own
     out: list[int] = []
     for pipe in plan.pipelines:
         for st in pipe.stages:
             if st.layers[0] <= layer < st.layers[1]:
-                other = st.strategy(layer)
-                out.extend(st.ranks[:: other.tp])
+                out.extend(st.strategy(layer).degrees.group(st.ranks, "data"))
     return tuple(out)
 
 

@@ -71,9 +71,9 @@ class BlockContext:
                   seqs: int, s: Strategy, ranks: tuple[int, ...], dp_ranks: tuple[int, ...]) -> BlockContext:
         """The context of strategy `s` on a stage's `ranks` (Megatron order: tp fastest, then cp, then dp);
         `dp_ranks` are the ranks sharing its weights."""
-        gpn = cluster.gpus_per_node
-        tp_group = GroupShape.of(ranks[: s.tp], gpn) if s.tp > 1 else comm.SINGLE
-        cp_group = GroupShape.of(ranks[: s.tp * s.cp: s.tp], gpn) if s.cp > 1 else comm.SINGLE
+        gpn, d = cluster.gpus_per_node, s.degrees
+        tp_group = GroupShape.of(d.group(ranks, "tp"), gpn) if s.tp > 1 else comm.SINGLE
+        cp_group = GroupShape.of(d.group(ranks, "cp"), gpn) if s.cp > 1 else comm.SINGLE
         dp_group = GroupShape.of(dp_ranks, gpn) if len(dp_ranks) > 1 else comm.SINGLE
         return BlockContext(model, cluster, cal, prec, seq_len, seqs, tp_group, cp_group, dp_group)
 

@@ -150,7 +150,7 @@ class _Config:
     def _context(self, s: Strategy) -> BlockContext:
         ranks = tuple(range(self.n))
         return BlockContext.for_ranks(self.model, self.cluster, self.cal, self.prec, self.seq_len, self.mb // s.dp,
-                                      s, ranks, ranks[:: s.tp])
+                                      s, ranks, s.degrees.group(ranks, "data"))
 
     def _price(self, block: Block, s: Strategy) -> _Priced:
         c = price(block, s, self._context(s))

@@ -19,6 +19,7 @@ from plait.errors import PlaitError
 from plait.executable import unsupported
 from plait.layout import Layout
 from plait.plan import Plan, Strategy
+from plait.spec.degrees import MESH_DIMS, Degrees
 from plait.spec.model import ModelSpec
 
 
@@ -134,14 +135,14 @@ class _Groups:
             self.groups[key] = dist.new_group(list(key)) if len(key) > 1 else None
         return self.groups[key]
 
-    def mesh(self, ranks: tuple[int, ...], layout: Layout) -> DeviceMesh:
-        key = (ranks, layout.dp, layout.cp, layout.tp)
+    def mesh(self, ranks: tuple[int, ...], degrees: Degrees) -> DeviceMesh:
+        key = (ranks, degrees)
         if key not in self.meshes:
-            grid = torch.tensor(ranks).view(layout.dp, layout.cp, layout.tp)
+            grid = torch.tensor(ranks).view(*degrees.mesh_shape)
             self.meshes[key] = DeviceMesh("cuda" if torch.cuda.is_available() else "cpu", grid,
-                                          mesh_dim_names=("dp", "cp", "tp"))
-            for i in range(layout.tp):  # the dp x cp groups that share a weight shard
-                self.group(ranks[i::layout.tp])
+                                          mesh_dim_names=MESH_DIMS)
+            for i in range(degrees.tp):  # the dp x cp groups that share a weight shard
+                self.group(degrees.group(ranks, "data", i))
         return self.meshes[key]
 
 
@@ -179,11 +180,11 @@ def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: 
     for j, stage in enumerate(pipe.stages):
         segments = []
         for layers, strategy in _segments(stage.layers, stage.layer_strategies()):
-            layout = Layout.of(strategy)
-            mesh = groups.mesh(stage.ranks, layout)
+            degrees = strategy.degrees
+            mesh = groups.mesh(stage.ranks, degrees)
             if rank in stage.ranks:
                 position = stage.ranks.index(rank)
-                replica = groups.group(stage.ranks[position % layout.tp::layout.tp])
+                replica = groups.group(degrees.group(stage.ranks, "data", position))
                 segments.append(Segment(layers, strategy, position, mesh, replica))
         stage_group = groups.group(stage.ranks)
         if rank in stage.ranks:
