@@ -32,9 +32,9 @@ from rich.table import Table
 from scipy.stats import spearmanr
 
 from plait.cost.measured import calibrate, profiled_cluster
+from plait.cost.profile_file import load_profile
 from plait.plan import Pipeline, Plan, Stage, Strategy, uniform_plan, write_atomically
 from plait.planner.engine import search
-from plait.profile.schema import load_profile
 from plait.simulate import simulate
 from plait.spec.model import load_model
 

@@ -16,9 +16,7 @@ from plait.cost.head import head_time
 from plait.cost.layer import BlockContext, block_activation_bytes, block_time
 from plait.cost.measured import calibrate, profiled_cluster
 from plait.cost.precision import PRECISIONS
-from plait.errors import PlaitError
-from plait.plan import Strategy, uniform_plan
-from plait.profile.schema import (
+from plait.cost.profile_file import (
     PROFILE_VERSION,
     CollectiveCurve,
     Curve,
@@ -30,6 +28,8 @@ from plait.profile.schema import (
     StrategyProfile,
     load_profile,
 )
+from plait.errors import PlaitError
+from plait.plan import Strategy, uniform_plan
 from plait.simulate import simulate
 from plait.spec.cluster import dgx
 from plait.spec.model import PRESETS

@@ -8,6 +8,7 @@ import time
 import pytest
 from helpers import expect_error
 
+from plait.cost.profile_file import CollectiveSample
 from plait.profile.collectives import (
     ERROR_PREFIX,
     GROUP_OPS,
@@ -20,7 +21,6 @@ from plait.profile.collectives import (
     planned_items,
     run_job,
 )
-from plait.profile.schema import CollectiveSample
 
 SIZES = [4096 * 4**i for i in range(7)]  # 4 KiB .. 16 MiB
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from helpers import expect_error
 
+from plait.cost.profile_file import EdgeProfile, LayerProfile
 from plait.profile.layers import fit_curve, measure_layers
-from plait.profile.schema import EdgeProfile, LayerProfile
 from plait.runtime.memory import resident_bytes
 from plait.spec.model import ModelSpec, load_model
 

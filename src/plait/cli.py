@@ -64,7 +64,7 @@ def load_inputs(model: str, cluster: str, memory_gib: float | None, slow: str | 
     cal = None
     if profile is not None:
         from plait.cost.measured import calibrate, profiled_cluster
-        from plait.profile.schema import load_profile
+        from plait.cost.profile_file import load_profile
 
         if galvatron_profile:
             raise PlaitError("give one of --profile or --galvatron-profile")
@@ -794,7 +794,7 @@ def train_cmd(
 
             parse_injections(inject_slow, world)
         if profile is not None:
-            from plait.profile.schema import load_profile
+            from plait.cost.profile_file import load_profile
 
             load_profile(profile)
         if hf_checkpoint is not None and not any(hf_checkpoint.glob("*.safetensors")):

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from plait.cost.calibration import Calibration, calibration_for
-from plait.errors import PlaitError
-from plait.profile.schema import (
+from plait.cost.profile_file import (
     CollectiveCurve,
     Curve,
     EdgeProfile,
@@ -26,6 +25,7 @@ from plait.profile.schema import (
     Profile,
     StrategyProfile,
 )
+from plait.errors import PlaitError
 from plait.spec.cluster import GPU, Cluster, Link
 
 
@@ -197,7 +197,7 @@ def local_cost(profile_path: str | None, world: int) -> tuple[Cluster, Calibrati
     from plait.spec.cluster import local_ranks
 
     if profile_path:
-        from plait.profile.schema import load_profile
+        from plait.cost.profile_file import load_profile
 
         profile = load_profile(profile_path)
         return calibrate(profile, profiled_cluster(profile, f"1x{world}x{profile.device.gpu_type}"))

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from plait.cost.profile_file import CollectiveCurve, CollectiveSample, Overlap, StrategyProfile
 from plait.errors import PlaitError
-from plait.profile.schema import CollectiveCurve, CollectiveSample, Overlap, StrategyProfile
 from plait.spec.model import ModelSpec
 
 PROGRESS_PREFIX = "plait-collectives-progress"

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from plait.profile.schema import Device
+from plait.cost.profile_file import Device
 
 GEMM_SIZE = 1024
 """Edge of the square fp32 GEMM whose rate stands for the device's peak (large enough to be compute bound)."""

@@ -66,9 +66,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from plait.cost.profile_file import Curve, EdgeProfile, LayerProfile, LayerSample
 from plait.errors import PlaitError
 from plait.models import build_model
-from plait.profile.schema import Curve, EdgeProfile, LayerProfile, LayerSample
 from plait.runtime.parallelize import apply_ac
 from plait.spec.model import ModelSpec
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 from scipy.optimize import nnls
 
-from plait.profile.schema import OptimizerCurve
+from plait.cost.profile_file import OptimizerCurve
 from plait.spec.model import ModelSpec
 
 BLOCKS = (1, 2, 4)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from plait.cost.profile_file import Profile
 from plait.errors import PlaitError
-from plait.profile.schema import Profile
 from plait.spec.model import ModelSpec
 
 Progress = Callable[[str, int, int], None]

@@ -28,9 +28,9 @@ import statistics
 import time
 from dataclasses import replace
 
+from plait.cost.profile_file import EdgeProfile, LayerSample, StrategyKind, StrategyProfile
 from plait.profile.layers import BASE_LAYERS, EXTRA_LAYERS, SEED, fit_curves
 from plait.profile.optimizer import fit_optimizer
-from plait.profile.schema import EdgeProfile, LayerSample, StrategyKind, StrategyProfile
 from plait.spec.model import ModelSpec
 
 KINDS: tuple[StrategyKind, ...] = ("tp", "tp_sp", "cp", "zero3")
@@ -180,7 +180,7 @@ def _parallel_model(spec: ModelSpec, name: str, kind: str, group_mesh, device):
     """Model `name` (see SMALL/LARGE) of seeded weights, parallelised over `group_mesh` as the runtime does."""
     from plait.models import build_model
     from plait.runtime.parallelize import apply_cp, apply_dp, apply_tp
-    from plait.runtime.train import _gradient_sync
+    from plait.runtime.train import set_gradient_sync
 
     layers = BASE_LAYERS + EXTRA_LAYERS if name == LARGE else BASE_LAYERS
     model = build_model(replace(spec, layers=layers), device=device, seed=SEED)
@@ -196,7 +196,7 @@ def _parallel_model(spec: ModelSpec, name: str, kind: str, group_mesh, device):
         apply_cp(model, group_mesh.get_group(), names)  # the embedding's sequence slice is set per run
     elif kind == "zero3":
         apply_dp(model, group_mesh, zero=3, hand_sync=False)
-        _gradient_sync(model, False)  # the runtime reduces gradients after the last micro-batch only
+        set_gradient_sync(model, False)  # the runtime reduces gradients after the last micro-batch only
     return model.train()
 
 
@@ -204,7 +204,7 @@ def _run(spec: ModelSpec, model, name: str, kind: str, g: int, position: int, po
     """(forward() -> output, backward(output), inputs requiring grad) of one model on one micro-batch."""
     import torch
 
-    from plait.runtime.train import _loss
+    from plait.runtime.train import token_loss
 
     seqs, seq_len = point
     local = seq_len // g if kind in ("tp_sp", "cp") else seq_len
@@ -223,7 +223,7 @@ def _run(spec: ModelSpec, model, name: str, kind: str, g: int, position: int, po
         if kind == "cp":
             model.sequence_slice = sliced
         out = model(tokens)
-        return _loss(out, targets) if name == "B" else out
+        return token_loss(out, targets) if name == "B" else out
 
     def backward(out) -> None:
         out.backward() if name == "B" else out.backward(grad)
@@ -238,12 +238,12 @@ def _time_optimizer(model, run, kind: str, repeats: int, group, device) -> tuple
     from torch.distributed.tensor import DTensor
 
     from plait.profile.collectives_worker import _barrier, _sync
-    from plait.runtime.train import _gradient_sync, clip_grads
+    from plait.runtime.train import clip_grads, set_gradient_sync
 
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     if kind == "zero3":
-        _gradient_sync(model, True)
+        set_gradient_sync(model, True)
     seconds = []
     for rep in range(1 + repeats):
         forward, backward, _ = run

@@ -147,7 +147,8 @@ def _replica_sync(chunks: list[torch.nn.Module], where: Placement, plan: Plan, l
     return [GradientSync(params, group, weight) for group, params in by_group.items()]
 
 
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every token of a micro-batch (logits [B, T, V], targets [B, T])."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -202,7 +203,7 @@ def _shard_grads_like_params(params: list[torch.nn.Parameter]) -> None:
             p.grad = g.redistribute(placements=p.placements)
 
 
-def _gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
     """Turn the data-parallel gradient reduction of every FSDP unit (or of `replicate`) on or off."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
@@ -223,9 +224,9 @@ def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro
     device = torch.device("cpu")
     stages = [PipelineStage(m, c.index, n_stages, device, group=where.pp_group) for m, c in zip(chunks, where.chunks)]
     if plan.schedule == "interleaved" and plan.chunks > 1:
-        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=_loss), stages
+        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=token_loss), stages
     kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
-    return kind(stages[0], micro_batches, loss_fn=_loss), stages
+    return kind(stages[0], micro_batches, loss_fn=token_loss), stages
 
 
 @dataclass
@@ -283,10 +284,10 @@ def _forward_backward(placed: Placed, inputs: list[torch.Tensor], targets: list[
     timed = clock.compute if clock is not None else contextlib.nullcontext
     if schedule is None:
         for i, (x, y) in enumerate(zip(inputs, targets)):
-            _gradient_sync(chunks[0], i == len(inputs) - 1)  # reduce gradients once, after the last micro-batch
+            set_gradient_sync(chunks[0], i == len(inputs) - 1)  # reduce gradients once, after the last micro-batch
             with timed():
                 with autocast:
-                    loss = _loss(chunks[0](x), y)
+                    loss = token_loss(chunks[0](x), y)
                 (loss / len(inputs)).backward()
             loss_sum[0] += loss.detach().double() * rows
             loss_sum[1] += rows
