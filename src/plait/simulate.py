@@ -20,13 +20,17 @@ from plait.cost.precision import PRECISIONS, PrecisionBytes
 from plait.cost.price import (
     Held,
     LayerCost,
+    carried_bytes,
     optimizer_time,
     price,
     price_edge,
     recompute_flops_per_token,
+    relayout_time,
+    send_piece_bytes,
+    send_time,
     tied_embedding_sync,
 )
-from plait.layout import Layout, received_fraction
+from plait.layout import Layout
 from plait.plan import Plan, Stage, Strategy, validate_plan
 from plait.spec.cluster import GIB, Cluster
 from plait.spec.layers import Block
@@ -152,11 +156,6 @@ def layer_runs(stage: Stage, model: ModelSpec) -> list[tuple[Strategy, Block, in
     return runs
 
 
-def carried_bytes(model: ModelSpec, layer: int, sequences: int, seq_len: int, prec: PrecisionBytes) -> float:
-    """Bytes of `sequences` samples' activations that arrive at `layer` from the layer before it."""
-    return sequences * model.carried_elements(layer, seq_len) * prec.activation
-
-
 def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec, cluster: Cluster,
                 cal: Calibration) -> StageCost:
     pipe = plan.pipelines[pipe_index]
@@ -195,12 +194,10 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         kinds.append(block.kind)
         buffers = max(buffers, c.buffers)
         if prev is not None and Layout.of(prev) != Layout.of(s):
-            # Re-layout of the hidden state between differing strategies (or from the previous stage's):
-            # one exchange over the stage each way (plait.layout); the backward moves the gradient back.
-            a, b = Layout.of(prev), Layout.of(s)
-            moved = carried_bytes(model, layer, pipe.micro_batch_sequences, plan.seq_len, prec)
-            f = comm.exchange(received_fraction(a, b) * moved, stage_group, cluster, cal)
-            g = comm.exchange(received_fraction(b, a) * moved, stage_group, cluster, cal)
+            # Re-layout of the hidden state between differing strategies (or from the previous stage's).
+            ctx = context(s, layer)
+            f, g = relayout_time(Layout.of(prev), Layout.of(s), carried_bytes(layer, pipe.micro_batch_sequences, ctx),
+                                 stage_group, ctx)
             fwd += f
             bwd += g
             parts["relayout"] += f + g
@@ -224,11 +221,10 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     send = 0.0
     if not last:
         nxt = pipe.stages[stage_index + 1]
-        moved = carried_bytes(model, stage.layers[1], pipe.micro_batch_sequences, plan.seq_len, prec)
-        piece = moved / (last_s.dp * Layout.of(last_s).token_parts)  # each rank sends its own piece
+        ctx = context(last_s, stage.layers[1] - 1)
         cross = comm.nodes_of(stage.ranks, cluster.gpus_per_node) != comm.nodes_of(nxt.ranks, cluster.gpus_per_node)
-        send = comm.p2p(piece, cross, cluster, cal)
-        buffers += 2 * piece
+        send = send_time(stage.layers[1], last_s, pipe.micro_batch_sequences, ctx, cross)
+        buffers += 2 * send_piece_bytes(stage.layers[1], last_s, pipe.micro_batch_sequences, ctx)
     speed = _slowest(stage.ranks, cluster)
     if speed != 1.0:
         fwd, bwd = fwd * speed, bwd * speed

@@ -21,6 +21,7 @@ from plait.cost.compute import elementwise_time
 from plait.cost.head import EdgeTime, embedding_time, head_activation_bytes, head_time
 from plait.cost.layer import BlockContext, BlockTime, block_activation_bytes, block_time, runtime_kinds
 from plait.cost.memory import FRAGMENTATION_FRACTION, GRAD_BUCKET_BYTES, context_bytes, model_state_bytes
+from plait.layout import Layout, received_fraction
 from plait.plan import Strategy
 from plait.spec.layers import Block
 
@@ -156,3 +157,31 @@ def optimizer_time(held: list[Held], ctx: BlockContext) -> float:
         per_param += stretch * curve.per_param_s * h.local_params
         fixed = max(fixed, stretch * curve.intercept_s)
     return per_param + fixed
+
+
+def send_piece_bytes(layer: int, s: Strategy, sequences: int, ctx: BlockContext) -> float:
+    """Bytes each rank of a stage sends to the next stage at a boundary before `layer`: its own piece (by
+    strategy `s`'s layout) of the activations of a micro-batch of `sequences` samples."""
+    layout = Layout.of(s)
+    return carried_bytes(layer, sequences, ctx) / (layout.dp * layout.token_parts)
+
+
+def send_time(layer: int, s: Strategy, sequences: int, ctx: BlockContext, cross_node: bool) -> float:
+    """Seconds of one pipeline send (one direction, one micro-batch) at the boundary before `layer`."""
+    return comm.p2p(send_piece_bytes(layer, s, sequences, ctx), cross_node, ctx.cluster, ctx.cal)
+
+
+def carried_bytes(layer: int, sequences: int, ctx: BlockContext) -> float:
+    """Bytes of `sequences` samples' activations that arrive at `layer` from the layer before it."""
+    return sequences * ctx.model.carried_elements(layer, ctx.seq_len) * ctx.prec.activation
+
+
+def relayout_time(src: Layout, dst: Layout, moved_bytes: float, stage: comm.GroupShape, ctx: BlockContext
+                  ) -> tuple[float, float]:
+    """(forward, backward) seconds to re-lay out `moved_bytes` of activations from layout `src` to `dst` over a
+    stage's ranks: one exchange each way that moves only what each rank lacks (plait.layout), the gradient
+    going back in backward."""
+    if src == dst:
+        return 0.0, 0.0
+    return tuple(comm.exchange(received_fraction(a, b) * moved_bytes, stage, ctx.cluster, ctx.cal)  # type: ignore[return-value]
+                 for a, b in ((src, dst), (dst, src)))

@@ -21,16 +21,15 @@ from functools import lru_cache
 
 import numpy as np
 
-from plait.cost import comm
 from plait.cost.calibration import Calibration, calibration_for
 from plait.cost.comm import GroupShape
 from plait.cost.layer import BlockContext
 from plait.cost.pipeline import StageTimes, simulate_pipeline
 from plait.cost.precision import PRECISIONS
-from plait.cost.price import price, price_edge, usable_memory
+from plait.cost.price import carried_bytes, price, price_edge, relayout_time, usable_memory
 from plait.errors import PlaitError
 from plait.executable import unsupported
-from plait.layout import Layout, received_fraction
+from plait.layout import Layout
 from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_plan
 from plait.planner.baselines import Candidate, run_baseline
 from plait.planner.layerwise import solve_layers
@@ -116,7 +115,7 @@ class _Config:
             [self._price(b, s) for s in block_strategies(b, cluster, self.n, self.mb, seq_len, limits)]
             for b in self.blocks]
         self.stage_group = GroupShape.of(tuple(range(self.n)), cluster.gpus_per_node)
-        self.hidden_bytes = self.mb * seq_len * model.hidden * self.prec.activation  # one micro-batch
+        self.hidden_bytes = carried_bytes(model.layers - 1, self.mb, self._context(Strategy()))  # one micro-batch
         self._relayouts: dict[tuple[Layout, Layout], float] = {}
         self.uniform = False  # True: one strategy per stage (what the runtime executes today)
         self._solved: dict[tuple, tuple[float, list[Strategy]] | None] = {}
@@ -130,9 +129,8 @@ class _Config:
         """Seconds per iteration to re-layout the trunk's hidden state from `a` to `b` (forward and backward,
         every micro-batch); the simulator prices each boundary's own bytes when it judges the plan."""
         if (a, b) not in self._relayouts:
-            one_way = [comm.exchange(received_fraction(x, y) * self.hidden_bytes, self.stage_group, self.cluster,
-                                     self.cal) for x, y in ((a, b), (b, a))]
-            self._relayouts[a, b] = self.m * sum(one_way)
+            ctx = self._context(Strategy())
+            self._relayouts[a, b] = self.m * sum(relayout_time(a, b, self.hidden_bytes, self.stage_group, ctx))
         return self._relayouts[a, b]
 
     def restricted(self, layout: Layout) -> _Config:
@@ -166,7 +164,7 @@ class _Config:
         """Bytes a device group can give its layers: the usable memory less the embedding/head with their
         buffers (priced with the cheapest-memory strategy)."""
         cheapest = self.cheapest().strategy
-        extra = 2 * self.mb * self.seq_len * self.model.hidden * self.prec.activation / self.n
+        extra = 2 * self.hidden_bytes / self.n  # the pipeline's send and receive buffers
         ctx = self._context(cheapest)
         if device == 0:
             extra += price_edge("embedding", cheapest, ctx).states

@@ -36,10 +36,10 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from plait.cost import comm
 from plait.cost.calibration import Calibration, calibration_for
-from plait.cost.comm import GroupShape, p2p
+from plait.cost.comm import GroupShape
 from plait.cost.layer import BlockContext
 from plait.cost.precision import PRECISIONS, PrecisionBytes
-from plait.cost.price import price, price_edge, usable_memory
+from plait.cost.price import price, price_edge, send_time, usable_memory
 from plait.errors import PlaitError
 from plait.executable import unsupported
 from plait.plan import Pipeline, Plan, Stage, Strategy, validate_plan
@@ -148,10 +148,9 @@ def _prices(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: Precisio
     ctx = replace(ctx, dp_group=GroupShape(replicas, replicas, 1) if replicas > 1 else ctx.dp_group)
     layer = price(model.block, s, ctx)
     embedding, head = price_edge("embedding", s, ctx), price_edge("head", s, ctx)
-    hidden = mbs * seq_len * model.hidden * prec.activation / s.tp
     return _Prices(layer_s=layer.micro_batch_s, embedding_s=embedding.time.forward + embedding.time.backward
                    + embedding.time.tp_comm, head_s=head.time.forward + head.time.backward + head.time.tp_comm,
-                   send_s=2 * p2p(hidden, False, cluster, cal), layer_states=layer.states,
+                   send_s=2 * send_time(model.layers - 1, s, mbs, ctx, False), layer_states=layer.states,
                    layer_activation=layer.activation, working=max(head.working, layer.working),
                    embedding_states=embedding.states, head_states=head.states)
 
