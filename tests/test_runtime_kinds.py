@@ -77,7 +77,7 @@ CASES = {  # every numerics case by name: (ranks, model, plan or --strategy text
     **{f"{m} {st}": (4, m, st) for st, m in FOUR_RANKS},
     **{name: (nproc, plan.model, plan) for name, (plan, nproc) in MIXED.items()},
 }
-SEARCH_MEMORY_GIB = (80.0, 0.76)  # everything fits / memory is tight
+SEARCH_MEMORY_GIB = (80.0, 0.76)  # everything fits (dp4) / memory is tight (t5: tp4+sp; llava: interleaved tp2)
 
 
 def searched(model: str, memory_gib: float) -> tuple[Plan, list[Plan]]:
@@ -111,7 +111,8 @@ def runs(tmp_path_factory, text) -> dict[int, tuple[subprocess.CompletedProcess,
     for nproc in (2, 4):
         cases = {name: (model, plan) for name, (n, model, plan) in CASES.items() if n == nproc}
         if nproc == 4:
-            cases |= {f"{m} searched": (m, searched(m, SEARCH_MEMORY_GIB[0])[0]) for m in KIND_MODELS}
+            cases |= {f"{m} searched at {gib} GiB": (m, searched(m, gib)[0]) for m in KIND_MODELS
+                      for gib in SEARCH_MEMORY_GIB}
         out[nproc] = train_together(tmp_path_factory.mktemp(f"ranks{nproc}"), text, nproc, cases)
     return out
 
@@ -128,14 +129,13 @@ def test_every_plan_matches_single_process(runs, reference, name) -> None:
 
 
 @pytest.mark.parametrize("model", KIND_MODELS)
-def test_searched_plans_are_executable_and_match(runs, reference, model) -> None:
-    """Every plan the search prices for these models on 4 ranks is one the runtime executes (plenty of
-    memory and little), and the plan it picks reproduces the single-process losses."""
-    spec = PRESETS[model]
-    for gib in SEARCH_MEMORY_GIB:
-        plan, priced = searched(model, gib)
-        assert [unsupported(p, spec) for p in priced + [plan]] == [None] * (len(priced) + 1)
-    assert_same(_losses(runs[4], f"{model} searched"), reference[(model, 8)])
+@pytest.mark.parametrize("memory_gib", SEARCH_MEMORY_GIB)
+def test_searched_plans_are_executable_and_match(runs, reference, model, memory_gib) -> None:
+    """Every plan the search prices for these models on 4 ranks is one the runtime executes, and the plan
+    it picks reproduces the single-process losses."""
+    plan, priced = searched(model, memory_gib)
+    assert [unsupported(p, PRESETS[model]) for p in priced + [plan]] == [None] * (len(priced) + 1)
+    assert_same(_losses(runs[4], f"{model} searched at {memory_gib} GiB"), reference[(model, 8)])
 
 
 @pytest.mark.parametrize("model", KIND_MODELS)

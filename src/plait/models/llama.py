@@ -1,15 +1,18 @@
-"""The decoder-only transformer shared by every family, and Llama on top of it (torchtitan style).
+"""The transformer shared by every family, and Llama on top of it (torchtitan style).
 
 Shapes: B batch, T sequence, H hidden, V vocabulary, D head_dim. Names are fixed so that the runtime can
 parallelise any family alike:
 
     tok_embeddings [V, H] -> (pos_embeddings [max_seq_len, H], GPT only)
     layers["0".."L-1"]: attention_norm, attention (wq, wk, wv, wo), ffn_norm, feed_forward (w1, w2[, w3])
+        (+ cross_attention_norm, cross_attention in T5's decoder layers; see plait.models.t5 and .vision)
     norm -> output [H -> V]
 
 Any of `tok_embeddings`, `norm`, `output` may be set to None and entries of `layers` deleted, as pipeline
-stages do: without `tok_embeddings` the input is already the hidden state [B, T, H] (a stage that drops it
-should drop `pos_embeddings` too); without `norm`/`output` the forward returns hidden states.
+stages do: without `tok_embeddings` the input is already the state the layers carry ([B, T, H] for
+decoder-only models; `embed` makes it, `readout` turns the last one into the head's [B, T, H]; a stage that
+drops the embedding should drop `pos_embeddings` too); without `norm`/`output` the forward returns the
+carried state.
 
 RoPE follows Hugging Face's "rotate_half" convention (the two halves of each head are the pairs, not
 interleaved neighbours as in Meta's original code): HF's conversion script permutes q/k weights into that
@@ -163,7 +166,8 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Embedding -> blocks -> norm -> LM head; tokens [B, T] -> float logits [B, T, V].
 
-    `make_norm` and `make_ffn` give the family's norm and MLP. Positions: a learned table
+    `make_norm` and `make_ffn` give the family's norm and MLP; `make_layer(i, block)`, when given, builds
+    layer i of `spec.stack` instead of the trunk's decoder block. Positions: a learned table
     (`pos_embeddings`) when spec.learned_positions, else RoPE from the non-persistent `freqs_cis` buffer.
     """
 
