@@ -64,8 +64,8 @@ BUILT_STACKS: dict[str, tuple[str, str]] = {
     "gpt": (r"(decoder )+", "decoder layers"),
     "llama": (r"(decoder )+", "decoder layers"),
     "t5": (r"(encoder )+(cross_decoder )+", "encoder layers then cross_decoder layers"),
-    "llava": (r"patch_embed (vision )*projector (decoder )+", "patch_embed, vision layers, projector, then decoder "
-              "layers"),
+    "llava": (r"patch_embed (vision )*projector (decoder )+",
+              "patch_embed, vision layers, projector, then decoder layers"),
 }
 """The stacks the runtime builds for each family (plait.models): a pattern over the layer kinds, and its text."""
 

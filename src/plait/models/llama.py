@@ -171,14 +171,17 @@ class Transformer(nn.Module):
     (`pos_embeddings`) when spec.learned_positions, else RoPE from the non-persistent `freqs_cis` buffer.
     """
 
-    def __init__(self, spec: ModelSpec, make_norm: Callable[[], nn.Module], make_ffn: Callable[[], nn.Module],
-                 dropout: float = 0.0, make_layer: Callable[[int, Block], nn.Module] | None = None) -> None:
+    def __init__(self, spec: ModelSpec, make_norm: Callable[[], nn.Module],
+                 make_ffn: Callable[[], nn.Module] | None, dropout: float = 0.0,
+                 make_layer: Callable[[int, Block], nn.Module] | None = None) -> None:
         super().__init__()
         self.spec, self.n_layers = spec, spec.layers
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
         self.pos_embeddings: nn.Embedding | None = (
             nn.Embedding(spec.max_seq_len, spec.hidden) if spec.learned_positions else None)
         if make_layer is None:  # a decoder-only stack of the trunk's layer
+            assert make_ffn is not None
+
             def make_layer(i: int, block: Block) -> nn.Module:
                 return TransformerBlock(make_norm(), Attention(spec, dropout), make_norm(), make_ffn(), dropout)
         self.layers = nn.ModuleDict({str(i): make_layer(i, block) for i, block in enumerate(spec.stack)})

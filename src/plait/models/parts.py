@@ -15,6 +15,8 @@ from plait.spec.layers import Block
 
 NORM_EPS = 1e-5
 """Epsilon of every norm (LayerNorm and RMSNorm) of the layer kinds built here."""
+relu: Callable[[Tensor], Tensor] = F.relu
+gelu: Callable[[Tensor], Tensor] = F.gelu
 
 
 def norm(block: Block) -> nn.Module:
@@ -34,7 +36,3 @@ def pre_norm_layer(block: Block, dropout: float = 0.0, act: Callable[[Tensor], T
     `layer` is the class to build (a subclass taking `extra` keyword arguments)."""
     return layer(norm(block), Attention(block, dropout, causal=block.causal), norm(block), feed_forward(block, act),
                  dropout, **extra)
-
-
-relu: Callable[[Tensor], Tensor] = F.relu
-gelu: Callable[[Tensor], Tensor] = F.gelu

@@ -92,7 +92,7 @@ class T5(Transformer):
             return pre_norm_layer(block, dropout, relu, CrossDecoderLayer, cross_attention_norm=norm(block),
                                   cross_attention=CrossAttention(block, dropout))
 
-        super().__init__(spec, lambda: norm(spec.block), lambda: nn.Identity(), dropout, make_layer)
+        super().__init__(spec, lambda: norm(spec.block), None, dropout, make_layer)
 
     def embed(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
         """tokens [B, T] -> [B, T, 2H]: the encoder's and the decoder's inputs are the same embeddings."""

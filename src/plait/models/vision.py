@@ -23,8 +23,8 @@ from plait.models.gpt import MLP
 from plait.models.llama import Transformer, TransformerBlock
 from plait.models.parts import gelu, gelu_tanh, norm, pre_norm_layer
 from plait.spec.layers import Block
-from plait.spec.stacks import image_patches
 from plait.spec.model import ModelSpec
+from plait.spec.stacks import image_patches
 
 IMAGE_SEED = 7_919
 """Seed of the table that turns a sample's tokens into its image's patches."""
@@ -95,8 +95,8 @@ class Projector(nn.Module):
 
     def __init__(self, block: Block, tower_tokens: int) -> None:
         super().__init__()
-        self.tower_tokens, self.in_dim, self.image_tokens, self.hidden = tower_tokens, block.in_dim, block.seq(0), \
-            block.hidden
+        self.tower_tokens, self.in_dim = tower_tokens, block.in_dim
+        self.image_tokens, self.hidden = block.seq(0), block.hidden
         self.feed_forward = MLP(block, gelu)
 
     def forward(self, x: Tensor, freqs: Tensor | None = None) -> Tensor:
@@ -121,7 +121,7 @@ class Llava(Transformer):
                 return Projector(block, stack[i - 1].seq(0))
             return pre_norm_layer(block, dropout, gelu_tanh)
 
-        super().__init__(spec, lambda: norm(spec.block), lambda: nn.Identity(), dropout, make_layer)
+        super().__init__(spec, lambda: norm(spec.block), None, dropout, make_layer)
         self.image_tokens, self.patches, self.patch_dim = spec.image_tokens, image_patches(stack[0]), stack[0].in_dim
         self.image_table: Tensor
         self.register_buffer("image_table", self._image_table(), persistent=False)

@@ -12,9 +12,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from collections.abc import Callable
 from functools import cached_property, partial
 from pathlib import Path
 
