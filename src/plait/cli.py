@@ -710,7 +710,7 @@ def print_profile(p) -> None:
 
 @app.command(name="train")
 def train_cmd(
-    model: Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama: spec")],
+    model: Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama:/t5: spec")],
     plan: Annotated[Path | None, typer.Option("--plan", help="plan JSON/YAML")] = None,
     strategy: Annotated[str | None, typer.Option("--strategy", help='e.g. "dp=2,tp=2,gbs=8"')] = None,
     nproc: Annotated[int | None, typer.Option("--nproc", help="ranks to launch (default: the plan's)")] = None,
@@ -747,6 +747,7 @@ def train_cmd(
     With --varlen, train on variable-length documents whose parallel layout is planned every step."""
     import os
 
+    from plait.models.hf_weights import HF_FAMILIES
     from plait.runtime.placement import check_executable
     from plait.runtime.train import TrainConfig
     from plait.spec.cluster import local_ranks
@@ -797,6 +798,9 @@ def train_cmd(
             from plait.cost.profile_file import load_profile
 
             load_profile(profile)
+        if hf_checkpoint is not None and m.family not in HF_FAMILIES:
+            raise PlaitError(f"--hf-checkpoint loads {' and '.join(HF_FAMILIES)} models, not {m.family} "
+                             f"({m.name}); drop it to start from the seed")
         if hf_checkpoint is not None and not any(hf_checkpoint.glob("*.safetensors")):
             raise PlaitError(f"--hf-checkpoint {str(hf_checkpoint)!r} holds no .safetensors files; give a Hugging "
                              "Face model directory")

@@ -3,13 +3,15 @@ time) and the planner (whose `--runnable` search emits nothing else)."""
 
 from __future__ import annotations
 
-from plait.plan import Plan
+import re
+
+from plait.plan import Plan, kind_problem
 from plait.spec.model import ModelSpec
 
 
 def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     """Why `plan` cannot run on this version's runtime (one line), or None if it can."""
-    if (reason := unbuildable(model)) is not None:
+    if (reason := unbuildable(model)) is not None or (reason := _kind_problem(plan, model)) is not None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
@@ -58,13 +60,49 @@ def _unsupported_replicas(plan: Plan, model: ModelSpec) -> str | None:
     return None
 
 
+BUILT_STACKS: dict[str, tuple[str, str]] = {
+    "gpt": (r"(decoder )+", "decoder layers"),
+    "llama": (r"(decoder )+", "decoder layers"),
+    "t5": (r"(encoder )+(cross_decoder )+", "encoder layers then cross_decoder layers"),
+    "llava": (r"patch_embed (vision )*projector (decoder )+",
+              "patch_embed, vision layers, projector, then decoder layers"),
+}
+"""The stacks the runtime builds for each family (plait.models): a pattern over the layer kinds, and its text."""
+
+
 def unbuildable(model: ModelSpec) -> str | None:
-    """Why the runtime cannot build `model` (one line), or None if it can: it builds GPT and Llama stacks of
-    plain decoder layers with global attention."""
-    if model.family not in ("llama", "gpt"):
-        return f"model {model.name!r} has family {model.family!r}; the runtime builds llama or gpt models"
-    if not model.uniform or model.window:
-        kinds = ", ".join(f"{n} {k}" for k, n in model.kind_counts().items())
-        return (f"model {model.name!r} mixes layer kinds or attention windows ({kinds}); the runtime builds "
-                "stacks of identical decoder layers with global attention")
+    """Why the runtime cannot build `model` (one line), or None if it can: GPT and Llama stacks of identical
+    decoder layers, T5-style encoder layers then cross-decoder layers, and LLaVA-style patch embedding,
+    vision layers and projector then decoder layers; dense layers with global attention."""
+    kinds = ", ".join(f"{n} {k}" for k, n in model.kind_counts().items())
+    if model.family not in BUILT_STACKS:
+        return (f"model {model.name!r} has family {model.family!r}; the runtime builds "
+                f"{', '.join(BUILT_STACKS)} models")
+    if model.window or any(b.window for b in model.stack) or "moe" in model.kind_counts():
+        return (f"model {model.name!r} has MoE layers or attention windows ({kinds}); the runtime builds dense "
+                "layers with global attention")
+    if model.family in ("gpt", "llama") and not model.uniform:
+        return (f"model {model.name!r} mixes layer kinds ({kinds}); the runtime builds {model.family} stacks of "
+                "identical decoder layers")
+    pattern, text = BUILT_STACKS[model.family]
+    if not re.fullmatch(pattern, "".join(f"{b.kind} " for b in model.stack)):
+        return f"model {model.name!r} stacks {kinds}; the runtime builds {model.family} models as {text}"
+    return None
+
+
+def _kind_problem(plan: Plan, model: ModelSpec) -> str | None:
+    """The first layer whose strategy its kind does not run with (`plait.plan.kind_problem`), or whose image
+    leaves no text in the sequence."""
+    if model.family in ("gpt", "llama"):  # decoder layers run with every strategy
+        return None
+    if model.family == "llava":
+        image = model.image_tokens
+        if plan.seq_len <= image:
+            return (f"seq_len={plan.seq_len} leaves no text after the {image} image tokens of {model.name}; "
+                    f"raise the sequence length above {image}")
+    for pipe in plan.pipelines:
+        for stage in pipe.stages:
+            for layer in range(*stage.layers):
+                if layer < model.layers and (why := kind_problem(stage.strategy(layer), model.stack[layer])):
+                    return f"layer {layer} ({model.stack[layer].kind}): {why}"
     return None

@@ -320,6 +320,24 @@ def strategy_problem(s: Strategy, block: Block, devices: int, mbs: int, seq_len:
     if mbs % s.dp:
         return (f"micro-batch of {mbs} sequences cannot be split over dp={s.dp}; make the micro-batch size a "
                 "multiple of dp")
+    return kind_problem(s, block)
+
+
+TOKENLESS_KINDS = ("patch_embed", "vision", "projector")
+"""Kinds whose input carries an image and the text together (`plait.models.vision`): no token splits."""
+BIDIRECTIONAL_KINDS = ("encoder", "cross_decoder")
+"""Kinds with attention that is not causal self-attention over the layer's own tokens."""
+
+
+def kind_problem(s: Strategy, block: Block) -> str | None:
+    """Why strategy `s` cannot run a layer of `block`'s kind whatever the shapes (None when it can): the
+    vision tower and projector split no tokens, and ring attention is causal self-attention only."""
+    if block.kind in TOKENLESS_KINDS and (s.sp or s.cp > 1):
+        return (f"a {block.kind} layer carries the image and the text together and splits no tokens; use sp=0 "
+                "and cp=1 for the vision tower and projector")
+    if block.kind in BIDIRECTIONAL_KINDS and s.cp > 1 and s.cp_mode == "ring":
+        return (f"ring attention is causal self-attention only, and a {block.kind} layer attends both ways; use "
+                "cp_mode=ulysses")
     return None
 
 

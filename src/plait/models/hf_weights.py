@@ -111,12 +111,19 @@ def _from_hf(hf: dict[str, Tensor], name: str, model: Transformer, gpt2: bool) -
     return t
 
 
+HF_FAMILIES = ("llama", "gpt")
+"""Families whose Hugging Face parameter names this module maps."""
+
+
 def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
     """Load every parameter `model` has (Llama naming, or GPT-2 naming for the gpt family) from `directory/*.safetensors`.
 
     Works on pipeline stages (deleted modules are skipped) and on sharded DTensor parameters (each rank
     keeps its shard). Dtypes are converted to the model's.
     """
+    if model.spec.family not in HF_FAMILIES:
+        raise PlaitError(f"Hugging Face checkpoints load into {' and '.join(HF_FAMILIES)} models, not "
+                         f"{model.spec.family} ({model.spec.name}); start it from the seed instead")
     path = Path(directory)
     if not path.is_dir():
         raise PlaitError(f"checkpoint directory {str(path)!r} does not exist; give a folder with *.safetensors")

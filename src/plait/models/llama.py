@@ -1,15 +1,18 @@
-"""The decoder-only transformer shared by every family, and Llama on top of it (torchtitan style).
+"""The transformer shared by every family, and Llama on top of it (torchtitan style).
 
 Shapes: B batch, T sequence, H hidden, V vocabulary, D head_dim. Names are fixed so that the runtime can
 parallelise any family alike:
 
     tok_embeddings [V, H] -> (pos_embeddings [max_seq_len, H], GPT only)
     layers["0".."L-1"]: attention_norm, attention (wq, wk, wv, wo), ffn_norm, feed_forward (w1, w2[, w3])
+        (+ cross_attention_norm, cross_attention in T5's decoder layers; see plait.models.t5 and .vision)
     norm -> output [H -> V]
 
 Any of `tok_embeddings`, `norm`, `output` may be set to None and entries of `layers` deleted, as pipeline
-stages do: without `tok_embeddings` the input is already the hidden state [B, T, H] (a stage that drops it
-should drop `pos_embeddings` too); without `norm`/`output` the forward returns hidden states.
+stages do: without `tok_embeddings` the input is already the state the layers carry ([B, T, H] for
+decoder-only models; `embed` makes it, `readout` turns the last one into the head's [B, T, H]; a stage that
+drops the embedding should drop `pos_embeddings` too); without `norm`/`output` the forward returns the
+carried state.
 
 RoPE follows Hugging Face's "rotate_half" convention (the two halves of each head are the pairs, not
 interleaved neighbours as in Meta's original code): HF's conversion script permutes q/k weights into that
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
 
@@ -72,13 +76,15 @@ def copy_full_(param: Tensor, full: Tensor) -> None:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention: x [B, T, H] -> [B, T, H]. Heads are inferred from the projection
-    widths (`view(B, T, -1, D)`), so tensor parallelism can hand it a rank's local heads."""
+    """Grouped-query self-attention, causal or bidirectional: x [B, T, H] -> [B, T, H]. Heads are inferred
+    from the projection widths (`view(B, T, -1, D)`), so tensor parallelism can hand it a rank's local
+    heads. `spec` is a ModelSpec or a layer's Block (the same width fields)."""
 
-    def __init__(self, spec: ModelSpec, dropout: float = 0.0) -> None:
+    def __init__(self, spec: ModelSpec | Block, dropout: float = 0.0, causal: bool = True) -> None:
         super().__init__()
         self.head_dim = spec.head_dim
         self.dropout = dropout
+        self.causal = causal
         qkv_bias, out_bias = spec.bias or spec.qkv_bias, spec.bias or spec.out_bias
         self.wq = nn.Linear(spec.hidden, spec.q_dim, bias=qkv_bias)
         self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
@@ -92,11 +98,16 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, freqs: Tensor | None = None, attend: Callable | None = None) -> Tensor:
         """x [B, T, H], freqs [>=T, 2, D] (RoPE) or None (no rotation) -> [B, T, H]. `attend(q, k, v)` over
-        [B, heads, T, D] replaces causal attention (document masks of packed sequences, ring attention)."""
+        [B, heads, T, D] replaces the attention core (document masks of packed sequences, ring attention)."""
+        return self.attend_to(x, x, freqs, attend)
+
+    def attend_to(self, x: Tensor, memory: Tensor, freqs: Tensor | None = None, attend: Callable | None = None
+                  ) -> Tensor:
+        """Queries from x [B, T, H], keys and values from memory [B, T, H] (x itself for self-attention)."""
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, -1, self.head_dim)
-        k = self.wk(x).view(b, t, -1, self.head_dim)
-        v = self.wv(x).view(b, t, -1, self.head_dim)
+        k = self.wk(memory).view(b, memory.shape[1], -1, self.head_dim)
+        v = self.wv(memory).view(b, memory.shape[1], -1, self.head_dim)
         if (cp := self.context_parallel) is not None:  # Ulysses: whole sequence, some heads; ring: the chunk
             if cp.splits_heads and k.shape[2] % cp.degree:  # fewer kv heads than ranks: share them out as query
                 rep = q.shape[2] // k.shape[2]               # heads (as GQA reads)
@@ -113,7 +124,7 @@ class Attention(nn.Module):
             out = attend(q, k, v).transpose(1, 2)
         else:
             p = self.dropout if self.training else 0.0
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal).transpose(1, 2)
         if cp is not None:
             out = cp.to_sequence(out)
         return self.wo(out.reshape(b, t, -1))
@@ -122,7 +133,7 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU MLP: w2(silu(w1 x) * w3 x), [B, T, H] -> [B, T, H]; w1 gate, w3 up, w2 down."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec | Block) -> None:
         super().__init__()
         bias = spec.bias or spec.mlp_bias
         self.w1 = nn.Linear(spec.hidden, spec.ffn, bias=bias)
@@ -155,21 +166,25 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Embedding -> blocks -> norm -> LM head; tokens [B, T] -> float logits [B, T, V].
 
-    `make_norm` and `make_ffn` give the family's norm and MLP. Positions: a learned table
+    `make_norm` and `make_ffn` give the family's norm and MLP; `make_layer(i, block)`, when given, builds
+    layer i of `spec.stack` instead of the trunk's decoder block. Positions: a learned table
     (`pos_embeddings`) when spec.learned_positions, else RoPE from the non-persistent `freqs_cis` buffer.
     """
 
-    def __init__(self, spec: ModelSpec, make_norm: Callable[[], nn.Module], make_ffn: Callable[[], nn.Module],
-                 dropout: float = 0.0) -> None:
+    def __init__(self, spec: ModelSpec, make_norm: Callable[[], nn.Module],
+                 make_ffn: Callable[[], nn.Module] | None, dropout: float = 0.0,
+                 make_layer: Callable[[int, Block], nn.Module] | None = None) -> None:
         super().__init__()
         self.spec, self.n_layers = spec, spec.layers
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
         self.pos_embeddings: nn.Embedding | None = (
             nn.Embedding(spec.max_seq_len, spec.hidden) if spec.learned_positions else None)
-        self.layers = nn.ModuleDict({
-            str(i): TransformerBlock(make_norm(), Attention(spec, dropout), make_norm(), make_ffn(), dropout)
-            for i in range(spec.layers)
-        })
+        if make_layer is None:  # a decoder-only stack of the trunk's layer
+            assert make_ffn is not None
+
+            def make_layer(i: int, block: Block) -> nn.Module:
+                return TransformerBlock(make_norm(), Attention(spec, dropout), make_norm(), make_ffn(), dropout)
+        self.layers = nn.ModuleDict({str(i): make_layer(i, block) for i, block in enumerate(spec.stack)})
         self.norm: nn.Module | None = make_norm()
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tied_embeddings:
@@ -197,19 +212,31 @@ class Transformer(nn.Module):
         h = tokens
         freqs = self.freqs_cis if positions is None or self.freqs_cis is None else self.freqs_cis[positions]
         if self.tok_embeddings is not None:
-            h = self.tok_embeddings(tokens)
-            if self.pos_embeddings is not None:
-                where = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
-                h = h + self.pos_embeddings(where)
+            h = self.embed(tokens, positions)
             if self.sequence_slice is not None:
                 h = h[:, self.sequence_slice[0]: self.sequence_slice[1]]
         for name, layer in self.layers.items():
             if self.relayouts and name in self.relayouts:
                 h = self.relayouts[name](h)
             h = layer(h, freqs) if attend is None else layer(h, freqs, attend)
+        if self.output is None:
+            return h
+        h = self.readout(h)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h).float() if self.output is not None else h
+        return self.output(h).float()
+
+    def embed(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """tokens [B, T] -> the state the first layer reads: hidden [B, T, H] (+ learned positions)."""
+        h = self.tok_embeddings(tokens)
+        if self.pos_embeddings is not None:
+            where = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
+            h = h + self.pos_embeddings(where)
+        return h
+
+    def readout(self, h: Tensor) -> Tensor:
+        """The state the last layer hands over -> the hidden [B, T, H] the head reads (the same here)."""
+        return h
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

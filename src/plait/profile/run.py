@@ -25,6 +25,9 @@ def profile(spec: ModelSpec, nproc: int, *, quick: bool = False, gpu_type: str |
 
     if nproc < 2:
         raise PlaitError(f"--nproc must be at least 2 to measure collectives, got {nproc}")
+    if not spec.uniform or spec.family not in ("gpt", "llama"):
+        raise PlaitError(f"profiling measures stacks of identical decoder layers (gpt, llama); {spec.name} is a "
+                         f"{spec.family} model of several layer kinds: profile its text model instead")
     device = measure_device(nproc, gpu_type)
     tps = tuple(t for t in (1, 2, 4, 8) if t <= nproc and spec.heads % t == 0 and spec.kv_heads % t == 0)
     layers, edges = measure_layers(spec, tps=tps, quick=quick,

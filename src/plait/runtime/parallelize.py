@@ -55,24 +55,45 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, layers: list[str],
         if tied:  # both became Shard(0) DTensors: share one parameter again
             model.output.weight = model.tok_embeddings.weight
     for i, name in enumerate(layers):
-        block = model.layers[name]
-        plan: dict[str, object] = {
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-        }
-        if hasattr(block.feed_forward, "w3"):
+        plan = layer_tp_plan(model.layers[name], sp)
+        if sp and i == 0 and embedding and model.tok_embeddings is not None:  # the embedding hands over the
+            plan[""] = PrepareModuleInput(input_layouts=(Replicate(), None),  # full sequence
+                                          desired_input_layouts=(Shard(1), None), use_local_output=True)
+        parallelize_module(model.layers[name], tp_mesh, plan)
+
+
+ATTENTIONS = ("attention", "cross_attention")
+"""A layer's attention modules (wq, wk, wv, wo each); a cross-attention reads (queries, memory)."""
+
+
+def layer_tp_plan(layer: nn.Module, sp: bool) -> dict[str, object]:
+    """Megatron tensor parallelism of one layer, from the modules it has: q/k/v and MLP-in column-wise, the
+    attention output and MLP-down row-wise (reduce-scattered along the sequence with `sp`, whose norms then
+    run sequence-sharded and whose attention and MLP inputs are gathered), a patch embedding's projection
+    column-wise and gathered."""
+    seq = Shard(1) if sp else Replicate()
+    plan: dict[str, object] = {}
+    for attn in (a for a in ATTENTIONS if hasattr(layer, a)):
+        plan |= {f"{attn}.wq": ColwiseParallel(), f"{attn}.wk": ColwiseParallel(), f"{attn}.wv": ColwiseParallel(),
+                 f"{attn}.wo": RowwiseParallel(output_layouts=seq)}
+    if (ffn := getattr(layer, "feed_forward", None)) is not None:
+        plan |= {"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq)}
+        if hasattr(ffn, "w3"):
             plan["feed_forward.w3"] = ColwiseParallel()
-        if sp:
-            plan |= {
-                "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            }
-            if i == 0 and embedding and model.tok_embeddings is not None:  # the embedding hands over the full sequence
-                plan[""] = PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None),
-                                              use_local_output=True)
-        parallelize_module(block, tp_mesh, plan)
+    if hasattr(layer, "proj"):
+        plan["proj"] = ColwiseParallel(output_layouts=Replicate())
+    if sp:
+        plan |= {
+            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        }
+        if hasattr(layer, "cross_attention"):
+            plan |= {"cross_attention_norm": SequenceParallel(), "cross_attention": PrepareModuleInput(
+                input_layouts=(Shard(1), Shard(1)), desired_input_layouts=(Replicate(), Replicate()))}
+        if getattr(layer, "output_norm", None) is not None:
+            plan["output_norm"] = SequenceParallel(use_local_output=True)
+    return plan
 
 
 _GEMM_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
@@ -161,7 +182,9 @@ def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str], m
         raise ValueError("ring context parallelism needs the sequence length")
     cp = Ulysses(cp_group) if mode == "ulysses" else RingContext.contiguous(cp_group, seq_len)
     for name in layers:
-        model.layers[name].attention.context_parallel = cp
+        for attn in ATTENTIONS:
+            if hasattr(model.layers[name], attn):
+                getattr(model.layers[name], attn).context_parallel = cp
 
 
 def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: bool

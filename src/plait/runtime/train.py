@@ -12,9 +12,10 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
@@ -26,9 +27,10 @@ from torch.distributed.tensor import DTensor
 from plait.errors import PlaitError
 from plait.models import build_model
 from plait.models.hf_weights import load_hf_safetensors
+from plait.models.vision import IGNORE_INDEX, image_targets
 from plait.plan import Plan
 from plait.runtime import checkpoint, memory
-from plait.runtime.data import TokenSource, shard
+from plait.runtime.data import Batch, TokenSource, shard
 from plait.runtime.parallelize import parallelize_chunk, sync_gradients
 from plait.runtime.placement import Placement, check_executable, place
 from plait.runtime.stragglers import Adaptive, ComputeClock
@@ -152,6 +154,22 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def _text_loss(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cross-entropy summed over the targets that count, per position, times `scale` (positions per counted
+    target of a whole sequence): the mean over the counted targets, which equal splits of the positions
+    (context parallelism) average back to."""
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                            reduction="sum")
+    return total * (scale / targets.numel())
+
+
+def loss_function(spec: ModelSpec, seq_len: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss of a micro-batch: the mean cross-entropy, over the text targets when an image takes the
+    first positions (`plait.models.vision.image_targets`)."""
+    left_out = max(spec.image_tokens - 1, 0)
+    return token_loss if not left_out else partial(_text_loss, scale=seq_len / (seq_len - left_out))
+
+
 def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None,
                uncounted: torch.nn.Parameter | None = None) -> float:
     """Clip by the global gradient norm over every shard and stage; returns the norm before clipping.
@@ -212,7 +230,7 @@ def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro_batches: int):
+def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro_batches: int, loss_fn: Callable):
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -224,9 +242,9 @@ def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro
     device = torch.device("cpu")
     stages = [PipelineStage(m, c.index, n_stages, device, group=where.pp_group) for m, c in zip(chunks, where.chunks)]
     if plan.schedule == "interleaved" and plan.chunks > 1:
-        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=token_loss), stages
+        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn), stages
     kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
-    return kind(stages[0], micro_batches, loss_fn=token_loss), stages
+    return kind(stages[0], micro_batches, loss_fn=loss_fn), stages
 
 
 @dataclass
@@ -241,6 +259,7 @@ class Placed:
     manual_sync: list[GradientSync]
     schedule: object | None
     tied: torch.nn.Parameter | None
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss
 
     @cached_property
     def params(self) -> list[torch.nn.Parameter]:
@@ -262,18 +281,19 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
                hand_sync: bool = False) -> Placed:
     """Build this rank's share of `plan` (collective: every rank builds every group)."""
     where = place(plan, dist.get_rank(), spec.tied_embeddings)
+    loss = loss_function(spec, plan.seq_len)
     if where.idle:
-        return Placed(plan, where, [], [], [], None, None)
+        return Placed(plan, where, [], [], [], None, None, loss)
     chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint, hand_sync)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
                   for m in chunks]
     schedule = None
     if where.pp > 1:
-        schedule, stages = _schedule(plan, chunks, where, plan.pipelines[where.pipeline].micro_batches)
+        schedule, stages = _schedule(plan, chunks, where, plan.pipelines[where.pipeline].micro_batches, loss)
         if clock is not None:
             for stage in stages:
                 clock.wrap_stage(stage)
-    return Placed(plan, where, chunks, optimizers, manual_sync, schedule, _tied_weight(chunks, where))
+    return Placed(plan, where, chunks, optimizers, manual_sync, schedule, _tied_weight(chunks, where), loss)
 
 
 def _forward_backward(placed: Placed, inputs: list[torch.Tensor], targets: list[torch.Tensor], rows: int,
@@ -287,7 +307,7 @@ def _forward_backward(placed: Placed, inputs: list[torch.Tensor], targets: list[
             set_gradient_sync(chunks[0], i == len(inputs) - 1)  # reduce gradients once, after the last micro-batch
             with timed():
                 with autocast:
-                    loss = token_loss(chunks[0](x), y)
+                    loss = placed.loss(chunks[0](x), y)
                 (loss / len(inputs)).backward()
             loss_sum[0] += loss.detach().double() * rows
             loss_sum[1] += rows
@@ -347,6 +367,7 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(step, cfg)
             batch = source.batch(step)
+            batch = Batch(batch.inputs, image_targets(batch.targets, spec))
             loss_sum = torch.zeros(2, dtype=torch.float64)
             meter = memory.SavedActivations(params) if step == start else contextlib.nullcontext()
             grads = 0.0

@@ -212,8 +212,15 @@ class Planner:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+VARLEN_FAMILIES = ("llama", "gpt")
+"""Families whose packed documents the variable-length runtime trains (plait.models.llama's Transformer)."""
+
+
 def check_config(cfg, spec: ModelSpec, world: int) -> None:
     """PlaitError for a variable-length run this runtime cannot do, naming the fix."""
+    if spec.family not in VARLEN_FAMILIES:
+        raise PlaitError(f"--varlen packs documents for decoder-only models ({', '.join(VARLEN_FAMILIES)}), not "
+                         f"{spec.family} ({spec.name}); drop --varlen")
     if cfg.varlen not in METHODS:
         raise PlaitError(f"--varlen must be one of {', '.join(METHODS)}, got {cfg.varlen!r}")
     if cfg.cp_mode not in ("ulysses", "ring"):

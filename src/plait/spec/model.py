@@ -182,17 +182,31 @@ class ModelSpec:
         return self.hidden
 
     def carried_elements(self, layer: int, seq_len: int) -> float:
-        """Elements per sample that arrive at layer `layer` from the layer before it (what a pipeline
-        boundary there sends): the hidden state, plus what later layers still need. An encoder-decoder
-        carries the decoder's input through the encoder and the encoder's output through the decoder; a
-        vision tower carries the text's embeddings."""
-        prev = self.stack[max(0, layer - 1)]
-        elements = prev.seq(seq_len) * prev.hidden
+        """Elements per sample that arrive at layer `layer` from the layer before it (from the embedding at
+        layer 0): what a pipeline boundary or a re-layout there moves, as the runtime carries it
+        (`plait.models`). An encoder-decoder carries the encoder's and the decoder's states side by side
+        (2 x seq_len x hidden). Up to the projector a vision model carries the image (the pixels into the
+        patch embedding, then the tower's tokens) and the embeddings of the text tokens after the image;
+        the projector hands the text model all seq_len positions."""
         if self.family == "t5":
-            elements = 2 * seq_len * self.hidden  # encoder output (or input) and the decoder's hidden state
-        elif prev.kind in ("vision", "patch_embed"):
-            elements += seq_len * self.hidden
-        return float(elements)
+            return float(2 * seq_len * self.hidden)
+        first = self.stack[0]
+        text = (seq_len - self.image_tokens) * self.hidden  # the text embeddings a vision tower carries along
+        if layer == 0:
+            if first.kind == "patch_embed":
+                return float(stacks.image_patches(first) * first.in_dim + text)
+            return float(first.seq(seq_len) * self.hidden)
+        prev = self.stack[layer - 1]
+        if prev.kind in ("patch_embed", "vision"):
+            return float(prev.seq(seq_len) * prev.hidden + text)
+        if prev.kind == "projector":
+            return float(seq_len * prev.hidden)
+        return float(prev.seq(seq_len) * prev.hidden)
+
+    @cached_property
+    def image_tokens(self) -> int:
+        """Positions of every sequence an image takes (a vision model's projector outputs; 0 without)."""
+        return next((b.seq(0) for b in self.stack if b.kind == "projector"), 0)
 
     # ---- parameters -------------------------------------------------------------------------
     @cached_property
@@ -331,6 +345,8 @@ PRESETS: dict[str, ModelSpec] = {
     # Tiny models for tests and CPU runs.
     "tiny-gpt": _gpt("tiny-gpt", 4, 128, 4, vocab=512, seq=256),
     "tiny-llama": _llama("tiny-llama", 4, 128, 4, 2, 384, 512, 256),
+    "tiny-t5": _t5("tiny-t5", 2, 2, 64, 4, 0, 256, 512, seq=256),
+    "tiny-llava": _with_vision("tiny-llava", _llama("tiny-llava", 2, 128, 4, 2, 384, 512, 256), "tiny-vit"),
 }
 
 _INLINE_KEYS = {

@@ -5,6 +5,7 @@ vision towers. Each builder returns the layers in model order (`ModelSpec.stack`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import isqrt
 
 from plait.errors import PlaitError
 from plait.spec.layers import IMAGE_CHANNELS, Block
@@ -77,7 +78,16 @@ VISION_TOWERS: dict[str, VisionTower] = {
     "clip-l14-336": VisionTower("clip-l14-336", 24, 1024, 16, 4096, 336, 14),
     # SigLIP so400m/14 at 384 pixels (Zhai et al. 2023): no class token, no pre-norm.
     "siglip-so400m": VisionTower("siglip-so400m", 27, 1152, 16, 4304, 384, 14, class_token=False, pre_norm=False),
+    # A tiny CLIP-style tower for tests and CPU runs: 32-pixel images in 16 patches of 8 pixels, + class token.
+    "tiny-vit": VisionTower("tiny-vit", 2, 64, 4, 128, 32, 8),
 }
+
+
+def image_patches(patch_embed: Block) -> int:
+    """Patches per image of a patch embedding: its tokens, less the class token when they do not form a
+    square grid (towers cut square images into square patches)."""
+    side = isqrt(patch_embed.tokens)
+    return patch_embed.tokens if side * side == patch_embed.tokens else patch_embed.tokens - 1
 
 
 def vision_stack(tower: VisionTower, text_hidden: int, projector_ffn: int = 0, keep_class_token: bool = False
@@ -90,5 +100,5 @@ def vision_stack(tower: VisionTower, text_hidden: int, projector_ffn: int = 0, k
     layer = Block(kind="vision", hidden=tower.hidden, heads=tower.heads, ffn=tower.ffn, tokens=tower.tokens,
                   dropout=False)
     projector = Block(kind="projector", hidden=text_hidden, in_dim=tower.hidden, ffn=projector_ffn or text_hidden,
-                      tokens=tower.tokens if keep_class_token else tower.patches, dropout=False)
+                      tokens=tower.tokens if keep_class_token else tower.patches, norms=0, dropout=False)
     return (patch, *(layer,) * tower.layers, projector)
