@@ -34,16 +34,20 @@ from plait.executable import unsupported
 from plait.layout import Layout, received_fraction
 from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_plan
 from plait.planner.baselines import Candidate, run_baseline
-from plait.planner.layerwise import solve_layers
+from plait.planner.layerwise import solve_layers_pareto
 from plait.planner.space import SpaceLimits, divisors, pareto_front, stage_strategies
 from plait.simulate import Report, simulate
 from plait.spec.cluster import Cluster
 from plait.spec.model import ModelSpec
 
 DEFAULT_LIMITS = SpaceLimits()
-MEMORY_UNITS = 256
-"""Steps of the discretised memory budget in the layer DP (Galvatron uses ~MB units; 256 steps of a
-stage's budget keep rounding below 0.4% of it)."""
+DP_SLACK = 0.01
+"""Fraction of a stage's memory budget the layer DP may leave unused to bound its work: the strategies it
+picks are at least as fast as the exact optimum under (1 - DP_SLACK) of the budget, and their summed bytes
+never exceed the budget."""
+BUDGET_GRAIN = 1e6
+"""Bytes a stage budget is floored to before the layer DP, so that nearby budgets share one cached solution
+(which fits each of them)."""
 MAX_MICRO_BATCH_COUNTS = 6
 """Micro-batch counts tried per pipeline degree (spread geometrically over the useful range)."""
 REBALANCE_ROUNDS = 8
@@ -171,7 +175,8 @@ class _Config:
 
     def solve_stage(self, device: int, layers: int, budget: float) -> tuple[float, list[Strategy]] | None:
         """Best strategies for `layers` blocks on device group `device` within `budget` bytes."""
-        key = (device, layers, device == 0, device == self.pp - 1, round(budget, -6))
+        budget = math.floor(budget / BUDGET_GRAIN) * BUDGET_GRAIN  # the cached solution fits every budget it serves
+        key = (device, layers, device == 0, device == self.pp - 1, budget)
         if key in self._solved:
             return self._solved[key]
         result = None
@@ -196,16 +201,16 @@ class _Config:
             return None
         costs = [(p.mb_time * self.m + p.sync, p.states + p.activation * act_mult) for p in pool]
         keep = pareto_front(costs)
-        unit = budget / MEMORY_UNITS
         times = np.array([costs[i][0] for i in keep])
-        mems = np.array([math.ceil(costs[i][1] / unit) for i in keep], dtype=np.int64)
+        mems = np.array([costs[i][1] for i in keep])
         strategies = [pool[i].strategy for i in keep]
         if self.uniform:  # switching strategy inside a stage is forbidden
             trans = np.array([[0.0 if a == b else np.inf for b in strategies] for a in strategies])
         else:
             layouts = [Layout.of(s) for s in strategies]
             trans = np.array([[self.relayout(a, b) for b in layouts] for a in layouts])
-        sol = solve_layers(np.tile(times, (layers, 1)), np.tile(mems, (layers, 1)), trans, MEMORY_UNITS)
+        sol = solve_layers_pareto(np.tile(times, (layers, 1)), np.tile(mems, (layers, 1)), trans, budget,
+                                  slack=DP_SLACK)
         if sol is None:
             return None
         return sol.time, [strategies[i] for i in sol.choice]
