@@ -54,6 +54,10 @@ REBALANCE_ROUNDS = 8
 """Layer moves tried by the time-balancing step of the stage partitioner, per configuration."""
 FIT_RETRIES = 2
 """Times a stage budget is tightened by the simulated overflow when an assembled plan does not fit."""
+OVERFLOW_MARGIN = 1.05
+"""Multiple of a device's simulated overflow (bytes) taken off its stage budget before re-solving it."""
+FIT_MARGIN = 0.01
+"""Fraction of the device memory taken off an overflowing stage's budget on top of that."""
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
@@ -98,6 +102,16 @@ def _in_flight(pp: int, m: int, schedule: str, chunks: int) -> tuple[int, ...]:
     """Peak (micro-batch, chunk) pairs alive on each device of the schedule."""
     unit = [StageTimes(1.0, 2.0)] * (pp * chunks)
     return simulate_pipeline(unit, m, schedule, chunks).peak_in_flight
+
+
+def _block_bytes(p: _Priced, multiple: float) -> float:
+    """Bytes of one block priced `p` on a device holding `multiple` micro-batches of its activations."""
+    return p.states + p.activation * multiple
+
+
+def _activation_multiple(cfg: _Config, device: int) -> float:
+    """Micro-batches of activations each block on device group `device` holds at the schedule's peak."""
+    return cfg.in_flight[device] / cfg.chunks
 
 
 class _Config:
@@ -175,13 +189,13 @@ class _Config:
 
     def solve_stage(self, device: int, layers: int, budget: float) -> tuple[float, list[Strategy]] | None:
         """Best strategies for `layers` blocks on device group `device` within `budget` bytes."""
-        budget = math.floor(budget / BUDGET_GRAIN) * BUDGET_GRAIN  # the cached solution fits every budget it serves
+        budget = math.floor(budget / BUDGET_GRAIN) * BUDGET_GRAIN  # a cached solution fits all it serves
         key = (device, layers, device == 0, device == self.pp - 1, budget)
         if key in self._solved:
             return self._solved[key]
         result = None
         if layers > 0 and budget > 0:
-            act_mult = self.in_flight[device] / self.chunks
+            act_mult = _activation_multiple(self, device)
             # Recomputing a block needs its full activations for a moment: solve once without
             # recompute strategies on the whole budget and once with all of them on the budget less the
             # largest such transient, and keep the faster.
@@ -199,7 +213,7 @@ class _Config:
         """The layer DP over the Pareto front of `pool` within `budget` bytes."""
         if not pool or budget <= 0:
             return None
-        costs = [(p.mb_time * self.m + p.sync, p.states + p.activation * act_mult) for p in pool]
+        costs = [(p.mb_time * self.m + p.sync, _block_bytes(p, act_mult)) for p in pool]
         keep = pareto_front(costs)
         times = np.array([costs[i][0] for i in keep])
         mems = np.array([costs[i][1] for i in keep])
@@ -235,69 +249,101 @@ class _Config:
                     pipelines=(Pipeline(stages=tuple(stages), micro_batches=self.m, micro_batch_size=self.mb),))
 
 
+def _least_layer_bytes(cfg: _Config, device: int) -> float:
+    """Bytes one block needs on device group `device` with its least-memory strategy."""
+    multiple = _activation_multiple(cfg, device)
+    return min(_block_bytes(p, multiple) for p in cfg.priced)
+
+
+def _stage_bytes(cfg: _Config, device: int, strategies: list[Strategy]) -> float:
+    """Bytes the layer DP counts for blocks with `strategies` on device group `device`."""
+    priced = {p.strategy: p for p in cfg.priced}
+    multiple = _activation_multiple(cfg, device)
+    return sum(_block_bytes(priced[s], multiple) for s in strategies)
+
+
 def _memory_balanced(cfg: _Config, capacity: float) -> list[int]:
-    """Layers per device group with equal memory use under the cheapest-memory strategy."""
-    layers = cfg.model.layers
-    cheapest = min(cfg.priced, key=lambda p: p.states + p.activation)
-    per_layer = [cheapest.states + cheapest.activation * cfg.in_flight[d] / cfg.chunks for d in range(cfg.pp)]
-    budgets = [max(cfg.budget(d, capacity), 1.0) for d in range(cfg.pp)]
-    weights = np.array([b / w for b, w in zip(budgets, per_layer)])
-    raw = weights / weights.sum() * layers
-    counts = np.maximum(np.floor(raw).astype(int), cfg.chunks)
-    while counts.sum() < layers:
-        counts[int(np.argmax(raw - counts))] += 1
-    while counts.sum() > layers:
-        counts[int(np.argmax(counts))] -= 1
+    """Layers per device group that minimise the largest device memory when every block takes its device's
+    least-memory strategy. A device holds what its budget leaves out (embedding, head, buffers) plus its
+    blocks, whose activations grow with the micro-batches in flight there. Greedy: each layer goes to the
+    device it leaves with the least memory, which is optimal for this min-max."""
+    fixed = np.array([-cfg.budget(d, capacity) for d in range(cfg.pp)])  # bytes, up to a shared constant
+    per_layer = np.array([_least_layer_bytes(cfg, d) for d in range(cfg.pp)])
+    counts = np.full(cfg.pp, cfg.chunks)
+    for _ in range(cfg.model.layers - int(counts.sum())):
+        counts[int(np.argmin(fixed + (counts + 1) * per_layer))] += 1
     return [int(c) for c in counts]
 
 
+def _retry_budget(cfg: _Config, device: int, budget: float, strategies: list[Strategy], over: float,
+                  capacity: float) -> float:
+    """Stage budget (bytes) for the next try after the simulator put device group `device` `over` bytes
+    above `capacity`: the budget less the overflow and a margin, and less than what the stage's blocks used
+    (the DP may have left room), so that the DP picks leaner strategies."""
+    if over <= 0:
+        return budget
+    return min(budget - OVERFLOW_MARGIN * over - FIT_MARGIN * capacity,
+               _stage_bytes(cfg, device, strategies) - BUDGET_GRAIN)
+
+
+def _fit(cfg: _Config, capacity: float, counts: list[int], evaluate: Callable[[Plan], Candidate]
+         ) -> tuple[Candidate, list[float]] | None:
+    """The simulated plan with `counts` layers per device group and the DP's strategies, with the DP's stage
+    times (seconds); an overflowing device's stage is re-solved on a smaller budget (FIT_RETRIES times at
+    most). None when no stage solution or no plan fits."""
+    budgets = [cfg.budget(d, capacity) for d in range(cfg.pp)]
+    for _ in range(FIT_RETRIES + 1):
+        solved = [cfg.solve_stage(d, counts[d], budgets[d]) for d in range(cfg.pp)]
+        if any(s is None for s in solved):
+            return None
+        choices = [s[1] for s in solved]  # type: ignore[index]
+        cand = evaluate(cfg.assemble(counts, choices))
+        if cand.report.fits:
+            return cand, [s[0] for s in solved]  # type: ignore[index]
+        budgets = [_retry_budget(cfg, d, budgets[d], choices[d], device.memory.total - capacity, capacity)
+                   for d, device in enumerate(cand.report.devices)]
+    return None
+
+
+def _time_balancing_move(counts: list[int], times: list[float], chunks: int) -> list[int] | None:
+    """`counts` with one layer moved from the slowest stage (by DP stage time) to its faster neighbour, or
+    None when that would leave the slowest stage fewer than `chunks` layers."""
+    slow = int(np.argmax(times))
+    neighbours = [d for d in (slow - 1, slow + 1) if 0 <= d < len(counts)]
+    target = min(neighbours, key=lambda d: times[d])
+    trial = list(counts)
+    trial[slow] -= 1
+    trial[target] += 1
+    return trial if trial[slow] >= chunks else None
+
+
 def _partition_search(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candidate]) -> Candidate | None:
-    """Galvatron-BMW: memory-balanced start, then layer moves toward time balance; keep the best."""
+    """Galvatron-BMW: from a memory-balanced start (and from the even split), move layers toward time balance
+    while the simulated iteration improves (REBALANCE_ROUNDS moves at most); the best plan seen."""
     layers, pp = cfg.model.layers, cfg.pp
     if layers < pp * cfg.chunks:
         return None
-    starts = [_memory_balanced(cfg, capacity), split_layers(layers, pp)]
     best: Candidate | None = None
     seen: set[tuple[int, ...]] = set()
-
-    def attempt(counts: list[int]) -> tuple[Candidate | None, list[float]]:
-        budgets = [cfg.budget(d, capacity) for d in range(pp)]
-        for _ in range(FIT_RETRIES + 1):
-            solved = [cfg.solve_stage(d, counts[d], budgets[d]) for d in range(pp)]
-            if any(s is None for s in solved):
-                return None, []
-            plan = cfg.assemble(counts, [s[1] for s in solved])  # type: ignore[index]
-            cand = evaluate(plan)
-            if cand.report.fits:
-                return cand, [s[0] for s in solved]  # type: ignore[index]
-            over = [max(0.0, d.memory.total - capacity) for d in cand.report.devices]  # type: ignore[attr-defined]
-            budgets = [b - 1.05 * o - 0.01 * capacity if o > 0 else b for b, o in zip(budgets, over)]
-        return None, []
-
-    for counts in starts:
+    for counts in (_memory_balanced(cfg, capacity), split_layers(layers, pp)):
         if min(counts) < cfg.chunks or tuple(counts) in seen:
             continue
         seen.add(tuple(counts))
-        cand, times = attempt(counts)
-        if cand is None:
+        fitted = _fit(cfg, capacity, counts, evaluate)
+        if fitted is None:
             continue
+        cand, times = fitted
         if best is None or cand.key < best.key:
             best = cand
-        # Time balancing: move one layer from the slowest stage to its faster neighbour.
         for _ in range(REBALANCE_ROUNDS if pp > 1 else 0):
-            slow = int(np.argmax(times))
-            neighbours = [d for d in (slow - 1, slow + 1) if 0 <= d < pp]
-            target = min(neighbours, key=lambda d: times[d])
-            trial = list(counts)
-            trial[slow] -= 1
-            trial[target] += 1
-            if trial[slow] < cfg.chunks or tuple(trial) in seen:
+            trial = _time_balancing_move(counts, times, cfg.chunks)
+            if trial is None or tuple(trial) in seen:
                 break
             seen.add(tuple(trial))
-            new, new_times = attempt(trial)
-            if new is None or not new.key < best.key:  # type: ignore[union-attr]
+            moved = _fit(cfg, capacity, trial, evaluate)
+            if moved is None or not moved[0].key < best.key:
                 break
-            best, counts, times = new, trial, new_times
+            (best, times), counts = moved, trial
     return best
 
 
