@@ -51,7 +51,7 @@ BUDGET_GRAIN = 1e6
 MAX_MICRO_BATCH_COUNTS = 6
 """Micro-batch counts tried per pipeline degree (spread geometrically over the useful range)."""
 REBALANCE_ROUNDS = 8
-"""Layer moves tried by the time-balancing step of the stage partitioner, per configuration."""
+"""Layer moves the time-balancing step of the stage partitioner accepts at most from each start."""
 FIT_RETRIES = 2
 """Times a stage budget is tightened by the simulated overflow when an assembled plan does not fit."""
 OVERFLOW_MARGIN = 1.05
@@ -305,46 +305,74 @@ def _fit(cfg: _Config, capacity: float, counts: list[int], evaluate: Callable[[P
     return None
 
 
-def _time_balancing_move(counts: list[int], times: list[float], chunks: int) -> list[int] | None:
-    """`counts` with one layer moved from the slowest stage (by DP stage time) to its faster neighbour, or
-    None when that would leave the slowest stage fewer than `chunks` layers."""
+def _time_balancing_moves(counts: list[int], times: list[float], chunks: int) -> list[list[int]]:
+    """Partitions to try next: `counts` with layers moved from the slowest stage (by DP stage time, seconds)
+    to its faster neighbour, first as many as would even out their times at their present seconds per layer,
+    then half as many, down to one; none that would leave the slowest stage fewer than `chunks` layers."""
     slow = int(np.argmax(times))
     neighbours = [d for d in (slow - 1, slow + 1) if 0 <= d < len(counts)]
     target = min(neighbours, key=lambda d: times[d])
-    trial = list(counts)
-    trial[slow] -= 1
-    trial[target] += 1
-    return trial if trial[slow] >= chunks else None
+    per_layer = times[slow] / counts[slow] + times[target] / counts[target]
+    layers = min(max(1, round((times[slow] - times[target]) / per_layer)), counts[slow] - chunks)
+    trials = []
+    while layers >= 1:
+        trial = list(counts)
+        trial[slow] -= layers
+        trial[target] += layers
+        trials.append(trial)
+        layers //= 2
+    return trials
 
 
-def _partition_search(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candidate]) -> Candidate | None:
-    """Galvatron-BMW: from a memory-balanced start (and from the even split), move layers toward time balance
-    while the simulated iteration improves (REBALANCE_ROUNDS moves at most); the best plan seen."""
-    layers, pp = cfg.model.layers, cfg.pp
-    if layers < pp * cfg.chunks:
-        return None
-    best: Candidate | None = None
-    seen: set[tuple[int, ...]] = set()
-    for counts in (_memory_balanced(cfg, capacity), split_layers(layers, pp)):
+_Partition = tuple[Candidate, list[float], list[int]]
+"""A fitting plan, its DP stage times (seconds) and its layers per device group."""
+
+
+def _best_start(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candidate],
+                seen: set[tuple[int, ...]]) -> _Partition | None:
+    """The faster plan of the memory-balanced start and the even split (None if neither fits); both join
+    `seen`."""
+    best: _Partition | None = None
+    for counts in (_memory_balanced(cfg, capacity), split_layers(cfg.model.layers, cfg.pp)):
         if min(counts) < cfg.chunks or tuple(counts) in seen:
             continue
         seen.add(tuple(counts))
         fitted = _fit(cfg, capacity, counts, evaluate)
-        if fitted is None:
-            continue
-        cand, times = fitted
-        if best is None or cand.key < best.key:
-            best = cand
-        for _ in range(REBALANCE_ROUNDS if pp > 1 else 0):
-            trial = _time_balancing_move(counts, times, cfg.chunks)
-            if trial is None or tuple(trial) in seen:
-                break
-            seen.add(tuple(trial))
-            moved = _fit(cfg, capacity, trial, evaluate)
-            if moved is None or not moved[0].key < best.key:
-                break
-            (best, times), counts = moved, trial
+        if fitted is not None and (best is None or fitted[0].key < best[0].key):
+            best = (*fitted, counts)
     return best
+
+
+def _improving_move(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candidate], current: _Partition,
+                    seen: set[tuple[int, ...]]) -> _Partition | None:
+    """The first time-balancing move from `current` not in `seen` whose plan beats current's (None if none);
+    every partition tried goes in `seen`."""
+    best, times, counts = current
+    for trial in _time_balancing_moves(counts, times, cfg.chunks):
+        if tuple(trial) in seen:
+            continue
+        seen.add(tuple(trial))
+        fitted = _fit(cfg, capacity, trial, evaluate)
+        if fitted is not None and fitted[0].key < best.key:
+            return (*fitted, trial)
+    return None
+
+
+def _partition_search(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candidate]) -> Candidate | None:
+    """Galvatron-BMW: the faster of a memory-balanced start and the even split, then layer moves toward time
+    balance while the simulated iteration improves (REBALANCE_ROUNDS moves at most); the best plan seen."""
+    if cfg.model.layers < cfg.pp * cfg.chunks:
+        return None
+    seen: set[tuple[int, ...]] = set()
+    current = _best_start(cfg, capacity, evaluate, seen)
+    if current is None:
+        return None
+    for _ in range(REBALANCE_ROUNDS if cfg.pp > 1 else 0):
+        moved = _improving_move(cfg, capacity, evaluate, current, seen)
+        if moved is None:
+            break
+        current = moved
+    return current[0]
 
 
 def _accept(plan: Plan, model: ModelSpec, runnable: bool, record: Callable[[Plan], None] | None) -> bool:

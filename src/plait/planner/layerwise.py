@@ -311,17 +311,20 @@ solver adds layers one at a time (each step then forms list size x strategies ca
 _Expand = Callable[[int], tuple[int, ...]]
 """Entry index of a final list -> the strategy of every layer."""
 
+_Arrange = Callable[[np.ndarray], np.ndarray]
+"""The strategies picked for a group of identical layers -> their order along those layers."""
 
-def _survivors(time: np.ndarray, memory: np.ndarray, limit: float, merge: float
+
+def _survivors(time: np.ndarray, memory: np.ndarray, limit: float, merge: float, slowest: float = np.inf
                ) -> tuple[np.ndarray, np.ndarray]:
     """``(rows, cols)`` of the candidates kept, each row sorted by memory: those faster than every
-    candidate of their row with less memory, with memory at most ``limit``, and the last such of
-    their row in their ``merge``-wide memory bucket (the fastest there; ``merge == 0``: of their
-    exact memory)."""
+    candidate of their row with less memory, with memory at most ``limit`` and time at most
+    ``slowest``, and the last such of their row in their ``merge``-wide memory bucket (the fastest
+    there; ``merge == 0``: of their exact memory)."""
     earlier = np.empty_like(time)
     earlier[:, :1] = np.inf
     np.minimum.accumulate(time[:, :-1], axis=1, out=earlier[:, 1:])
-    rows, cols = np.nonzero((time < earlier) & (memory <= limit))
+    rows, cols = np.nonzero((time < earlier) & (memory <= limit) & (time <= slowest))
     bucket = np.floor(memory[rows, cols] / merge) if merge > 0 else memory[rows, cols]
     last = np.ones(len(rows), dtype=bool)
     last[:-1] = (rows[1:] != rows[:-1]) | (bucket[1:] != bucket[:-1])
@@ -331,6 +334,11 @@ def _survivors(time: np.ndarray, memory: np.ndarray, limit: float, merge: float
 def _least_memory(t: np.ndarray, mem: np.ndarray) -> np.ndarray:
     """Each layer's least memory over its usable strategies: ``(L,)``."""
     return np.where(np.isfinite(t), mem, np.inf).min(axis=1)
+
+
+def _after(values: np.ndarray) -> np.ndarray:
+    """``out[l]``: the sum of ``values`` over the layers after layer ``l``."""
+    return np.concatenate([np.cumsum(values[:0:-1])[::-1], [0.0]])
 
 
 # With switching costs: one list per last strategy, extended one layer at a time.
@@ -350,34 +358,36 @@ class _Front:
     back: np.ndarray
 
 
-def _first_front(t: np.ndarray, mem: np.ndarray, limit: float) -> _Front:
-    """One prefix per usable strategy of the first layer (costs of shape ``(S,)``) within ``limit``."""
-    targets = np.flatnonzero(np.isfinite(t) & (mem <= limit))
+def _first_front(t: np.ndarray, mem: np.ndarray, limit: float, slowest: float) -> _Front:
+    """One prefix per usable strategy of the first layer (costs of shape ``(S,)``) within ``limit``
+    and ``slowest``."""
+    targets = np.flatnonzero(np.isfinite(t) & (mem <= limit) & (t <= slowest))
     return _Front(mem[targets], t[targets], targets, np.full(len(targets), -1, dtype=np.intp))
 
 
 def _extend(front: _Front, t: np.ndarray, mem: np.ndarray, trans: np.ndarray, limit: float,
-            merge: float) -> _Front:
+            slowest: float, merge: float) -> _Front:
     """The front after one more layer (costs of shape ``(S,)``): row ``i`` of the candidates holds
     every kept prefix (memory ascending) extended by target strategy ``targets[i]``."""
     order = np.argsort(front.memory, kind="stable")
     targets = np.flatnonzero(np.isfinite(t))
     time = front.time[order] + trans[:, targets][front.strategy[order]].T + t[targets][:, None]
     memory = front.memory[order] + mem[targets][:, None]
-    rows, cols = _survivors(time, memory, limit, merge)
+    rows, cols = _survivors(time, memory, limit, merge, slowest)
     return _Front(memory[rows, cols], time[rows, cols], targets[rows], order[cols])
 
 
-def _chain(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, budget: float, merge: float
+def _chain(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, budget: float, merge: float, upper: float
            ) -> tuple[np.ndarray, np.ndarray, _Expand] | None:
-    """Final ``(memory, time)`` list and its expansion, layer by layer (None if nothing fits).
-    A prefix is dropped when the least memory of the layers after it no longer fits."""
-    rest = np.concatenate([np.cumsum(_least_memory(t, mem)[:0:-1])[::-1], [0.0]])
-    fronts = [_first_front(t[0], mem[0], budget - rest[0])]
+    """Final ``(memory, time)`` list and its expansion, layer by layer (None if nothing fits). A
+    prefix is dropped when the least memory of the layers after it no longer fits, or when it
+    cannot finish within ``upper`` seconds even with each later layer's fastest strategy."""
+    room, slowest = budget - _after(_least_memory(t, mem)), upper - _after(t.min(axis=1))
+    fronts = [_first_front(t[0], mem[0], room[0], slowest[0])]
     for layer in range(1, t.shape[0]):
         if len(fronts[-1].time) == 0:
             return None
-        fronts.append(_extend(fronts[-1], t[layer], mem[layer], trans, budget - rest[layer], merge))
+        fronts.append(_extend(fronts[-1], t[layer], mem[layer], trans, room[layer], slowest[layer], merge))
 
     def expand(k: int) -> tuple[int, ...]:
         choice = []
@@ -453,9 +463,10 @@ def _powers(leaf: _Sums, count: int, least: float, room: float, merge: float) ->
     return powers
 
 
-def _expand_sums(root: _Sums, k: int, members: list[np.ndarray], n_layers: int) -> tuple[int, ...]:
+def _expand_sums(root: _Sums, k: int, members: list[np.ndarray], n_layers: int, arrange: _Arrange
+                 ) -> tuple[int, ...]:
     """Strategy of every layer in entry ``k`` of ``root`` (``members[g]``: the layers of group
-    ``g``, which get their group's strategies spread evenly)."""
+    ``g``, which get their group's strategies in the order ``arrange`` gives)."""
     picks: list[list[int]] = [[] for _ in members]
     stack = [(root, k)]
     while stack:
@@ -467,13 +478,14 @@ def _expand_sums(root: _Sums, k: int, members: list[np.ndarray], n_layers: int) 
             stack.append((node.parts[1], int(node.right[i])))  # type: ignore[index]
     choice = np.empty(n_layers, dtype=np.intp)
     for layers, strategies in zip(members, picks):
-        choice[layers] = _spread(np.array(strategies, dtype=np.intp))
+        choice[layers] = arrange(np.array(strategies, dtype=np.intp))
     return tuple(int(s) for s in choice)
 
 
-def _counted(t: np.ndarray, mem: np.ndarray, budget: float, merge: float
+def _counted(t: np.ndarray, mem: np.ndarray, budget: float, merge: float, arrange: _Arrange = _spread
              ) -> tuple[np.ndarray, np.ndarray, _Expand] | None:
-    """Final ``(memory, time)`` list and its expansion when switching is free (None if nothing fits).
+    """Final ``(memory, time)`` list and its expansion when switching is free (None if nothing fits);
+    ``arrange`` orders the strategies of each group's layers.
 
     Identical layers form a group; ``k`` layers of a group are covered by the lists of
     :func:`_powers` for the binary digits of ``k``, so ``O(log k)`` merges replace ``k`` steps.
@@ -498,7 +510,7 @@ def _counted(t: np.ndarray, mem: np.ndarray, budget: float, merge: float
         return None
     members = [np.flatnonzero(group_of.reshape(-1) == g) for g in range(len(first))]
     root = total
-    return root.memory, root.time, lambda k: _expand_sums(root, k, members, t.shape[0])
+    return root.memory, root.time, lambda k: _expand_sums(root, k, members, t.shape[0], arrange)
 
 
 def _unconstrained(t: np.ndarray, mem: np.ndarray, trans: np.ndarray) -> tuple[int, ...] | None:
@@ -542,11 +554,24 @@ def solve_layers_pareto(
         if sol.memory <= budget:
             return sol
     merge = slack * budget / n_layers
-    found = _chain(t, mem, trans, budget, merge) if np.any(trans) else _counted(t, mem, budget, merge)
+    if not np.any(trans):
+        return _fastest_fitting(t, mem, trans, budget, _counted(t, mem, budget, merge))
+    # A feasible bound first: the free-switching optimum with each group's layers in blocks.
+    bound = _fastest_fitting(t, mem, trans, budget, _counted(t, mem, budget, merge, np.sort))
+    upper = bound.time if bound is not None else np.inf
+    sol = _fastest_fitting(t, mem, trans, budget, _chain(t, mem, trans, budget, merge, upper))
+    best = sol if sol is not None and sol.time < upper else bound
+    return best if best is not None and math.isfinite(best.time) else None
+
+
+def _fastest_fitting(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, budget: float,
+                     found: tuple[np.ndarray, np.ndarray, _Expand] | None) -> LayerSolution | None:
+    """The fastest entry (then least memory) of a final list whose memory, summed layer by layer,
+    fits ``budget``: the first, unless rounding differs."""
     if found is None:
         return None
     final_memory, final_time, expand = found
-    for k in np.lexsort((final_memory, final_time)):  # the first fits unless rounding differs
+    for k in np.lexsort((final_memory, final_time)):
         sol = _evaluate(t, mem, trans, expand(int(k)))
         if sol.memory <= budget:
             return sol
