@@ -19,6 +19,7 @@ from plait.planner.layerwise import (
     solve_layers,
     solve_layers_all_budgets,
     solve_layers_brute_force,
+    solve_layers_pareto,
 )
 
 INF = math.inf
@@ -304,3 +305,143 @@ def test_larger_instance_is_consistent():
         total, used = recompute(time, memory, transition, sol.choice)
         assert used == sol.memory <= budget
         assert total == pytest.approx(sol.time, abs=1e-9) == curve[budget] == looped.time
+
+
+# ------------------------------------------------------------------ real-valued memory (Pareto lists)
+
+SLACKS = st.sampled_from([0.0, 0.01, 0.2, 0.6])
+
+
+def recompute_real(time, memory, transition, choice) -> tuple[float, float]:
+    """Time (s) and memory of an assignment, memory summed layer by layer as the solver does."""
+    total, _ = recompute(time, np.zeros(time.shape, dtype=int), transition, choice)
+    used = 0.0
+    for layer, s in enumerate(choice):
+        used += float(memory[layer, s])
+    return total, used
+
+
+def best_time_real(time, memory, transition, budget, allowed=None) -> float:
+    """Least time over every assignment within ``budget`` (``inf`` if none fits), by enumeration;
+    memory summed layer by layer (a running sum) as the solver does."""
+    n_layers, n_strat = time.shape
+    choices = np.array(list(itertools.product(range(n_strat), repeat=n_layers)), dtype=np.intp)
+    layers = np.arange(n_layers)
+    switch = np.array(transition, dtype=float)
+    np.fill_diagonal(switch, 0.0)
+    totals = time[layers, choices].sum(axis=1) + switch[choices[:, :-1], choices[:, 1:]].sum(axis=1)
+    used = np.cumsum(memory[layers, choices], axis=1)[:, -1]
+    ok = used <= budget
+    if allowed is not None:
+        ok &= allowed[layers, choices].all(axis=1)
+    return float(totals[ok].min()) if ok.any() else INF
+
+
+def check_pareto(time, memory, transition, budget, allowed, slack) -> LayerSolution | None:
+    """The answer fits, is priced right, and is at least as fast as the optimum under (1 - slack) x
+    budget (the optimum itself when slack is 0), on both merge paths of the free-switching solver."""
+    exact = best_time_real(time, memory, transition, budget, allowed)
+    loose = best_time_real(time, memory, transition, (1 - slack) * budget, allowed)
+    for pair_limit in (layerwise._PAIR_LIMIT, 0):  # merging powers of two, or one layer at a time
+        with mock.patch.object(layerwise, "_PAIR_LIMIT", pair_limit):
+            got = solve_layers_pareto(time, memory, transition, budget, allowed, slack=slack)
+        if got is None:
+            assert loose == INF
+            continue
+        total, used = recompute_real(time, memory, transition, got.choice)
+        assert used == got.memory <= budget
+        assert total == pytest.approx(got.time, abs=1e-9)
+        assert exact - 1e-9 <= got.time <= loose + 1e-9
+        if allowed is not None:
+            assert all(allowed[layer, s] for layer, s in enumerate(got.choice))
+    return got
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances())
+def test_pareto_matches_brute_force(inst):
+    time, memory, transition, budget, allowed = inst
+    ref = solve_layers_brute_force(time, memory, transition, budget, allowed)
+    got = check_pareto(time, memory.astype(float), transition, budget, allowed, 0.0)
+    assert (got is None) == (ref is None)
+    if got is not None:
+        assert got.time == pytest.approx(ref.time, abs=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(instances(identical=True))
+def test_pareto_matches_brute_force_identical_layers(inst):
+    time, memory, transition, budget, allowed = inst
+    ref = solve_layers_brute_force(time, memory, transition, budget, allowed)
+    got = check_pareto(time, memory.astype(float), transition, budget, allowed, 0.0)
+    assert (got is None) == (ref is None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances(max_layers=5, max_strategies=4), SLACKS, st.integers(0, 2**32 - 1))
+def test_pareto_slack_bounds_the_loss(inst, slack, seed):
+    time, memory, transition, budget, allowed = inst
+    jitter = np.random.default_rng(seed).random(memory.shape)  # real-valued memory
+    check_pareto(time, memory + jitter, transition, budget + 0.5, allowed, slack)
+
+
+TIGHT_LAYERS = 20
+MIB = 2**20
+FAST_BYTES, SLOW_BYTES = 1310 * MIB, 1010 * MIB  # per layer; whole MiB keep the sums exact
+TIGHT_BUDGET = 25730 * MIB  # 18 fast + 2 slow layers use 25600 MiB: 99.5% of it
+GRID_UNITS = 256  # the coarse grid the bytes were once rounded up to
+
+
+@pytest.mark.parametrize("switch", [0.0, 0.3])
+def test_tight_budget_is_packed(switch):
+    """18 of 20 layers fit the fast strategy; rounding each layer's bytes up to 1/256 of the
+    budget leaves room for 12 only (92.5% of the budget). The real-valued solver finds the
+    optimum, and its bytes (summed exactly) stay within the budget."""
+    time = np.tile([1.0, 2.0], (TIGHT_LAYERS, 1))
+    memory = np.tile([float(FAST_BYTES), float(SLOW_BYTES)], (TIGHT_LAYERS, 1))
+    transition = np.array([[0.0, switch], [switch, 0.0]])
+    unit = TIGHT_BUDGET / GRID_UNITS
+    coarse = solve_layers(time, np.ceil(memory / unit).astype(int), transition, GRID_UNITS)
+    coarse_bytes = sum(memory[layer, s] for layer, s in enumerate(coarse.choice))
+    assert coarse.choice.count(0) == 12 and coarse_bytes / TIGHT_BUDGET < 0.93
+    for slack in (0.0, 0.01):
+        sol = solve_layers_pareto(time, memory, transition, TIGHT_BUDGET, slack=slack)
+        assert sol.choice.count(0) == 18
+        assert sol.time == pytest.approx(18 * 1.0 + 2 * 2.0 + switch)
+        assert 0.99 * TIGHT_BUDGET <= sol.memory <= TIGHT_BUDGET
+        assert math.fsum(memory[layer, s] for layer, s in enumerate(sol.choice)) == sol.memory
+    # One MiB less than the optimum's 25600 and only 17 fast layers fit.
+    assert solve_layers_pareto(time, memory, transition, 25599 * MIB).choice.count(0) == 17
+
+
+def test_pareto_spreads_free_layers_and_handles_edges():
+    # Free switching: each strategy's layers spread evenly, so any contiguous split is fair.
+    time = np.tile([1.0, 3.0], (10, 1))
+    memory = np.tile([4.0, 1.0], (10, 1))
+    sol = solve_layers_pareto(time, memory, np.zeros((2, 2)), 22.0)  # 4 fast, 6 slow
+    assert sol.choice.count(0) == 4 and sol.memory == 22.0
+    assert sol.choice[:5].count(0) == 2 and sol.choice[5:].count(0) == 2
+    # Unconstrained: every layer's fastest strategy, the least memory among ties.
+    tie = solve_layers_pareto(np.array([[1.0, 1.0]]), np.array([[3.0, 2.0]]), np.zeros((2, 2)), 9.0)
+    assert tie == LayerSolution(1.0, 2.0, (1,))
+    empty = np.zeros((0, 2))
+    assert solve_layers_pareto(empty, empty, np.zeros((2, 2)), 0.0) == LayerSolution(0.0, 0.0, ())
+    assert solve_layers_pareto(np.zeros((2, 0)), np.zeros((2, 0)), np.zeros((0, 0)), 3.0) is None
+    assert solve_layers_pareto(time, memory, np.zeros((2, 2)), 9.9) is None  # 10 layers need >= 10
+
+
+@pytest.mark.parametrize(
+    ("memory", "budget", "slack"),
+    [
+        (np.full((2, 2), -1.0), 1.0, 0.0),  # negative memory
+        (np.full((2, 2), np.inf), 1.0, 0.0),  # infinite memory
+        (np.ones((2, 3)), 1.0, 0.0),  # shape mismatch
+        (np.ones((2, 2)), -1.0, 0.0),  # negative budget
+        (np.ones((2, 2)), np.inf, 0.0),  # infinite budget
+        (np.ones((2, 2)), 1.0, 1.0),  # slack out of range
+        (np.ones((2, 2)), 1.0, -0.1),
+    ],
+)
+def test_pareto_bad_input_is_rejected(memory, budget, slack):
+    with pytest.raises(PlaitError):
+        solve_layers_pareto(np.ones((2, 2)), memory, np.zeros((2, 2)), budget, slack=slack)

@@ -1,6 +1,7 @@
 """The search finds again the plans it found for benchmarks/search_quality.py's cases before models became
 stacks of layer kinds (tests/data/search_baseline.json, recorded with the previous release's code), with the
-same predicted iteration time within 0.1%. The cases up to 16 GPUs run here; `python
+same predicted iteration time within 0.1%, or a plan at least as fast (the stage DP's memory is exact to the
+byte now, where it rounded each layer up to 1/256 of the budget, so tight cases can find faster plans). The cases up to 16 GPUs run here; `python
 benchmarks/search_regression.py` runs all recorded cases (up to 1,024 GPUs)."""
 
 from __future__ import annotations
@@ -30,5 +31,8 @@ def test_search_finds_the_recorded_plan(row: dict) -> None:
         cluster = cluster.with_memory(mem)
     result = search(PRESETS[name], cluster, seq, gbs)
     assert result.report is not None
-    assert result.report.iteration_time_s == pytest.approx(row["iteration_time_s"], rel=TOLERANCE)
-    assert result.plan == Plan.model_validate(row["plan"])  # recorded as a version-1 plan
+    if result.plan != Plan.model_validate(row["plan"]):  # recorded as a version-1 plan
+        # another plan only where the stage DP's byte-exact memory finds one at least as fast
+        assert result.report.iteration_time_s <= row["iteration_time_s"] * (1 + TOLERANCE)
+    else:
+        assert result.report.iteration_time_s == pytest.approx(row["iteration_time_s"], rel=TOLERANCE)

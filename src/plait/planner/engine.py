@@ -32,7 +32,7 @@ from plait.executable import unsupported
 from plait.layout import Layout
 from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_plan
 from plait.planner.baselines import Candidate, run_baseline
-from plait.planner.layerwise import solve_layers
+from plait.planner.layerwise import solve_layers_pareto
 from plait.planner.space import SpaceLimits, block_strategies, divisors, pareto_front
 from plait.simulate import Report, simulate
 from plait.spec.cluster import Cluster
@@ -40,15 +40,23 @@ from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
 DEFAULT_LIMITS = SpaceLimits()
-MEMORY_UNITS = 256
-"""Steps of the discretised memory budget in the layer DP (Galvatron uses ~MB units; 256 steps of a
-stage's budget keep rounding below 0.4% of it)."""
+DP_SLACK = 0.01
+"""Fraction of a stage's memory budget the layer DP may leave unused to bound its work: the strategies it
+picks are at least as fast as the exact optimum under (1 - DP_SLACK) of the budget, and their summed bytes
+never exceed the budget."""
+BUDGET_GRAIN = 1e6
+"""Bytes a stage budget is floored to before the layer DP, so that nearby budgets share one cached solution
+(which fits each of them)."""
 MAX_MICRO_BATCH_COUNTS = 6
 """Micro-batch counts tried per pipeline degree (spread geometrically over the useful range)."""
 REBALANCE_ROUNDS = 8
-"""Layer moves tried by the time-balancing step of the stage partitioner, per configuration."""
+"""Layer moves the time-balancing step of the stage partitioner accepts at most from each start."""
 FIT_RETRIES = 2
 """Times a stage budget is tightened by the simulated overflow when an assembled plan does not fit."""
+OVERFLOW_MARGIN = 1.05
+"""Multiple of a device's simulated overflow (bytes) taken off its stage budget before re-solving it."""
+FIT_MARGIN = 0.01
+"""Fraction of the device memory taken off an overflowing stage's budget on top of that."""
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
@@ -93,6 +101,16 @@ def _in_flight(pp: int, m: int, schedule: str, chunks: int) -> tuple[int, ...]:
     """Peak (micro-batch, chunk) pairs alive on each device of the schedule."""
     unit = [StageTimes(1.0, 2.0)] * (pp * chunks)
     return simulate_pipeline(unit, m, schedule, chunks).peak_in_flight
+
+
+def _block_bytes(p: _Priced, multiple: float) -> float:
+    """Bytes of one block priced `p` on a device holding `multiple` micro-batches of its activations."""
+    return p.states + p.activation * multiple
+
+
+def _activation_multiple(cfg: _Config, device: int) -> float:
+    """Micro-batches of activations each block on device group `device` holds at the schedule's peak."""
+    return cfg.in_flight[device] / cfg.chunks
 
 
 class _Config:
@@ -187,13 +205,14 @@ class _Config:
 
     def solve_stage(self, device: int, layers: list[int], budget: float) -> tuple[float, list[Strategy]] | None:
         """Best strategies for the model layers `layers` on device group `device` within `budget` bytes."""
+        budget = math.floor(budget / BUDGET_GRAIN) * BUDGET_GRAIN  # a cached solution fits all it serves
         kinds = tuple(self.kind_of_layer[i] for i in layers)
-        key = (device, kinds, device == 0, device == self.pp - 1, round(budget, -6))
+        key = (device, kinds, device == 0, device == self.pp - 1, budget)
         if key in self._solved:
             return self._solved[key]
         result = None
         if layers and budget > 0:
-            act_mult = self.in_flight[device] / self.chunks
+            act_mult = _activation_multiple(self, device)
             # Recomputing a layer needs its full activations for a moment: solve once without
             # recompute strategies on the whole budget and once with all of them on the budget less the
             # largest such transient, and keep the faster.
@@ -214,7 +233,7 @@ class _Config:
         strategies on its time/memory Pareto front, within `budget` bytes."""
         if budget <= 0 or any(not pools[k] for k in set(kinds)):
             return None
-        costs = {k: [(p.mb_time * self.m + p.sync, p.states + p.activation * act_mult) for p in pool]
+        costs = {k: [(p.mb_time * self.m + p.sync, _block_bytes(p, act_mult)) for p in pool]
                  for k, pool in pools.items()}
         strategies: list[Strategy] = []  # every kept strategy of any kind, in first-seen order
         column: dict[Strategy, int] = {}
@@ -222,15 +241,14 @@ class _Config:
             for i in pareto_front(costs[k]):
                 column.setdefault(pool[i].strategy, len(column))
         strategies = list(column)
-        unit = budget / MEMORY_UNITS
         rows = {}
         for k, pool in pools.items():
             t = np.full(len(strategies), np.inf)
-            mem = np.zeros(len(strategies), dtype=np.int64)
+            mem = np.zeros(len(strategies))
             for p, (seconds, nbytes) in zip(pool, costs[k], strict=True):
                 j = column.get(p.strategy)
                 if j is not None:
-                    t[j], mem[j] = seconds, math.ceil(nbytes / unit)
+                    t[j], mem[j] = seconds, nbytes
             rows[k] = (t, mem)
         times = np.stack([rows[k][0] for k in kinds])
         mems = np.stack([rows[k][1] for k in kinds])
@@ -239,7 +257,7 @@ class _Config:
         else:
             layouts = [Layout.of(s) for s in strategies]
             trans = np.array([[self.relayout(a, b) for b in layouts] for a in layouts])
-        sol = solve_layers(times, mems, trans, MEMORY_UNITS)
+        sol = solve_layers_pareto(times, mems, trans, budget, slack=DP_SLACK)
         if sol is None:
             return None
         return sol.time, [strategies[i] for i in sol.choice]
@@ -264,73 +282,134 @@ class _Config:
                     pipelines=(Pipeline(stages=tuple(stages), micro_batches=self.m, micro_batch_sequences=self.mb),))
 
 
+def _least_layer_bytes(cfg: _Config, device: int) -> float:
+    """Bytes a layer needs on device group `device` with its least-memory strategy, averaged over the
+    model's layers (each kind counted as often as it occurs)."""
+    multiple = _activation_multiple(cfg, device)
+    least = [min(_block_bytes(p, multiple) for p in pool) for pool in cfg.priced]
+    return sum(least[k] for k in cfg.kind_of_layer) / len(cfg.kind_of_layer)
+
+
+def _stage_bytes(cfg: _Config, device: int, layers: list[int], strategies: list[Strategy]) -> float:
+    """Bytes the layer DP counts for the model layers `layers` with `strategies` on device group `device`."""
+    multiple = _activation_multiple(cfg, device)
+    priced = [{p.strategy: p for p in pool} for pool in cfg.priced]
+    return sum(_block_bytes(priced[cfg.kind_of_layer[i]][s], multiple) for i, s in zip(layers, strategies,
+                                                                                      strict=True))
+
+
 def _memory_balanced(cfg: _Config, capacity: float) -> list[int]:
-    """Layers per device group with equal memory use under the cheapest-memory strategy."""
-    layers = cfg.model.layers
-    cheapest = [min(pool, key=lambda p: p.states + p.activation) for pool in cfg.priced]
-    share = np.bincount(cfg.kind_of_layer, minlength=len(cheapest)) / layers  # layers of each kind, a fraction
-    per_layer = [sum(f * (c.states + c.activation * cfg.in_flight[d] / cfg.chunks) for f, c in zip(share, cheapest))
-                 for d in range(cfg.pp)]
-    budgets = [max(cfg.budget(d, capacity), 1.0) for d in range(cfg.pp)]
-    weights = np.array([b / w for b, w in zip(budgets, per_layer)])
-    raw = weights / weights.sum() * layers
-    counts = np.maximum(np.floor(raw).astype(int), cfg.chunks)
-    while counts.sum() < layers:
-        counts[int(np.argmax(raw - counts))] += 1
-    while counts.sum() > layers:
-        counts[int(np.argmax(counts))] -= 1
+    """Layers per device group that minimise the largest device memory when every block takes its device's
+    least-memory strategy. A device holds what its budget leaves out (embedding, head, buffers) plus its
+    blocks, whose activations grow with the micro-batches in flight there. Greedy: each layer goes to the
+    device it leaves with the least memory, which is optimal for this min-max."""
+    fixed = np.array([-cfg.budget(d, capacity) for d in range(cfg.pp)])  # bytes, up to a shared constant
+    per_layer = np.array([_least_layer_bytes(cfg, d) for d in range(cfg.pp)])
+    counts = np.full(cfg.pp, cfg.chunks)
+    for _ in range(cfg.model.layers - int(counts.sum())):
+        counts[int(np.argmin(fixed + (counts + 1) * per_layer))] += 1
     return [int(c) for c in counts]
 
 
-def _partition_search(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candidate]) -> Candidate | None:
-    """Galvatron-BMW: memory-balanced start, then layer moves toward time balance; keep the best."""
-    layers, pp = cfg.model.layers, cfg.pp
-    if layers < pp * cfg.chunks:
-        return None
-    starts = [_memory_balanced(cfg, capacity), split_layers(layers, pp)]
-    best: Candidate | None = None
-    seen: set[tuple[int, ...]] = set()
+def _retry_budget(cfg: _Config, device: int, budget: float, layers: list[int], strategies: list[Strategy],
+                  over: float, capacity: float) -> float:
+    """Stage budget (bytes) for the next try after the simulator put device group `device` `over` bytes
+    above `capacity`: the budget less the overflow and a margin, and less than what the stage's blocks used
+    (the DP may have left room), so that the DP picks leaner strategies."""
+    if over <= 0:
+        return budget
+    return min(budget - OVERFLOW_MARGIN * over - FIT_MARGIN * capacity,
+               _stage_bytes(cfg, device, layers, strategies) - BUDGET_GRAIN)
 
-    def attempt(counts: list[int]) -> tuple[Candidate | None, list[float]]:
-        budgets = [cfg.budget(d, capacity) for d in range(pp)]
-        for _ in range(FIT_RETRIES + 1):
-            ids = cfg.device_layers(counts)
-            solved = [cfg.solve_stage(d, ids[d], budgets[d]) for d in range(pp)]
-            if any(s is None for s in solved):
-                return None, []
-            plan = cfg.assemble(counts, [s[1] for s in solved])  # type: ignore[index]
-            cand = evaluate(plan)
-            if cand.report.fits:
-                return cand, [s[0] for s in solved]  # type: ignore[index]
-            over = [max(0.0, d.memory.total - capacity) for d in cand.report.devices]  # type: ignore[attr-defined]
-            budgets = [b - 1.05 * o - 0.01 * capacity if o > 0 else b for b, o in zip(budgets, over)]
-        return None, []
 
-    for counts in starts:
+def _fit(cfg: _Config, capacity: float, counts: list[int], evaluate: Callable[[Plan], Candidate]
+         ) -> tuple[Candidate, list[float]] | None:
+    """The simulated plan with `counts` layers per device group and the DP's strategies, with the DP's stage
+    times (seconds); an overflowing device's stage is re-solved on a smaller budget (FIT_RETRIES times at
+    most). None when no stage solution or no plan fits."""
+    budgets = [cfg.budget(d, capacity) for d in range(cfg.pp)]
+    ids = cfg.device_layers(counts)
+    for _ in range(FIT_RETRIES + 1):
+        solved = [cfg.solve_stage(d, ids[d], budgets[d]) for d in range(cfg.pp)]
+        if any(s is None for s in solved):
+            return None
+        choices = [s[1] for s in solved]  # type: ignore[index]
+        cand = evaluate(cfg.assemble(counts, choices))
+        if cand.report.fits:
+            return cand, [s[0] for s in solved]  # type: ignore[index]
+        budgets = [_retry_budget(cfg, d, budgets[d], ids[d], choices[d], device.memory.total - capacity, capacity)
+                   for d, device in enumerate(cand.report.devices)]
+    return None
+
+
+def _time_balancing_moves(counts: list[int], times: list[float], chunks: int) -> list[list[int]]:
+    """Partitions to try next: `counts` with layers moved from the slowest stage (by DP stage time, seconds)
+    to its faster neighbour, first as many as would even out their times at their present seconds per layer,
+    then half as many, down to one; none that would leave the slowest stage fewer than `chunks` layers."""
+    slow = int(np.argmax(times))
+    neighbours = [d for d in (slow - 1, slow + 1) if 0 <= d < len(counts)]
+    target = min(neighbours, key=lambda d: times[d])
+    per_layer = times[slow] / counts[slow] + times[target] / counts[target]
+    layers = min(max(1, round((times[slow] - times[target]) / per_layer)), counts[slow] - chunks)
+    trials = []
+    while layers >= 1:
+        trial = list(counts)
+        trial[slow] -= layers
+        trial[target] += layers
+        trials.append(trial)
+        layers //= 2
+    return trials
+
+
+_Partition = tuple[Candidate, list[float], list[int]]
+"""A fitting plan, its DP stage times (seconds) and its layers per device group."""
+
+
+def _best_start(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candidate],
+                seen: set[tuple[int, ...]]) -> _Partition | None:
+    """The faster plan of the memory-balanced start and the even split (None if neither fits); both join
+    `seen`."""
+    best: _Partition | None = None
+    for counts in (_memory_balanced(cfg, capacity), split_layers(cfg.model.layers, cfg.pp)):
         if min(counts) < cfg.chunks or tuple(counts) in seen:
             continue
         seen.add(tuple(counts))
-        cand, times = attempt(counts)
-        if cand is None:
-            continue
-        if best is None or cand.key < best.key:
-            best = cand
-        # Time balancing: move one layer from the slowest stage to its faster neighbour.
-        for _ in range(REBALANCE_ROUNDS if pp > 1 else 0):
-            slow = int(np.argmax(times))
-            neighbours = [d for d in (slow - 1, slow + 1) if 0 <= d < pp]
-            target = min(neighbours, key=lambda d: times[d])
-            trial = list(counts)
-            trial[slow] -= 1
-            trial[target] += 1
-            if trial[slow] < cfg.chunks or tuple(trial) in seen:
-                break
-            seen.add(tuple(trial))
-            new, new_times = attempt(trial)
-            if new is None or not new.key < best.key:  # type: ignore[union-attr]
-                break
-            best, counts, times = new, trial, new_times
+        fitted = _fit(cfg, capacity, counts, evaluate)
+        if fitted is not None and (best is None or fitted[0].key < best[0].key):
+            best = (*fitted, counts)
     return best
+
+
+def _improving_move(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candidate], current: _Partition,
+                    seen: set[tuple[int, ...]]) -> _Partition | None:
+    """The first time-balancing move from `current` not in `seen` whose plan beats current's (None if none);
+    every partition tried goes in `seen`."""
+    best, times, counts = current
+    for trial in _time_balancing_moves(counts, times, cfg.chunks):
+        if tuple(trial) in seen:
+            continue
+        seen.add(tuple(trial))
+        fitted = _fit(cfg, capacity, trial, evaluate)
+        if fitted is not None and fitted[0].key < best.key:
+            return (*fitted, trial)
+    return None
+
+
+def _partition_search(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candidate]) -> Candidate | None:
+    """Galvatron-BMW: the faster of a memory-balanced start and the even split, then layer moves toward time
+    balance while the simulated iteration improves (REBALANCE_ROUNDS moves at most); the best plan seen."""
+    if cfg.model.layers < cfg.pp * cfg.chunks:
+        return None
+    seen: set[tuple[int, ...]] = set()
+    current = _best_start(cfg, capacity, evaluate, seen)
+    if current is None:
+        return None
+    for _ in range(REBALANCE_ROUNDS if cfg.pp > 1 else 0):
+        moved = _improving_move(cfg, capacity, evaluate, current, seen)
+        if moved is None:
+            break
+        current = moved
+    return current[0]
 
 
 def _accept(plan: Plan, model: ModelSpec, runnable: bool, record: Callable[[Plan], None] | None) -> bool:

@@ -16,12 +16,25 @@ The DP keeps ``best[s, u]``: the least time of a prefix whose last layer uses st
 One layer is ``cand[b, u] = min_a best[a, u] + transition[a, b]`` followed by a right shift
 of row ``b`` by ``memory[l, b]`` and adding ``time[l, b]``. Cost: ``O(L * S**2 * budget)``
 array work and ``L * S * (budget + 1)`` float64 of stored tables for backtracking.
+
+:func:`solve_layers_pareto` solves the same problem with real-valued memory (bytes), so nothing
+is lost to rounding: per last strategy it keeps the list of prefixes whose (memory, time) no other
+prefix beats on both, dropping those that cannot fit beside the least memory of the layers left.
+When switching is free the order of layers does not matter: identical layers are then counted
+rather than ordered, and lists for 1, 2, 4, ... of them are summed pairwise (``O(log L)`` merges
+instead of ``L`` steps). An optional ``slack`` merges partial assignments whose memory differs by
+less than ``slack * budget / L``, which caps each list at ``L / slack + 1`` entries and costs at
+most that fraction of the budget (the answer is at least as fast as the exact optimum under
+``(1 - slack) * budget``): every assignment is built by ``L - 1`` sums, each merging by less than
+that width.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +47,7 @@ __all__ = [
     "solve_layers",
     "solve_layers_all_budgets",
     "solve_layers_brute_force",
+    "solve_layers_pareto",
 ]
 
 _BRUTE_FORCE_LIMIT = 2_000_000
@@ -44,12 +58,13 @@ _CUBE_LIMIT = 1 << 18  # elements of the (a, b, u) cube below which it is built 
 class LayerSolution:
     """An assignment of strategies to a stage's layers.
 
-    ``time`` is in seconds (layer times plus transitions), ``memory`` in the caller's units,
-    ``choice[l]`` is the strategy index of layer ``l``.
+    ``time`` is in seconds (layer times plus transitions), ``memory`` in the caller's units (an
+    int for the unit DPs, a float for :func:`solve_layers_pareto`), ``choice[l]`` is the strategy
+    index of layer ``l``.
     """
 
     time: float
-    memory: int
+    memory: float
     choice: tuple[int, ...]
 
 
@@ -80,6 +95,21 @@ def _as_transition(transition: np.ndarray, s: int) -> np.ndarray:
     return trans
 
 
+def _as_time(time: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """Validated ``(L, S)`` seconds as a float64 copy; pairs not ``allowed`` get ``inf``."""
+    t = np.array(time, dtype=np.float64)
+    if t.ndim != 2:
+        raise PlaitError(f"time must be 2-D (layers, strategies); got shape {t.shape}")
+    if np.any(np.isnan(t)) or np.any(t < 0):
+        raise PlaitError("time must be >= 0 seconds (inf marks a forbidden pair)")
+    if allowed is not None:
+        ok = np.asarray(allowed)
+        if ok.shape != t.shape or ok.dtype != np.bool_:
+            raise PlaitError(f"allowed must be a boolean array of shape {t.shape}")
+        t[~ok] = np.inf
+    return t
+
+
 def _prepare(
     time: np.ndarray,
     memory: np.ndarray,
@@ -88,11 +118,7 @@ def _prepare(
     allowed: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Validated ``(time, memory, transition, budget)``; forbidden pairs get ``inf`` time."""
-    t = np.array(time, dtype=np.float64)
-    if t.ndim != 2:
-        raise PlaitError(f"time must be 2-D (layers, strategies); got shape {t.shape}")
-    if np.any(np.isnan(t)) or np.any(t < 0):
-        raise PlaitError("time must be >= 0 seconds (inf marks a forbidden pair)")
+    t = _as_time(time, allowed)
     mem = _as_memory(memory, t.shape)
     trans = _as_transition(transition, t.shape[1])
     try:
@@ -101,11 +127,28 @@ def _prepare(
         raise PlaitError(f"budget must be an integer number of units; got {budget!r}") from None
     if budget < 0:
         raise PlaitError(f"budget must be >= 0 units; got {budget}")
-    if allowed is not None:
-        ok = np.asarray(allowed)
-        if ok.shape != t.shape or ok.dtype != np.bool_:
-            raise PlaitError(f"allowed must be a boolean array of shape {t.shape}")
-        t[~ok] = np.inf
+    t[mem > budget] = np.inf  # can never fit
+    return t, mem, trans, budget
+
+
+def _prepare_real(
+    time: np.ndarray,
+    memory: np.ndarray,
+    transition: np.ndarray,
+    budget: float,
+    allowed: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """:func:`_prepare` for real-valued memory and budget (any unit, e.g. bytes)."""
+    t = _as_time(time, allowed)
+    mem = np.array(memory, dtype=np.float64)
+    if mem.shape != t.shape:
+        raise PlaitError(f"memory has shape {mem.shape}; expected {t.shape} (same as time)")
+    if not np.all(np.isfinite(mem)) or np.any(mem < 0):
+        raise PlaitError("memory must be finite and >= 0")
+    trans = _as_transition(transition, t.shape[1])
+    budget = float(budget)
+    if not math.isfinite(budget) or budget < 0:
+        raise PlaitError(f"budget must be finite and >= 0; got {budget}")
     t[mem > budget] = np.inf  # can never fit
     return t, mem, trans, budget
 
@@ -164,7 +207,8 @@ def _forward(
 
 
 def _evaluate(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, choice: tuple[int, ...]) -> LayerSolution:
-    """Time (seconds) and memory (units) of ``choice``, summed in the DP's order."""
+    """Time (seconds) and memory (the caller's units; int or float as ``mem``) of ``choice``,
+    summed in the DP's order."""
     total = 0.0
     used = 0
     prev = None
@@ -172,7 +216,7 @@ def _evaluate(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, choice: tuple[i
         if prev is not None:
             total = total + float(trans[prev, s])
         total = total + float(t[layer, s])
-        used += int(mem[layer, s])
+        used = used + mem[layer, s].item()
         prev = s
     return LayerSolution(time=total, memory=used, choice=choice)
 
@@ -256,6 +300,282 @@ def solve_layers_brute_force(
     if not np.isfinite(totals[k]):
         return None
     return _evaluate(t, mem, trans, tuple(int(s) for s in choices[k]))
+
+
+# --------------------------------------------------------------------------- Pareto lists
+
+_PAIR_LIMIT = 1 << 14
+"""Candidates one merge of two lists of partial assignments may form; beyond it the free-switching
+solver adds layers one at a time (each step then forms list size x strategies candidates)."""
+
+_Expand = Callable[[int], tuple[int, ...]]
+"""Entry index of a final list -> the strategy of every layer."""
+
+_Arrange = Callable[[np.ndarray], np.ndarray]
+"""The strategies picked for a group of identical layers -> their order along those layers."""
+
+
+def _survivors(time: np.ndarray, memory: np.ndarray, limit: float, merge: float, slowest: float = np.inf
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, cols)`` of the candidates kept, each row sorted by memory: those faster than every
+    candidate of their row with less memory, with memory at most ``limit`` and time at most
+    ``slowest``, and the last such of their row in their ``merge``-wide memory bucket (the fastest
+    there; ``merge == 0``: of their exact memory)."""
+    earlier = np.empty_like(time)
+    earlier[:, :1] = np.inf
+    np.minimum.accumulate(time[:, :-1], axis=1, out=earlier[:, 1:])
+    rows, cols = np.nonzero((time < earlier) & (memory <= limit) & (time <= slowest))
+    bucket = np.floor(memory[rows, cols] / merge) if merge > 0 else memory[rows, cols]
+    last = np.ones(len(rows), dtype=bool)
+    last[:-1] = (rows[1:] != rows[:-1]) | (bucket[1:] != bucket[:-1])
+    return rows[last], cols[last]
+
+
+def _least_memory(t: np.ndarray, mem: np.ndarray) -> np.ndarray:
+    """Each layer's least memory over its usable strategies: ``(L,)``."""
+    return np.where(np.isfinite(t), mem, np.inf).min(axis=1)
+
+
+def _after(values: np.ndarray) -> np.ndarray:
+    """``out[l]``: the sum of ``values`` over the layers after layer ``l``."""
+    return np.concatenate([np.cumsum(values[:0:-1])[::-1], [0.0]])
+
+
+# With switching costs: one list per last strategy, extended one layer at a time.
+
+
+@dataclass(frozen=True)
+class _Front:
+    """Prefixes kept after one layer, flat: grouped by last strategy, memory ascending in a group.
+
+    ``memory`` and ``time`` are the prefix totals (caller's memory unit, seconds), ``strategy`` the
+    last layer's strategy and ``back`` the index of the prefix it extends in the previous front.
+    """
+
+    memory: np.ndarray
+    time: np.ndarray
+    strategy: np.ndarray
+    back: np.ndarray
+
+
+def _first_front(t: np.ndarray, mem: np.ndarray, limit: float, slowest: float) -> _Front:
+    """One prefix per usable strategy of the first layer (costs of shape ``(S,)``) within ``limit``
+    and ``slowest``."""
+    targets = np.flatnonzero(np.isfinite(t) & (mem <= limit) & (t <= slowest))
+    return _Front(mem[targets], t[targets], targets, np.full(len(targets), -1, dtype=np.intp))
+
+
+def _extend(front: _Front, t: np.ndarray, mem: np.ndarray, trans: np.ndarray, limit: float,
+            slowest: float, merge: float) -> _Front:
+    """The front after one more layer (costs of shape ``(S,)``): row ``i`` of the candidates holds
+    every kept prefix (memory ascending) extended by target strategy ``targets[i]``."""
+    order = np.argsort(front.memory, kind="stable")
+    targets = np.flatnonzero(np.isfinite(t))
+    time = front.time[order] + trans[:, targets][front.strategy[order]].T + t[targets][:, None]
+    memory = front.memory[order] + mem[targets][:, None]
+    rows, cols = _survivors(time, memory, limit, merge, slowest)
+    return _Front(memory[rows, cols], time[rows, cols], targets[rows], order[cols])
+
+
+def _chain(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, budget: float, merge: float, upper: float
+           ) -> tuple[np.ndarray, np.ndarray, _Expand] | None:
+    """Final ``(memory, time)`` list and its expansion, layer by layer (None if nothing fits). A
+    prefix is dropped when the least memory of the layers after it no longer fits, or when it
+    cannot finish within ``upper`` seconds even with each later layer's fastest strategy."""
+    room, slowest = budget - _after(_least_memory(t, mem)), upper - _after(t.min(axis=1))
+    fronts = [_first_front(t[0], mem[0], room[0], slowest[0])]
+    for layer in range(1, t.shape[0]):
+        if len(fronts[-1].time) == 0:
+            return None
+        fronts.append(_extend(fronts[-1], t[layer], mem[layer], trans, room[layer], slowest[layer], merge))
+
+    def expand(k: int) -> tuple[int, ...]:
+        choice = []
+        for front in reversed(fronts):
+            choice.append(int(front.strategy[k]))
+            k = int(front.back[k])
+        return tuple(reversed(choice))
+
+    return fronts[-1].memory, fronts[-1].time, expand
+
+
+# Free switching: the order of layers does not matter, so identical layers are counted, not ordered.
+
+
+@dataclass(frozen=True)
+class _Sums:
+    """Pareto list of the assignments of a set of layers: memory ascending, time descending.
+
+    A leaf is one layer of ``group`` with its usable ``strategy`` per entry; otherwise entry ``k``
+    is entry ``left[k]`` of ``parts[0]`` plus entry ``right[k]`` of ``parts[1]``.
+    """
+
+    memory: np.ndarray
+    time: np.ndarray
+    group: int = -1
+    strategy: np.ndarray | None = None
+    parts: tuple[_Sums, _Sums] | None = None
+    left: np.ndarray | None = None
+    right: np.ndarray | None = None
+
+
+def _leaf(t: np.ndarray, mem: np.ndarray, group: int, limit: float) -> _Sums:
+    """One layer's usable strategies (costs of shape ``(S,)``) within ``limit``, Pareto-pruned."""
+    usable = np.flatnonzero(np.isfinite(t))
+    usable = usable[np.argsort(mem[usable], kind="stable")]
+    _, cols = _survivors(t[usable][None, :], mem[usable][None, :], limit, 0.0)
+    return _Sums(mem[usable[cols]], t[usable[cols]], group=group, strategy=usable[cols])
+
+
+def _combine(a: _Sums, b: _Sums, limit: float, merge: float) -> _Sums:
+    """Every entry of ``a`` plus every entry of ``b``, Pareto-pruned and merged into buckets."""
+    memory = (a.memory[:, None] + b.memory[None, :]).reshape(-1)
+    time = (a.time[:, None] + b.time[None, :]).reshape(-1)
+    order = np.argsort(memory, kind="stable")
+    _, cols = _survivors(time[order][None, :], memory[order][None, :], limit, merge)
+    picked = order[cols]
+    left, right = np.divmod(picked, len(b.memory))
+    return _Sums(memory[picked], time[picked], parts=(a, b), left=left, right=right)
+
+
+def _spread(strategies: np.ndarray) -> np.ndarray:
+    """``strategies`` reordered so that each one's copies are spread evenly through the sequence
+    (its ``i``-th of ``n`` copies near position ``(i + 1/2) / n``): any contiguous split of the
+    layers, such as a pipeline stage's chunks, then gets a fair share of each."""
+    values, counts = np.unique(strategies, return_counts=True)
+    copies = np.concatenate([np.arange(n) for n in counts])
+    where = (copies + 0.5) / np.repeat(counts, counts)
+    return np.repeat(values, counts)[np.argsort(where, kind="stable")]
+
+
+def _mergeable(a: _Sums | None, b: _Sums) -> bool:
+    """Whether summing ``a`` and ``b`` forms few enough candidates (always true without ``a``)."""
+    return a is None or len(a.time) * len(b.time) <= _PAIR_LIMIT
+
+
+def _powers(leaf: _Sums, count: int, least: float, room: float, merge: float) -> list[_Sums]:
+    """Lists covering 1, 2, 4, ... of a group's ``count`` identical layers (each the previous one
+    summed with itself, while that stays :func:`_mergeable`); ``least``: a layer's least memory,
+    ``room``: the memory a list may use beyond the least of its layers."""
+    powers = [leaf]
+    while 2 ** len(powers) <= count and _mergeable(powers[-1], powers[-1]):
+        powers.append(_combine(powers[-1], powers[-1], room + 2 ** len(powers) * least, merge))
+    return powers
+
+
+def _expand_sums(root: _Sums, k: int, members: list[np.ndarray], n_layers: int, arrange: _Arrange
+                 ) -> tuple[int, ...]:
+    """Strategy of every layer in entry ``k`` of ``root`` (``members[g]``: the layers of group
+    ``g``, which get their group's strategies in the order ``arrange`` gives)."""
+    picks: list[list[int]] = [[] for _ in members]
+    stack = [(root, k)]
+    while stack:
+        node, i = stack.pop()
+        if node.parts is None:
+            picks[node.group].append(int(node.strategy[i]))  # type: ignore[index]
+        else:
+            stack.append((node.parts[0], int(node.left[i])))  # type: ignore[index]
+            stack.append((node.parts[1], int(node.right[i])))  # type: ignore[index]
+    choice = np.empty(n_layers, dtype=np.intp)
+    for layers, strategies in zip(members, picks):
+        choice[layers] = arrange(np.array(strategies, dtype=np.intp))
+    return tuple(int(s) for s in choice)
+
+
+def _counted(t: np.ndarray, mem: np.ndarray, budget: float, merge: float, arrange: _Arrange = _spread
+             ) -> tuple[np.ndarray, np.ndarray, _Expand] | None:
+    """Final ``(memory, time)`` list and its expansion when switching is free (None if nothing fits);
+    ``arrange`` orders the strategies of each group's layers.
+
+    Identical layers form a group; ``k`` layers of a group are covered by the lists of
+    :func:`_powers` for the binary digits of ``k``, so ``O(log k)`` merges replace ``k`` steps.
+    A partial list drops what cannot fit next to the least memory of the layers it leaves out.
+    """
+    _, first, group_of, counts = np.unique(np.concatenate([t, mem], axis=1), axis=0, return_index=True,
+                                            return_inverse=True, return_counts=True)
+    least = _least_memory(t, mem)
+    room = budget - float(least.sum())
+    total: _Sums | None = None
+    covered = 0.0  # least memory of the layers in total
+    for group, (row, count) in enumerate(zip(first, counts)):
+        one = float(least[row])
+        powers = _powers(_leaf(t[row], mem[row], group, room + one), int(count), one, room, merge)
+        left = int(count)
+        for i in reversed(range(len(powers))):
+            while left >= 2**i and (i == 0 or _mergeable(total, powers[i])):
+                covered += 2**i * one
+                total = powers[i] if total is None else _combine(total, powers[i], room + covered, merge)
+                left -= 2**i
+    if total is None or len(total.time) == 0:
+        return None
+    members = [np.flatnonzero(group_of.reshape(-1) == g) for g in range(len(first))]
+    root = total
+    return root.memory, root.time, lambda k: _expand_sums(root, k, members, t.shape[0], arrange)
+
+
+def _unconstrained(t: np.ndarray, mem: np.ndarray, trans: np.ndarray) -> tuple[int, ...] | None:
+    """Each layer's fastest strategy (least memory among ties) when no switch between neighbours
+    costs anything: then no assignment is faster, whatever the budget. None otherwise."""
+    fastest = t.min(axis=1, keepdims=True)
+    choice = np.where(t == fastest, mem, np.inf).argmin(axis=1)
+    if np.any(trans[choice[:-1], choice[1:]]):
+        return None
+    return tuple(int(s) for s in choice)
+
+
+def solve_layers_pareto(
+    time: np.ndarray,
+    memory: np.ndarray,
+    transition: np.ndarray,
+    budget: float,
+    allowed: np.ndarray | None = None,
+    slack: float = 0.0,
+) -> LayerSolution | None:
+    """Least-time assignment with total memory <= ``budget``, memory real-valued (None if nothing fits).
+
+    Arguments as :func:`solve_layers`, except that ``memory`` ``(L, S)`` and ``budget`` are finite,
+    non-negative reals in one unit (e.g. bytes) and are never rounded: the answer's memory, summed
+    layer by layer, is at most ``budget``. ``slack`` in ``[0, 1)``: 0 gives the exact optimum;
+    above 0, partial assignments within ``slack * budget / L`` of each other in memory are merged
+    (the faster kept), which caps every list at ``L / slack + 1`` entries and returns a solution at
+    least as fast as the exact optimum under ``(1 - slack) * budget``. Ties go to less memory.
+    """
+    t, mem, trans, budget = _prepare_real(time, memory, transition, budget, allowed)
+    if not 0.0 <= slack < 1.0:
+        raise PlaitError(f"slack must be in [0, 1); got {slack}")
+    n_layers = t.shape[0]
+    if n_layers == 0:
+        return LayerSolution(time=0.0, memory=0.0, choice=())
+    if t.shape[1] == 0 or _least_memory(t, mem).sum() > budget:  # nothing fits
+        return None
+    quick = _unconstrained(t, mem, trans)
+    if quick is not None:
+        sol = _evaluate(t, mem, trans, quick)
+        if sol.memory <= budget:
+            return sol
+    merge = slack * budget / n_layers
+    if not np.any(trans):
+        return _fastest_fitting(t, mem, trans, budget, _counted(t, mem, budget, merge))
+    # A feasible bound first: the free-switching optimum with each group's layers in blocks.
+    bound = _fastest_fitting(t, mem, trans, budget, _counted(t, mem, budget, merge, np.sort))
+    upper = bound.time if bound is not None else np.inf
+    sol = _fastest_fitting(t, mem, trans, budget, _chain(t, mem, trans, budget, merge, upper))
+    best = sol if sol is not None and sol.time < upper else bound
+    return best if best is not None and math.isfinite(best.time) else None
+
+
+def _fastest_fitting(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, budget: float,
+                     found: tuple[np.ndarray, np.ndarray, _Expand] | None) -> LayerSolution | None:
+    """The fastest entry (then least memory) of a final list whose memory, summed layer by layer,
+    fits ``budget``: the first, unless rounding differs."""
+    if found is None:
+        return None
+    final_memory, final_time, expand = found
+    for k in np.lexsort((final_memory, final_time)):
+        sol = _evaluate(t, mem, trans, expand(int(k)))
+        if sol.memory <= budget:
+            return sol
+    return None
 
 
 # --------------------------------------------------------------------------- pruning
