@@ -117,9 +117,12 @@ def _distinct_positions(src: Layout, dst: Layout) -> range:
     """Positions that between them meet every (src piece, dst piece) overlap a position can have.
 
     Pieces change only every `copies` positions, so both are constant on runs of gcd(copies) positions.
-    Shifting a position by devices / gcd(src.dp, dst.dp) moves both its src and dst pieces by the same
-    batch offset and keeps their token ranges, so one such period suffices: lcm(src.dp * src.token_parts,
-    dst.dp * dst.token_parts) / gcd(src.dp, dst.dp) positions, never all pairs of devices."""
+    With equal device counts, shifting a position by devices / gcd(src.dp, dst.dp) moves both its pieces by
+    the same batch offset and keeps their token ranges, so one such period suffices: lcm(src.dp *
+    src.token_parts, dst.dp * dst.token_parts) / gcd(src.dp, dst.dp) positions, never all pairs of devices.
+    Stages of different sizes (where they meet) compare the positions both have."""
+    if src.devices != dst.devices:
+        return range(0, min(src.devices, dst.devices), gcd(src.copies, dst.copies))
     return range(0, src.devices // gcd(src.dp, dst.dp), gcd(src.copies, dst.copies))
 
 
@@ -130,8 +133,6 @@ def received_fraction(src: Layout, dst: Layout) -> float:
 
     Every position wants a dst piece of the same size and receives the part it does not hold in src, so
     the most received is that size less the least kept over the distinct positions."""
-    if src.devices != dst.devices:
-        raise ValueError(f"layouts of {src.devices} and {dst.devices} positions")
     if src == dst:
         return 0.0
     batch, tokens = lcm(src.dp, dst.dp), lcm(src.token_parts, dst.token_parts)
