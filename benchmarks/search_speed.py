@@ -1,0 +1,109 @@
+"""Search speed against cluster size: how long `plait plan` takes, and what it finds.
+
+    python benchmarks/search_speed.py [--max-gpus N] [--repeat R]
+
+Llama-2-7B (seq 2048, global batch 64) on one 8xA100-80GB node, then Llama-3-405B (seq 8192, global batch
+2048) on 8xH100-80GB nodes from 8 to 16,384 GPUs. Each search runs in a fresh process (cold caches, as one
+`plait plan` does); the run with the least wall time of `--repeat` is shown, with the CPU seconds it used
+(on a busy machine the wall time also counts waiting for a core). "predicted" is the found plan's predicted
+seconds per iteration. Targets (wall): Llama-2-7B on 8 GPUs <= 1 s, Llama-3-405B on 16,384 GPUs <= 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from plait.planner.engine import search
+from plait.spec.cluster import dgx
+from plait.spec.model import PRESETS
+
+
+@dataclass(frozen=True)
+class Case:
+    """One search: a model preset on `nodes` x `gpus_per_node` GPUs of one type."""
+
+    model: str
+    nodes: int
+    gpus_per_node: int
+    gpu: str
+    seq_len: int
+    global_batch: int
+    target_s: float | None = None  # search time to stay under, seconds
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+LLAMA3_405B_NODES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+"""8xH100 nodes of the Llama-3-405B rows: 8 to 16,384 GPUs."""
+CASES = (Case("llama2-7b", 1, 8, "A100-80GB", 2048, 64, target_s=1.0),
+         *(Case("llama3-405b", n, 8, "H100-80GB", 8192, 2048, target_s=10.0 if n == 2048 else None)
+           for n in LLAMA3_405B_NODES))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one search took and found."""
+
+    seconds: float  # wall time
+    cpu_seconds: float  # CPU time of the searching process
+    evaluated: int
+    predicted_s: float | None  # seconds per iteration of the found plan; None when nothing fits
+    plan: str
+
+
+def run(case: Case) -> Outcome:
+    """Search `case` and describe the plan found."""
+    cluster = dgx(case.nodes, case.gpus_per_node, case.gpu)
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = search(PRESETS[case.model], cluster, case.seq_len, case.global_batch)
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    plan = result.plan
+    if plan is None:
+        return Outcome(seconds, cpu_seconds, result.evaluated, None, "none fits")
+    layouts = sorted({s.short() for st in plan.pipelines[0].stages for s in st.strategies})
+    desc = f"pp{plan.pp} m{plan.pipelines[0].micro_batches} {plan.schedule} " + " | ".join(layouts)
+    return Outcome(seconds, cpu_seconds, result.evaluated, result.report.iteration_time_s,  # type: ignore[union-attr]
+                   desc)
+
+
+def run_fresh(case: Case) -> Outcome:
+    """`run` in a new process, so no cache of an earlier search helps."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(run, case).result()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-gpus", type=int, default=16384, help="skip larger clusters")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per case; the fastest is shown")
+    args = ap.parse_args()
+    console = Console(width=200)
+    table = Table(title=f"search time vs cluster size (best of {args.repeat}; predicted = seconds per iteration "
+                        "of the plan found)", box=box.SIMPLE_HEAD)
+    for col in ("model", "GPUs", "seq", "batch", "search s", "CPU s", "target", "plans", "predicted s", "plan"):
+        table.add_column(col, justify="left" if col in ("model", "plan") else "right", no_wrap=True)
+    for case in CASES:
+        if case.gpus > args.max_gpus:
+            continue
+        outcomes = [run_fresh(case) for _ in range(args.repeat)]
+        best = min(outcomes, key=lambda o: o.seconds)
+        target = "" if case.target_s is None else f"<= {case.target_s:g}" + (
+            " ok" if best.seconds <= case.target_s else " MISSED")
+        predicted = "-" if best.predicted_s is None else f"{best.predicted_s:.3f}"
+        table.add_row(case.model, f"{case.gpus:,}", str(case.seq_len), str(case.global_batch), f"{best.seconds:.2f}",
+                      f"{best.cpu_seconds:.2f}", target, str(best.evaluated), predicted, best.plan[:70])
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
