@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from test_runtime import SEQ, STEPS, _gbs, _losses, assert_same, text, train_together  # noqa: F401 (fixture)
+from test_runtime import SEQ, STEPS, _gbs, _losses, assert_same, reference_losses, text, train_together  # noqa: F401 (fixture)
 
 from plait.errors import PlaitError
 from plait.executable import unbuildable, unsupported
@@ -93,14 +93,7 @@ def searched(model: str, memory_gib: float) -> tuple[Plan, list[Plan]]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text) -> dict[tuple[str, int], list[float]]:  # noqa: F811
     """Single-process loss curves by (model, global batch)."""
-    runs = train_together(tmp_path_factory.mktemp("reference"), text, 1,
-                          {f"{m} {g}": (m, f"dp=1,gbs={g}") for m, g in REFERENCE})
-    ref = {}
-    for model, gbs in REFERENCE:
-        losses = _losses(runs, f"{model} {gbs}")
-        assert losses[-1] < losses[0] - 0.5, "the reference must learn, or the comparison proves little"
-        ref[(model, gbs)] = losses
-    return ref
+    return reference_losses(tmp_path_factory.mktemp("reference"), text, REFERENCE)
 
 
 @pytest.fixture(scope="module")
