@@ -22,9 +22,11 @@ is lost to rounding: per last strategy it keeps the list of prefixes whose (memo
 prefix beats on both, dropping those that cannot fit beside the least memory of the layers left.
 When switching is free the order of layers does not matter: identical layers are then counted
 rather than ordered, and lists for 1, 2, 4, ... of them are summed pairwise (``O(log L)`` merges
-instead of ``L`` steps). An optional ``slack`` merges partial assignments whose memory differs by
-less than ``slack * budget / L``, which caps each list at ``L / slack + 1`` entries and costs at
-most that fraction of the budget (the answer is at least as fast as the exact optimum under
+instead of ``L`` steps). With switching costs, the free-switching optimum laid out in blocks is a
+feasible answer whose time bounds the lists (a prefix that cannot finish faster is dropped).
+An optional ``slack`` merges partial assignments whose memory differs by less than
+``slack * budget / L``, which caps each list at ``L / slack + 1`` entries and costs at most that
+fraction of the budget (the answer is at least as fast as the exact optimum under
 ``(1 - slack) * budget``): every assignment is built by ``L - 1`` sums, each merging by less than
 that width.
 """
