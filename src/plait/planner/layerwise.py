@@ -439,14 +439,17 @@ def _combine(a: _Sums, b: _Sums, limit: float, merge: float) -> _Sums:
     return _Sums(memory[picked], time[picked], parts=(a, b), left=left, right=right)
 
 
-def _spread(strategies: np.ndarray) -> np.ndarray:
-    """``strategies`` reordered so that each one's copies are spread evenly through the sequence
-    (its ``i``-th of ``n`` copies near position ``(i + 1/2) / n``): any contiguous split of the
-    layers, such as a pipeline stage's chunks, then gets a fair share of each."""
+def _halved(strategies: np.ndarray) -> np.ndarray:
+    """``strategies`` with each one's copies split evenly between the two halves of the sequence (the
+    first holds ``len // 2``), in blocks: ascending in the first half, descending in the second. Each
+    half, such as one of an interleaved pipeline stage's two chunks, gets a fair share of every
+    strategy, and at most ``2k - 1`` neighbours differ for ``k`` distinct strategies."""
     values, counts = np.unique(strategies, return_counts=True)
-    copies = np.concatenate([np.arange(n) for n in counts])
-    where = (copies + 0.5) / np.repeat(counts, counts)
-    return np.repeat(values, counts)[np.argsort(where, kind="stable")]
+    odd = np.flatnonzero(counts % 2)
+    early = counts // 2
+    early[odd[: len(odd) // 2]] += 1  # the odd copies go alternately to each half
+    late = counts - early
+    return np.concatenate([np.repeat(values, early), np.repeat(values[::-1], late[::-1])])
 
 
 def _mergeable(a: _Sums | None, b: _Sums) -> bool:
@@ -510,7 +513,7 @@ def _groups(t: np.ndarray, mem: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     return first, group_of.reshape(-1), counts
 
 
-def _counted(t: np.ndarray, mem: np.ndarray, budget: float, merge: float, arrange: _Arrange = _spread
+def _counted(t: np.ndarray, mem: np.ndarray, budget: float, merge: float, arrange: _Arrange = _halved
              ) -> tuple[np.ndarray, np.ndarray, _Expand] | None:
     """Final ``(memory, time)`` list and its expansion when switching is free (None if nothing fits);
     ``arrange`` orders the strategies of each group's layers.
