@@ -50,7 +50,7 @@ BUDGET_GRAIN = 1e6
 MAX_MICRO_BATCH_COUNTS = 6
 """Micro-batch counts tried per pipeline degree (spread geometrically over the useful range)."""
 REBALANCE_ROUNDS = 8
-"""Layer moves the time-balancing step of the stage partitioner accepts at most from each start."""
+"""Layer moves the time-balancing step of the stage partitioner accepts at most, per configuration."""
 FIT_RETRIES = 2
 """Times a stage budget is tightened by the simulated overflow when an assembled plan does not fit."""
 OVERFLOW_MARGIN = 1.05

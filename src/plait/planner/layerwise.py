@@ -22,9 +22,11 @@ is lost to rounding: per last strategy it keeps the list of prefixes whose (memo
 prefix beats on both, dropping those that cannot fit beside the least memory of the layers left.
 When switching is free the order of layers does not matter: identical layers are then counted
 rather than ordered, and lists for 1, 2, 4, ... of them are summed pairwise (``O(log L)`` merges
-instead of ``L`` steps). An optional ``slack`` merges partial assignments whose memory differs by
-less than ``slack * budget / L``, which caps each list at ``L / slack + 1`` entries and costs at
-most that fraction of the budget (the answer is at least as fast as the exact optimum under
+instead of ``L`` steps). With switching costs, the free-switching optimum laid out in blocks is a
+feasible answer whose time bounds the lists (a prefix that cannot finish faster is dropped).
+An optional ``slack`` merges partial assignments whose memory differs by less than
+``slack * budget / L``, which caps each list at ``L / slack + 1`` entries and costs at most that
+fraction of the budget (the answer is at least as fast as the exact optimum under
 ``(1 - slack) * budget``): every assignment is built by ``L - 1`` sums, each merging by less than
 that width.
 """
@@ -208,17 +210,16 @@ def _forward(
 
 def _evaluate(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, choice: tuple[int, ...]) -> LayerSolution:
     """Time (seconds) and memory (the caller's units; int or float as ``mem``) of ``choice``,
-    summed in the DP's order."""
-    total = 0.0
-    used = 0
-    prev = None
-    for layer, s in enumerate(choice):
-        if prev is not None:
-            total = total + float(trans[prev, s])
-        total = total + float(t[layer, s])
-        used = used + mem[layer, s].item()
-        prev = s
-    return LayerSolution(time=total, memory=used, choice=choice)
+    summed in the DP's order: layer by layer, each switch before the layer it leads to."""
+    if not choice:
+        return LayerSolution(time=0.0, memory=0, choice=choice)
+    picked = np.asarray(choice, dtype=np.intp)
+    layers = np.arange(len(picked))
+    steps = np.empty(2 * len(picked) - 1)
+    steps[0::2] = t[layers, picked]
+    steps[1::2] = trans[picked[:-1], picked[1:]]
+    return LayerSolution(time=np.cumsum(steps)[-1].item(), memory=np.cumsum(mem[layers, picked])[-1].item(),
+                         choice=choice)
 
 
 def solve_layers(
@@ -438,14 +439,17 @@ def _combine(a: _Sums, b: _Sums, limit: float, merge: float) -> _Sums:
     return _Sums(memory[picked], time[picked], parts=(a, b), left=left, right=right)
 
 
-def _spread(strategies: np.ndarray) -> np.ndarray:
-    """``strategies`` reordered so that each one's copies are spread evenly through the sequence
-    (its ``i``-th of ``n`` copies near position ``(i + 1/2) / n``): any contiguous split of the
-    layers, such as a pipeline stage's chunks, then gets a fair share of each."""
+def _halved(strategies: np.ndarray) -> np.ndarray:
+    """``strategies`` with each one's copies split evenly between the two halves of the sequence (the
+    first holds ``len // 2``), in blocks: ascending in the first half, descending in the second. Each
+    half, such as one of an interleaved pipeline stage's two chunks, gets a fair share of every
+    strategy, and at most ``2k - 1`` neighbours differ for ``k`` distinct strategies."""
     values, counts = np.unique(strategies, return_counts=True)
-    copies = np.concatenate([np.arange(n) for n in counts])
-    where = (copies + 0.5) / np.repeat(counts, counts)
-    return np.repeat(values, counts)[np.argsort(where, kind="stable")]
+    odd = np.flatnonzero(counts % 2)
+    early = counts // 2
+    early[odd[: len(odd) // 2]] += 1  # the odd copies go alternately to each half
+    late = counts - early
+    return np.concatenate([np.repeat(values, early), np.repeat(values[::-1], late[::-1])])
 
 
 def _mergeable(a: _Sums | None, b: _Sums) -> bool:
@@ -467,22 +471,49 @@ def _expand_sums(root: _Sums, k: int, members: list[np.ndarray], n_layers: int, 
                  ) -> tuple[int, ...]:
     """Strategy of every layer in entry ``k`` of ``root`` (``members[g]``: the layers of group
     ``g``, which get their group's strategies in the order ``arrange`` gives)."""
-    picks: list[list[int]] = [[] for _ in members]
-    stack = [(root, k)]
-    while stack:
-        node, i = stack.pop()
+    picks: list[list[np.ndarray]] = [[] for _ in members]
+    wanted: dict[int, list[np.ndarray]] = {id(root): [np.array([k], dtype=np.intp)]}
+    for node in _parents_first(root):  # a list is reused, so gather all its entries before its parts
+        entries = np.concatenate(wanted.pop(id(node)))
         if node.parts is None:
-            picks[node.group].append(int(node.strategy[i]))  # type: ignore[index]
-        else:
-            stack.append((node.parts[0], int(node.left[i])))  # type: ignore[index]
-            stack.append((node.parts[1], int(node.right[i])))  # type: ignore[index]
+            picks[node.group].append(node.strategy[entries])  # type: ignore[index]
+            continue
+        for part, index in zip(node.parts, (node.left, node.right)):
+            wanted.setdefault(id(part), []).append(index[entries])  # type: ignore[index]
     choice = np.empty(n_layers, dtype=np.intp)
     for layers, strategies in zip(members, picks):
-        choice[layers] = arrange(np.array(strategies, dtype=np.intp))
-    return tuple(int(s) for s in choice)
+        choice[layers] = arrange(np.concatenate(strategies))
+    return tuple(choice.tolist())
 
 
-def _counted(t: np.ndarray, mem: np.ndarray, budget: float, merge: float, arrange: _Arrange = _spread
+def _parents_first(root: _Sums) -> list[_Sums]:
+    """Every list ``root`` is built from (each once), every one before the lists it is built from."""
+    order: list[_Sums] = []
+    done: set[int] = set()
+    stack: list[tuple[_Sums, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+        elif id(node) not in done:
+            done.add(id(node))
+            stack.append((node, True))
+            stack.extend((part, False) for part in node.parts or ())
+    return order[::-1]
+
+
+def _groups(t: np.ndarray, mem: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Identical layers (same times and memory): each group's first layer, each layer's group and
+    each group's size."""
+    rows = np.concatenate([t, mem], axis=1)
+    if np.all(rows == rows[0]):
+        return np.zeros(1, dtype=np.intp), np.zeros(len(rows), dtype=np.intp), np.array([len(rows)])
+    _, first, group_of, counts = np.unique(rows, axis=0, return_index=True, return_inverse=True,
+                                           return_counts=True)
+    return first, group_of.reshape(-1), counts
+
+
+def _counted(t: np.ndarray, mem: np.ndarray, budget: float, merge: float, arrange: _Arrange = _halved
              ) -> tuple[np.ndarray, np.ndarray, _Expand] | None:
     """Final ``(memory, time)`` list and its expansion when switching is free (None if nothing fits);
     ``arrange`` orders the strategies of each group's layers.
@@ -491,8 +522,7 @@ def _counted(t: np.ndarray, mem: np.ndarray, budget: float, merge: float, arrang
     :func:`_powers` for the binary digits of ``k``, so ``O(log k)`` merges replace ``k`` steps.
     A partial list drops what cannot fit next to the least memory of the layers it leaves out.
     """
-    _, first, group_of, counts = np.unique(np.concatenate([t, mem], axis=1), axis=0, return_index=True,
-                                            return_inverse=True, return_counts=True)
+    first, group_of, counts = _groups(t, mem)
     least = _least_memory(t, mem)
     room = budget - float(least.sum())
     total: _Sums | None = None
@@ -508,7 +538,7 @@ def _counted(t: np.ndarray, mem: np.ndarray, budget: float, merge: float, arrang
                 left -= 2**i
     if total is None or len(total.time) == 0:
         return None
-    members = [np.flatnonzero(group_of.reshape(-1) == g) for g in range(len(first))]
+    members = [np.flatnonzero(group_of == g) for g in range(len(first))]
     root = total
     return root.memory, root.time, lambda k: _expand_sums(root, k, members, t.shape[0], arrange)
 
@@ -520,7 +550,7 @@ def _unconstrained(t: np.ndarray, mem: np.ndarray, trans: np.ndarray) -> tuple[i
     choice = np.where(t == fastest, mem, np.inf).argmin(axis=1)
     if np.any(trans[choice[:-1], choice[1:]]):
         return None
-    return tuple(int(s) for s in choice)
+    return tuple(choice.tolist())
 
 
 def solve_layers_pareto(
