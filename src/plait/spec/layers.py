@@ -294,14 +294,8 @@ class Block:
     # ---- communication volumes (elements per token) ---------------------------------------
     @property
     def tp_comm_elements_per_token(self) -> int:
-        """Elements per token of each tensor-parallel collective (2 per pass in a plain layer; a cross
-        decoder has a third row-parallel output, counted in `tp_collectives`)."""
+        """Elements per token of each tensor-parallel collective (one per residual sublayer and pass)."""
         return self.hidden
-
-    @property
-    def tp_collectives(self) -> int:
-        """Tensor-parallel collectives of the hidden state per pass (one per row-parallel output)."""
-        return sum(1 for g in self.gemms if g.split == "row")
 
     @property
     def ulysses_elements_per_token(self) -> int:
@@ -325,19 +319,3 @@ class Block:
 
     def with_(self, **changes: object) -> Block:
         return replace(self, **changes)  # type: ignore[arg-type]
-
-    def describe(self) -> str:
-        """Short text such as `decoder h4096 a32/8 ffn14336 w4096`."""
-        if self.kind in ("patch_embed", "projector"):
-            return f"{self.kind} {self.in_dim}->{self.hidden}"
-        text = f"{self.kind} h{self.hidden} a{self.heads}"
-        if self.kv_heads != self.heads:
-            text += f"/{self.kv_heads}"
-        text += f" ffn{self.ffn}"
-        if self.kind == "moe":
-            text += f" e{self.experts}x{self.expert_ffn} top{self.top_k}"
-        if self.window:
-            text += f" w{self.window}"
-        if self.tokens:
-            text += f" t{self.tokens}"
-        return text

@@ -110,10 +110,10 @@ class ModelSpec:
         """Whether every layer is the trunk's default layer (a plain decoder-only stack)."""
         return all(b == self.block for b in self.stack)
 
-    @cached_property
+    @property
     def distinct_blocks(self) -> tuple[Block, ...]:
         """Each different layer once, in order of first appearance."""
-        return tuple(dict.fromkeys(self.stack))
+        return tuple(b for b, _ in self.block_counts)
 
     def kind_counts(self) -> dict[str, int]:
         """Layers of each kind, in order of first appearance."""
