@@ -128,7 +128,7 @@ def record_search(cfg: _Config, monkeypatch: pytest.MonkeyPatch
     moved_from: list[tuple[int, ...]] = []
     moves = engine._time_balancing_moves
 
-    def evaluate(plan: Plan) -> Candidate:
+    def evaluate(plan: Plan, bar: float) -> Candidate:  # simulates every plan, whatever the bar
         report = simulated(cfg, plan)
         log.append((layers_per_device(plan, cfg.pp), report.iteration_time_s if report.fits else None))
         return Candidate(plan, report, "layerwise")

@@ -15,6 +15,7 @@ from plait.cost.pipeline import (
     _plan_from_orders,
     bubble_fraction,
     ideal_bubble_fraction,
+    peak_weighted_in_flight,
     schedule_order,
     simulate_pipeline,
 )
@@ -348,3 +349,35 @@ def test_save_failure_leaves_no_files(tmp_path) -> None:
     with pytest.raises(Boom):
         save_figure_atomically(fig, str(tmp_path / "f.png"))
     assert os.listdir(tmp_path) == []
+
+
+@FAST
+@given(st.sampled_from(["gpipe", "1f1b", "interleaved"]), st.integers(1, 8), st.integers(1, 4), st.integers(1, 4),
+       st.data())
+def test_peak_weighted_in_flight_equals_walking_the_ops(schedule: str, p: int, v: int, rounds: int,
+                                                        data: st.DataObject) -> None:
+    """The weighted peak from the per-device maxima of alive counts is the one a walk over every op gives."""
+    chunks = v if schedule == "interleaved" else 1
+    m = rounds * p
+    weights = data.draw(st.lists(st.lists(st.floats(0.0, 10.0), min_size=chunks, max_size=chunks),
+                                 min_size=p, max_size=p))
+    peaks = peak_weighted_in_flight(schedule, p, m, chunks, weights)
+    for d, order in enumerate(schedule_order(schedule, p, m, chunks)):
+        alive = peak = 0.0
+        for kind, _, chunk in order:
+            w = weights[d][chunk // p]
+            alive += w if kind == "F" else -w
+            peak = max(peak, alive)
+        assert math.isclose(peaks[d], peak, rel_tol=1e-9, abs_tol=1e-9)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("rounds", [1, 2, 5])
+def test_interleaved_equal_stages_without_sends_closed_form(p: int, v: int, rounds: int) -> None:
+    """What PricedPlan.lower_bound_s relies on: equal chunks, no sends, m = rounds * p micro-batches take
+    (m v + p - 1)(f + b), and device d's last backward ends d b before the end."""
+    f, b, m = 0.3, 0.7, rounds * p
+    r = simulate_pipeline([StageTimes(f, b)] * (p * v), m, "interleaved", chunks=v)
+    assert close(r.makespan_s, (m * v + p - 1) * (f + b))
+    assert all(close(r.last_backward_end_s[d], r.makespan_s - d * b) for d in range(p))

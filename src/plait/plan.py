@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -41,6 +41,11 @@ PLAN_VERSION = 2
 mean)."""
 
 
+@lru_cache(maxsize=1024)
+def _degrees(dp: int, tp: int, cp: int) -> Degrees:
+    return Degrees(dp=dp, tp=tp, cp=cp)
+
+
 class Strategy(BaseModel):
     """How one layer is parallelised over its stage's devices (dp * tp * cp = devices of the stage)."""
 
@@ -58,7 +63,7 @@ class Strategy(BaseModel):
     @property
     def degrees(self) -> Degrees:
         """The layer's degrees over its stage (the one object that gives coordinates and groups)."""
-        return Degrees(dp=self.dp, tp=self.tp, cp=self.cp)
+        return _degrees(self.dp, self.tp, self.cp)
 
     @property
     def devices(self) -> int:

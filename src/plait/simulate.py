@@ -53,6 +53,7 @@ class StageCost:
     priced: list[tuple[LayerCost, int, Strategy, int]]  # (price, count, strategy, first layer) of each run and edge
     kinds: list[str]  # the layer kind (or "embedding", "head") of each entry of `priced`
     buffer_bytes: float
+    recompute_flops_per_token: float  # FLOPs recomputation repeats per token of the micro-batch
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     act = working = 0.0
     priced: list[tuple[LayerCost, int, Strategy, int]] = []
     kinds: list[str] = []
-    buffers = 0.0
+    buffers = recompute_flops = 0.0
     before = pipe.stages[stage_index - 1] if stage_index > 0 else None
     # What arrives, when a stage of as many ranks sends it rank by rank; between stages of different sizes
     # the send itself moves the pieces.
@@ -193,6 +194,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         priced.append((c, count, s, layer))
         kinds.append(block.kind)
         buffers = max(buffers, c.buffers)
+        recompute_flops += count * recompute_flops_per_token(block, s.recompute, plan.seq_len)
         if prev is not None and Layout.of(prev) != Layout.of(s):
             # Re-layout of the hidden state between differing strategies (or from the previous stage's).
             ctx = context(s, layer)
@@ -229,19 +231,19 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     if speed != 1.0:
         fwd, bwd = fwd * speed, bwd * speed
         parts = {k: v * speed for k, v in parts.items()}
-    return StageCost(parts, fwd, bwd, send, act, working, priced, kinds, buffers)
+    return StageCost(parts, fwd, bwd, send, act, working, priced, kinds, buffers, recompute_flops)
 
 
-def _simulate_pipelines(plan: Plan, all_costs: list[list[StageCost]], record: bool
+def _simulate_pipelines(plan: Plan, all_costs: list[list[StageCost]], record: bool, detail: bool = True
                         ) -> list[tuple[int, list[StageCost], PipelineResult, PipelineResult | None]]:
     """Each pipeline's schedule simulated from its stage costs: (index, costs, result, result without the
-    p2p sends or None when it has none)."""
+    p2p sends, or None when it has none or without `detail`)."""
     staged = []
     for pi, (pipe, costs) in enumerate(zip(plan.pipelines, all_costs, strict=True)):
         times = [StageTimes(c.forward, c.backward, c.send) for c in costs]
         res = simulate_pipeline(times, pipe.micro_batches, plan.schedule, plan.chunks, record=record)
         no_send = None
-        if len(costs) > 1 and any(c.send for c in costs):
+        if detail and len(costs) > 1 and any(c.send for c in costs):
             no_send = simulate_pipeline([StageTimes(c.forward, c.backward) for c in costs], pipe.micro_batches,
                                         plan.schedule, plan.chunks)
         staged.append((pi, costs, res, no_send))
@@ -290,32 +292,120 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
     return reduce_t, gather_t, optimizer_time(held, ctx)
 
 
-def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | None = None,
-             record: bool = False, validate: bool = True) -> Report:
-    """Predict one training iteration of `plan` (with `cal`, or the GPU type's default calibration).
-    Raises PlaitError if the plan is invalid."""
+@dataclass(frozen=True)
+class PricedPlan:
+    """A plan priced stage by stage, with every device's memory and its gradient-synchronisation terms,
+    before its pipeline schedule is simulated (`finish` does that). Seconds and bytes."""
+
+    plan: Plan
+    model: ModelSpec
+    cluster: Cluster
+    cal: Calibration
+    costs: list[list[StageCost]]  # per pipeline, per stage (model chunk)
+    memory: list[list[MemoryTerms]]  # per pipeline, per device group
+    syncs: list[list[tuple[float, float, float]]]  # per device group: (reduce, gather, optimizer) seconds
+
+    @property
+    def peak_bytes(self) -> float:
+        """The largest device's memory, bytes."""
+        return max(m.total for mems in self.memory for m in mems)
+
+    @property
+    def fits(self) -> bool:
+        """Whether every device's memory fits the GPU."""
+        return self.peak_bytes <= self.cluster.gpu.memory_bytes
+
+    def lower_bound_s(self) -> float:
+        """Seconds the iteration takes at least: `finish` never predicts less. A device's last backward
+        ends no earlier than in the same schedule with every stage as fast as the fastest one (op end times
+        only grow with op durations), nor before its forward inputs arrive and it has run all its
+        micro-batches; its gradient synchronisation and optimizer follow. 0 where CPU ranks share cores
+        (the simulator then shrinks stage times by how many ranks are busy)."""
+        if self.cal.measured is not None:
+            return 0.0
+        plan, multi = self.plan, len(self.plan.pipelines) > 1
+        bound = 0.0
+        for pi, (pipe, costs) in enumerate(zip(plan.pipelines, self.costs, strict=True)):
+            pp, m = len(costs) // plan.chunks, pipe.micro_batches
+            f = min(c.forward for c in costs)
+            b = min(c.backward for c in costs)
+            s = min((c.send for c in costs[:-1]), default=0.0)
+            if plan.chunks == 1:
+                schedule = "1f1b" if plan.schedule == "interleaved" else plan.schedule
+                fastest = simulate_pipeline([StageTimes(f, b, s)] * pp, m, schedule).last_backward_end_s
+            else:  # interleaved, sends left out: (m v + p - 1)(f + b), device d's last backward d b earlier
+                span = (m * plan.chunks + pp - 1) * (f + b)
+                fastest = tuple(span - d * b for d in range(pp))
+            for d in range(pp):
+                arrive = sum(c.forward for c in costs[:d])
+                busy = m * sum(c.forward + c.backward for c in costs[d::pp])
+                reduce_t, gather_t, optimizer = self.syncs[pi][d]
+                exposed = reduce_t if multi else _exposed_reduce(reduce_t, costs[d::pp], plan, self.cal)
+                after = exposed + gather_t + optimizer
+                bound = max(bound, max(fastest[d], arrive + busy) + after)
+        return bound
+
+
+def _exposed_reduce(reduce_t: float, chunk_costs: list[StageCost], plan: Plan, cal: Calibration) -> float:
+    """Seconds of a device group's gradient reduction (`reduce_t`) left after its last backward: what the
+    backward window (at the overlap efficiency) does not hide, and at least the last bucket's share."""
+    if not plan.overlap_grad_reduce:
+        return reduce_t
+    window = sum(c.backward for c in chunk_costs) * cal.overlap_efficiency
+    grad_bytes = sum(n * p.params for c in chunk_costs for p, n, _, _ in c.priced) * PRECISIONS[plan.precision].grad
+    last_bucket = min(1.0, GRAD_BUCKET_BYTES / max(grad_bytes, 1.0))
+    return max(reduce_t - window, reduce_t * last_bucket)
+
+
+def price_plan(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | None = None,
+               validate: bool = True) -> PricedPlan:
+    """Price every stage of `plan` and every device's memory (see PricedPlan). Raises PlaitError if the plan
+    is invalid."""
     cal = cal or calibration_for(cluster.gpu.name)
     if validate:
         validate_plan(plan, model, cluster)
     prec = PRECISIONS[plan.precision]
+    costs = [[_stage_cost(plan, pi, j, model, cluster, cal) for j in range(len(pipe.stages))]
+             for pi, pipe in enumerate(plan.pipelines)]
+    memory, syncs = [], []
+    for pipe, pipe_costs in zip(plan.pipelines, costs, strict=True):
+        pp = len(pipe.stages) // plan.chunks
+        weights = [[pipe_costs[j].activation_bytes for j in range(d, len(pipe_costs), pp)] for d in range(pp)]
+        alive = peak_weighted_in_flight(plan.schedule, pp, pipe.micro_batches, plan.chunks, weights)
+        mems, sync = [], []
+        for d in range(pp):
+            chunk_costs = pipe_costs[d::pp]
+            stage = pipe.stages[d]
+            reduce_t, gather_t, optimizer = _grad_sync(chunk_costs, plan, stage, model, cluster, cal, prec)
+            optimizer *= _slowest(stage.ranks, cluster)
+            sync.append((reduce_t, gather_t, optimizer))
+            mems.append(_memory(chunk_costs, alive[d], stage, plan, prec, cal))
+        memory.append(mems)
+        syncs.append(sync)
+    return PricedPlan(plan, model, cluster, cal, costs, memory, syncs)
+
+
+def finish(priced: PricedPlan, record: bool = False, detail: bool = True) -> Report:
+    """Simulate the pipeline schedules of a priced plan: the Report. Without `detail`, the p2p time a
+    pipeline waits for is counted in its bubble (one schedule simulated instead of two)."""
+    plan, model, cluster, cal = priced.plan, priced.model, priced.cluster, priced.cal
+    prec = PRECISIONS[plan.precision]
     groups: list[DeviceGroup] = []
     multi = len(plan.pipelines) > 1
-    all_costs = [[_stage_cost(plan, pi, j, model, cluster, cal) for j in range(len(pipe.stages))]
-                 for pi, pipe in enumerate(plan.pipelines)]
-    staged = _simulate_pipelines(plan, all_costs, record)
+    all_costs = priced.costs
+    staged = _simulate_pipelines(plan, all_costs, record, detail)
     relief = _shared_core_relief(plan, model, cluster, cal, [res for _, _, res, _ in staged])
     if relief < 1.0:  # stage times shrink alike, so the busy fractions that set the relief stay as they were
-        staged = _simulate_pipelines(plan, [[_scaled(c, relief) for c in costs] for costs in all_costs], record)
+        staged = _simulate_pipelines(plan, [[_scaled(c, relief) for c in costs] for costs in all_costs], record,
+                                     detail)
     results = [res for _, _, res, _ in staged]
     sync_start = max(r.makespan_s for r in results) if multi else None
     for pi, costs, res, no_send in staged:
         pipe = plan.pipelines[pi]
         pp = len(pipe.stages) // plan.chunks
         m = pipe.micro_batches
-        weights = [[costs[j].activation_bytes for j in range(d, len(costs), pp)] for d in range(pp)]
-        alive = peak_weighted_in_flight(plan.schedule, pp, m, plan.chunks, weights)
         for d in range(pp):
-            chunk_costs = [costs[j] for j in range(d, len(costs), pp)]
+            chunk_costs = costs[d::pp]
             stage = pipe.stages[d]
             parts = {k: m * sum(c.parts[k] for c in chunk_costs) for k in chunk_costs[0].parts}
             busy = res.busy_s[d]
@@ -323,26 +413,17 @@ def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | 
             quiet = no_send.last_backward_end_s[d] if no_send else ends
             parts["pp_bubble"] = max(0.0, quiet - busy)
             parts["p2p"] = max(0.0, ends - quiet)
-            reduce_t, gather_t, optimizer = _grad_sync(chunk_costs, plan, stage, model, cluster, cal, prec)
-            optimizer *= _slowest(stage.ranks, cluster)
+            reduce_t, gather_t, optimizer = priced.syncs[pi][d]
+            exposed = _exposed_reduce(reduce_t, chunk_costs, plan, cal)
             if sync_start is not None:  # replicas in other pipelines: wait for the slowest, no overlap
-                wait = sync_start - ends
-                parts["pp_bubble"] += wait
+                parts["pp_bubble"] += sync_start - ends
                 ends = sync_start
-                exposed = reduce_t
-            elif plan.overlap_grad_reduce:
-                window = sum(c.backward for c in chunk_costs) * cal.overlap_efficiency
-                total_grad_bytes = sum(n * p.params for c in chunk_costs for p, n, _, _ in c.priced) * prec.grad
-                last_bucket = min(1.0, GRAD_BUCKET_BYTES / max(total_grad_bytes, 1.0))
-                exposed = max(reduce_t - window, reduce_t * last_bucket)
-            else:
                 exposed = reduce_t
             parts["dp_comm_exposed"] = exposed + gather_t
             parts["optimizer"] = optimizer
             end = ends + exposed + gather_t + optimizer
-            memory = _memory(chunk_costs, alive[d], stage, plan, prec, cal)
             layers = tuple(pipe.stages[j].layers for j in range(d, len(costs), pp))
-            groups.append(DeviceGroup(pi, d, stage.ranks, layers, memory, end, parts))
+            groups.append(DeviceGroup(pi, d, stage.ranks, layers, priced.memory[pi][d], end, parts))
     by_kind = _by_kind(plan, all_costs[0], model)
     critical = max(groups, key=lambda g: g.end_s)
     iteration = critical.end_s
@@ -350,8 +431,8 @@ def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | 
     gpus = cluster.world_size
     prec_peak = prec.peak_flops(cluster.gpu)
     model_flops = model.model_flops_per_token(plan.seq_len) * tokens
-    hw_flops = model_flops + _recompute_flops(plan, model)
-    peak = max(g.memory.total for g in groups)
+    hw_flops = model_flops + _recompute_flops(plan, all_costs)
+    peak = priced.peak_bytes
     capacity = cluster.gpu.memory_bytes
     return Report(
         iteration_time_s=iteration,
@@ -368,6 +449,13 @@ def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | 
         pipelines=tuple(results),
         by_kind=by_kind,
     )
+
+
+def simulate(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration | None = None,
+             record: bool = False, validate: bool = True, detail: bool = True) -> Report:
+    """Predict one training iteration of `plan` (with `cal`, or the GPU type's default calibration).
+    Raises PlaitError if the plan is invalid. `detail=False` see `finish`."""
+    return finish(price_plan(plan, model, cluster, cal, validate), record, detail)
 
 
 def _by_kind(plan: Plan, costs: list[StageCost], model: ModelSpec) -> dict[str, KindSummary]:
@@ -393,15 +481,10 @@ def _by_kind(plan: Plan, costs: list[StageCost], model: ModelSpec) -> dict[str, 
             for k in layers}
 
 
-def _recompute_flops(plan: Plan, model: ModelSpec) -> float:
+def _recompute_flops(plan: Plan, costs: list[list[StageCost]]) -> float:
     """FLOPs repeated by activation recomputation in one iteration, over all pipelines."""
-    total = 0.0
-    for pipe in plan.pipelines:
-        tokens = pipe.samples * plan.seq_len
-        for stage in pipe.stages:
-            for s, block, count, _ in layer_runs(stage, model):
-                total += count * recompute_flops_per_token(block, s.recompute, plan.seq_len) * tokens
-    return total
+    return sum(pipe.samples * plan.seq_len * sum(c.recompute_flops_per_token for c in stages)
+               for pipe, stages in zip(plan.pipelines, costs, strict=True))
 
 
 def _memory(costs: list[StageCost], activations: float, stage: Stage, plan: Plan, prec: PrecisionBytes,

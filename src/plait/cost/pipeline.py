@@ -162,19 +162,35 @@ def peak_weighted_in_flight(schedule: str, p: int, micro_batches: int, chunks: i
     bytes), so uneven chunks are counted exactly rather than as peak count x largest chunk.
     """
     if chunks == 1:
-        counts = _plan(schedule if schedule != "interleaved" else "1f1b", p, micro_batches, 1).peak_in_flight
+        counts = _peaks(schedule if schedule != "interleaved" else "1f1b", p, micro_batches)
         return tuple(counts[d] * weights[d][0] for d in range(p))
-    n = p * chunks
-    half = micro_batches * n
-    peaks = []
-    for d, order in enumerate(_cached_orders(schedule, p, micro_batches, chunks)):
-        alive = peak = 0.0
+    return tuple(max(sum(w * k for w, k in zip(weights[d], alive, strict=True)) for alive in candidates)
+                 for d, candidates in enumerate(_alive_maxima(schedule, p, micro_batches, chunks)))
+
+
+@lru_cache(maxsize=256)
+def _alive_maxima(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per device, the alive-pair counts per local chunk at the moments no other moment dominates (at
+    least as many alive of every chunk): the weighted peak for any non-negative weights is among them."""
+    n = p * v
+    half = m * n
+    out = []
+    for order in _cached_orders(schedule, p, m, v):
+        alive = [0] * v
+        seen: set[tuple[int, ...]] = set()
         for op in order:
-            w = weights[d][(op % n) // p]
-            alive = alive + w if op < half else alive - w
-            peak = max(peak, alive)
-        peaks.append(peak)
-    return tuple(peaks)
+            c = (op % n) // p
+            if op < half:
+                alive[c] += 1
+                seen.add(tuple(alive))
+            else:
+                alive[c] -= 1
+        kept: list[tuple[int, ...]] = []  # a dominating tuple has the larger sum, so it comes first
+        for a in sorted(seen, key=sum, reverse=True):
+            if not any(all(x >= y for x, y in zip(b, a, strict=True)) for b in kept):
+                kept.append(a)
+        out.append(tuple(kept))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from plait.cost.calibration import Calibration
 from plait.errors import PlaitError
 from plait.plan import Plan, Strategy, strategy_problem, uniform_plan
 from plait.planner.space import divisors
-from plait.simulate import Report, simulate
+from plait.simulate import PricedPlan, Report, finish, price_plan
 from plait.spec.cluster import Cluster
 from plait.spec.model import ModelSpec
 
@@ -91,22 +91,39 @@ def grid_layouts(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch:
 def run_baseline(kind: str, model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int,
                  progress: Progress | None = None, cal: Calibration | None = None,
                  accept: Callable[[Plan], bool] | None = None) -> tuple[Candidate | None, int]:
-    """The best plan of a baseline (among those `accept` allows) and the number of plans simulated."""
+    """The best plan of a baseline (among those `accept` allows) and the number of plans priced.
+
+    Every layout is priced (stage costs and memory, no schedule simulated); the fitting ones are then
+    simulated in order of their lower bound until the bound passes the fastest simulated, which finds the
+    plan a full enumeration would (ties go to the earlier layout)."""
     groups = list(grid_layouts(model, cluster, seq_len, global_batch, kind))
-    best: Candidate | None = None
-    evaluated = 0
+    fitting: list[tuple[float, int, PricedPlan, str]] = []
+    leanest: tuple[float, int, PricedPlan, str] | None = None  # least peak memory of those that do not fit
+    order = 0  # enumeration order of the layouts priced
     for i, group in enumerate(groups):
         for text in group:
             plan = uniform_plan(text, model, cluster, seq_len)
             if accept is not None and not accept(plan):
                 break
-            report = simulate(plan, model, cluster, cal=cal, validate=False)
-            evaluated += 1
-            cand = Candidate(plan, report, f"{kind}: {text}")
-            if best is None or cand.key < best.key:
-                best = cand
-            if not report.fits:
+            priced = price_plan(plan, model, cluster, cal, validate=False)
+            order += 1
+            if not priced.fits:
+                if leanest is None or priced.peak_bytes < leanest[0]:
+                    leanest = (priced.peak_bytes, order, priced, text)
                 break  # larger micro-batches need more memory
+            fitting.append((priced.lower_bound_s(), order, priced, text))
         if progress:
             progress(i + 1, len(groups))
-    return best, evaluated
+    best: tuple[float, int, PricedPlan, str] | None = None  # (seconds, order, priced, text) of the fastest
+    for bound, index, priced, text in sorted(fitting, key=lambda f: (f[0], f[1])):
+        if best is not None and bound > best[0]:
+            break
+        seconds = finish(priced, detail=False).iteration_time_s
+        if best is None or (seconds, index) < best[:2]:
+            best = (seconds, index, priced, text)
+    if best is not None:
+        leanest = best
+    if leanest is not None:
+        _, _, priced, text = leanest
+        return Candidate(priced.plan, finish(priced), f"{kind}: {text}"), order
+    return None, order

@@ -16,7 +16,7 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -34,7 +34,7 @@ from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_p
 from plait.planner.baselines import Candidate, run_baseline
 from plait.planner.layerwise import solve_layers_pareto
 from plait.planner.space import SpaceLimits, block_strategies, divisors, pareto_front
-from plait.simulate import Report, simulate
+from plait.simulate import Report, finish, price_plan, simulate
 from plait.spec.cluster import Cluster
 from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
@@ -172,6 +172,22 @@ class _Config:
         c = price(block, s, self._context(s))
         return _Priced(s, c.micro_batch_s, c.exposed_sync(self.cal.overlap_efficiency), c.states, c.activation,
                        c.working)
+
+    def lower_bound_s(self) -> float:
+        """Seconds every plan of this configuration takes at least: its layers at their fastest strategies
+        (memory aside), C seconds per micro-batch in all, cut into stages in the best way. With stage times
+        c_d a device's last backward ends no earlier than sum(c_j, j < d) + m c_d; a weighted mean of these
+        over the devices bounds the largest by C / (1 - (1 - 1/m)^pp) for any cut (interleaved: m C / pp,
+        and C). 0 where stages may price differently (ranks not aligned to nodes, slowed devices) or
+        CPU ranks share cores."""
+        gpn = self.cluster.gpus_per_node
+        if self.cal.measured is not None or self.cluster.speed or (self.n % gpn and gpn % self.n):
+            return 0.0
+        fastest = [min((p.mb_time for p in pool), default=math.inf) for pool in self.priced]
+        total = sum(fastest[k] for k in self.kind_of_layer)
+        if self.chunks == 1:
+            return total / (1 - (1 - 1 / self.m) ** self.pp)
+        return max(total, self.m * total / self.pp)
 
     def cheapest(self) -> _Priced:
         """The trunk layer's strategy with the least model-state memory (prices the edges in budgets)."""
@@ -322,11 +338,15 @@ def _retry_budget(cfg: _Config, device: int, budget: float, layers: list[int], s
                _stage_bytes(cfg, device, layers, strategies) - BUDGET_GRAIN)
 
 
-def _fit(cfg: _Config, capacity: float, counts: list[int], evaluate: Callable[[Plan], Candidate]
+Judge = Callable[[Plan, float], Candidate | None]
+"""Simulates a plan, or returns None when it fits and cannot take less than the given seconds."""
+
+
+def _fit(cfg: _Config, capacity: float, counts: list[int], judge: Judge, bar: float = math.inf
          ) -> tuple[Candidate, list[float]] | None:
     """The simulated plan with `counts` layers per device group and the DP's strategies, with the DP's stage
     times (seconds); an overflowing device's stage is re-solved on a smaller budget (FIT_RETRIES times at
-    most). None when no stage solution or no plan fits."""
+    most). None when no stage solution or no plan fits, or the plan that fits cannot beat `bar` seconds."""
     budgets = [cfg.budget(d, capacity) for d in range(cfg.pp)]
     ids = cfg.device_layers(counts)
     for _ in range(FIT_RETRIES + 1):
@@ -334,7 +354,9 @@ def _fit(cfg: _Config, capacity: float, counts: list[int], evaluate: Callable[[P
         if any(s is None for s in solved):
             return None
         choices = [s[1] for s in solved]  # type: ignore[index]
-        cand = evaluate(cfg.assemble(counts, choices))
+        cand = judge(cfg.assemble(counts, choices), bar)
+        if cand is None:
+            return None
         if cand.report.fits:
             return cand, [s[0] for s in solved]  # type: ignore[index]
         budgets = [_retry_budget(cfg, d, budgets[d], ids[d], choices[d], device.memory.total - capacity, capacity)
@@ -365,8 +387,7 @@ _Partition = tuple[Candidate, list[float], list[int]]
 """A fitting plan, its DP stage times (seconds) and its layers per device group."""
 
 
-def _best_start(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candidate],
-                seen: set[tuple[int, ...]]) -> _Partition | None:
+def _best_start(cfg: _Config, capacity: float, judge: Judge, seen: set[tuple[int, ...]]) -> _Partition | None:
     """The faster plan of the memory-balanced start and the even split (None if neither fits); both join
     `seen`."""
     best: _Partition | None = None
@@ -374,13 +395,14 @@ def _best_start(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candid
         if min(counts) < cfg.chunks or tuple(counts) in seen:
             continue
         seen.add(tuple(counts))
-        fitted = _fit(cfg, capacity, counts, evaluate)
+        bar = best[0].report.iteration_time_s if best is not None else math.inf
+        fitted = _fit(cfg, capacity, counts, judge, bar)
         if fitted is not None and (best is None or fitted[0].key < best[0].key):
             best = (*fitted, counts)
     return best
 
 
-def _improving_move(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candidate], current: _Partition,
+def _improving_move(cfg: _Config, capacity: float, judge: Judge, current: _Partition,
                     seen: set[tuple[int, ...]]) -> _Partition | None:
     """The first time-balancing move from `current` not in `seen` whose plan beats current's (None if none);
     every partition tried goes in `seen`."""
@@ -389,23 +411,23 @@ def _improving_move(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Ca
         if tuple(trial) in seen:
             continue
         seen.add(tuple(trial))
-        fitted = _fit(cfg, capacity, trial, evaluate)
+        fitted = _fit(cfg, capacity, trial, judge, best.report.iteration_time_s)
         if fitted is not None and fitted[0].key < best.key:
             return (*fitted, trial)
     return None
 
 
-def _partition_search(cfg: _Config, capacity: float, evaluate: Callable[[Plan], Candidate]) -> Candidate | None:
+def _partition_search(cfg: _Config, capacity: float, judge: Judge) -> Candidate | None:
     """Galvatron-BMW: the faster of a memory-balanced start and the even split, then layer moves toward time
     balance while the simulated iteration improves (REBALANCE_ROUNDS moves at most); the best plan seen."""
     if cfg.model.layers < cfg.pp * cfg.chunks:
         return None
     seen: set[tuple[int, ...]] = set()
-    current = _best_start(cfg, capacity, evaluate, seen)
+    current = _best_start(cfg, capacity, judge, seen)
     if current is None:
         return None
     for _ in range(REBALANCE_ROUNDS if cfg.pp > 1 else 0):
-        moved = _improving_move(cfg, capacity, evaluate, current, seen)
+        moved = _improving_move(cfg, capacity, judge, current, seen)
         if moved is None:
             break
         current = moved
@@ -434,13 +456,16 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     capacity = cluster.gpu.memory_bytes
     evaluated = 0
 
-    def evaluate(plan: Plan) -> Candidate:
+    def judge(plan: Plan, bar: float) -> Candidate | None:
         nonlocal evaluated
         validate_plan(plan, model, cluster)
         evaluated += 1
         if record:
             record(plan)
-        return Candidate(plan, simulate(plan, model, cluster, cal=cal, validate=False), "layerwise")
+        priced = price_plan(plan, model, cluster, cal, validate=False)
+        if priced.fits and priced.lower_bound_s() >= bar:
+            return None
+        return Candidate(plan, finish(priced, detail=False), "layerwise")
 
     configs = []
     for pp in divisors(cluster.world_size):
@@ -450,35 +475,45 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
             configs.append((pp, m, "1f1b", 1))
             if pp > 1 and m % pp == 0 and 2 * pp <= model.layers:
                 configs.append((pp, m, "interleaved", 2))
-    best_layerwise: Candidate | None = None
-    closest: Candidate | None = None
-    for i, (pp, m, schedule, chunks) in enumerate(configs):
-        cfg = _Config(model, cluster, cal, seq_len, global_batch, pp, m, schedule, chunks, precision, limits)
-        variants = [cfg]
-        if runnable and model.tied_embeddings:  # fallbacks whose first and last layers share a layout
-            variants += [cfg.restricted(lay) for lay in cfg.layouts()]
-        for variant in variants:
-            if not variant.any_priced:
-                continue
-            cand = _partition_search(variant, capacity, evaluate)
-            if cand is not None and runnable and unsupported(cand.plan, model):
-                continue
-            if cand is not None and (best_layerwise is None or cand.key < best_layerwise.key):
-                best_layerwise = cand
+    cfgs = [_Config(model, cluster, cal, seq_len, global_batch, pp, m, schedule, chunks, precision, limits)
+            for pp, m, schedule, chunks in configs]
+    bounds = [cfg.lower_bound_s() for cfg in cfgs]
+    # Configurations in order of their lower bound; one whose bound exceeds the fastest plan found cannot
+    # give the result. Ties between equally fast plans go to the earlier configuration, as in plain order.
+    best: tuple[tuple[bool, float], int, Candidate] | None = None
+    for done, i in enumerate(sorted(range(len(cfgs)), key=lambda i: (bounds[i], i)), start=1):
+        cfg = cfgs[i]
+        if best is None or not best[2].report.fits or bounds[i] <= best[2].report.iteration_time_s:
+            variants = [cfg]
+            if runnable and model.tied_embeddings:  # fallbacks whose first and last layers share a layout
+                variants += [cfg.restricted(lay) for lay in cfg.layouts()]
+            for variant in variants:
+                if not variant.any_priced:
+                    continue
+                cand = _partition_search(variant, capacity, judge)
+                if cand is not None and runnable and unsupported(cand.plan, model):
+                    continue
+                if cand is not None and (best is None or (cand.key, i) < best[:2]):
+                    best = (cand.key, i, cand)
         if progress:
-            progress("layerwise", i + 1, len(configs))
+            progress("layerwise", done, len(configs))
+    best_layerwise = best[2] if best is not None else None
+    closest: Candidate | None = None
     best_uniform = None
     if include_uniform:
         best_uniform, n = run_baseline("megatron-grid", model, cluster, seq_len, global_batch,
                                        progress=(lambda d, t: progress("uniform", d, t)) if progress else None,
                                        cal=cal, accept=lambda p: _accept(p, model, runnable, record))
         evaluated += n
+    if best_layerwise is not None:  # the report with its p2p time apart from the bubble
+        best_layerwise = replace(best_layerwise, report=simulate(best_layerwise.plan, model, cluster, cal=cal,
+                                                                 validate=False))
     fitting = [c for c in (best_layerwise, best_uniform) if c is not None and c.report.fits]
-    best = min(fitting, key=lambda c: c.key) if fitting else None
-    if best is None:
+    winner = min(fitting, key=lambda c: c.key) if fitting else None
+    if winner is None:
         pool = [c for c in (best_layerwise, best_uniform) if c is not None]
         closest = min(pool, key=lambda c: c.report.peak_memory_gib) if pool else None
-    return SearchResult(plan=best.plan if best else None, report=best.report if best else None,
+    return SearchResult(plan=winner.plan if winner else None, report=winner.report if winner else None,
                         best_uniform=best_uniform, best_layerwise=best_layerwise, evaluated=evaluated,
                         search_time_s=time.perf_counter() - t0, closest=closest)
 

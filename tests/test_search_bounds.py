@@ -1,0 +1,64 @@
+"""The lower bounds that let the search skip work: never above what the simulator predicts, so skipping by
+them finds the plan that simulating everything finds."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.cost.calibration import calibration_for
+from plait.plan import uniform_plan
+from plait.planner.baselines import Candidate, grid_layouts, run_baseline
+from plait.planner.engine import DEFAULT_LIMITS, _Config, _partition_search
+from plait.simulate import finish, price_plan, simulate
+from plait.spec.cluster import dgx
+from plait.spec.model import PRESETS
+
+CASES = [("gpt3-1.3b", 1, "A100-40GB", 2048, 64), ("llama2-13b", 4, "H100-80GB", 4096, 256),
+         ("gemma2-9b", 2, "A100-80GB", 4096, 64), ("t5-11b", 2, "A100-80GB", 512, 128)]
+IDS = [f"{c[0]}-{c[1] * 8}gpu" for c in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_grid_bound_never_exceeds_the_simulation_and_pruning_keeps_the_best(case: tuple) -> None:
+    name, nodes, gpu, seq, gbs = case
+    model, cluster = PRESETS[name], dgx(nodes, 8, gpu)
+    fastest = None
+    priced = 0
+    for group in grid_layouts(model, cluster, seq, gbs):
+        for text in group:
+            plan = uniform_plan(text, model, cluster, seq)
+            p = price_plan(plan, model, cluster, validate=False)
+            report = finish(p, detail=False)
+            assert p.lower_bound_s() <= report.iteration_time_s * (1 + 1e-12), text
+            assert report.iteration_time_s == pytest.approx(finish(p).iteration_time_s, rel=1e-12)
+            priced += 1
+            if not report.fits:
+                break
+            if fastest is None or report.iteration_time_s < fastest:
+                fastest = report.iteration_time_s
+    best, evaluated = run_baseline("megatron-grid", model, cluster, seq, gbs)
+    assert evaluated == priced
+    if fastest is not None:
+        assert best is not None and best.report.iteration_time_s == fastest
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=IDS[:2])
+@pytest.mark.parametrize(("pp", "m", "schedule"), [(1, 8, "1f1b"), (2, 8, "1f1b"), (4, 16, "1f1b"),
+                                                   (2, 8, "interleaved")])
+def test_configuration_bound_holds_for_every_plan_it_simulates(case: tuple, pp: int, m: int, schedule: str) -> None:
+    name, nodes, gpu, seq, gbs = case
+    model, cluster = PRESETS[name], dgx(nodes, 8, gpu)
+    cal = calibration_for(cluster.gpu.name)
+    chunks = 2 if schedule == "interleaved" else 1
+    cfg = _Config(model, cluster, cal, seq, gbs, pp, m, schedule, chunks, "bf16", DEFAULT_LIMITS)
+    bound = cfg.lower_bound_s()
+    assert bound > 0
+    seen: list[float] = []
+
+    def judge(plan, bar: float) -> Candidate:
+        report = simulate(plan, model, cluster, cal=cal, validate=False)
+        seen.append(report.iteration_time_s)
+        return Candidate(plan, report, "layerwise")
+
+    _partition_search(cfg, cluster.gpu.memory_bytes, judge)
+    assert seen and all(bound <= t * (1 + 1e-12) for t in seen)
