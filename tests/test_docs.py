@@ -156,3 +156,29 @@ def test_link_check_catches_broken_links(tmp_path: Path, monkeypatch: pytest.Mon
                     "```\n[in code](not-checked.md)\n```\n")
     assert broken_links(page) == ["page.md: missing.md: no such file",
                                   "page.md: there.md#nowhere: no heading with anchor #nowhere"]
+
+
+def plan_examples(text: str) -> list[str]:
+    """JSON code blocks that hold a plan (they have "pipelines")."""
+    out = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() == "```json":
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            block = "\n".join(lines[i + 1:end])
+            if '"pipelines"' in block:
+                out.append(block)
+    return out
+
+
+PLANS = [(page.relative_to(ROOT).as_posix(), plan) for page in PAGES for plan in plan_examples(page.read_text())]
+
+
+@pytest.mark.parametrize(("page", "text"), PLANS, ids=[p for p, _ in PLANS])
+def test_plan_examples_are_valid_plans(page: str, text: str) -> None:
+    from plait.plan import Plan, validate_plan
+    from plait.spec.cluster import load_cluster
+    from plait.spec.model import load_model
+
+    plan = Plan.model_validate_json(text)
+    validate_plan(plan, load_model(plan.model), load_cluster("1x8xA100-80GB"))
