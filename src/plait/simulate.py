@@ -50,7 +50,7 @@ class StageCost:
     send: float
     activation_bytes: float  # saved by one micro-batch
     working_bytes: float  # transient on top of the saved activations (recompute, logits)
-    priced: list[tuple[LayerCost, int, Strategy, int]]  # (price, count, strategy, first layer) of each run and edge
+    priced: list[tuple[LayerCost, int, Strategy, int]]  # (price, layers, strategy, first layer) per shape and strategy, and edges
     kinds: list[str]  # the layer kind (or "embedding", "head") of each entry of `priced`
     buffer_bytes: float
     recompute_flops_per_token: float  # FLOPs recomputation repeats per token of the micro-batch
@@ -175,11 +175,34 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     prev = before.strategies[-1] if before is not None and len(before.ranks) == len(stage.ranks) else None
     stage_group = GroupShape.of(stage.ranks, cluster.gpus_per_node)
 
-    def context(s: Strategy, layer: int) -> BlockContext:
-        return BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.per_replica(s), s,
-                                      stage.ranks, _dp_ranks(plan, layer, s, stage.ranks))
+    single = len(plan.pipelines) == 1  # then a strategy's ranks and data-parallel group are the same every layer
+    contexts: dict[Strategy, BlockContext] = {}
 
+    def context(s: Strategy, layer: int) -> BlockContext:
+        if single and s in contexts:
+            return contexts[s]
+        ctx = contexts[s] = BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.per_replica(s),
+                                                   s, stage.ranks, _dp_ranks(plan, layer, s, stage.ranks))
+        return ctx
+
+    # Layers of one shape and strategy cost the same wherever they sit (with one pipeline): count them once.
+    counted: dict[tuple, list[int]] = {}  # (shape, strategy[, first layer]) -> [layers, first layer]
     for s, block, count, layer in layer_runs(stage, model):
+        key = (block, s) if single else (block, s, layer)
+        if key in counted:
+            counted[key][0] += count
+        else:
+            counted[key] = [count, layer]
+        if prev is not None and Layout.of(prev) != Layout.of(s):
+            # Re-layout of the hidden state between differing strategies (or from the previous stage's).
+            ctx = context(s, layer)
+            f, g = relayout_time(Layout.of(prev), Layout.of(s), carried_bytes(layer, pipe.micro_batch_sequences, ctx),
+                                 stage_group, ctx)
+            fwd += f
+            bwd += g
+            parts["relayout"] += f + g
+        prev = s
+    for (block, s, *_), (count, layer) in counted.items():
         c = price(block, s, context(s, layer))
         bt = c.time
         fwd += count * bt.forward_total
@@ -195,15 +218,6 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         kinds.append(block.kind)
         buffers = max(buffers, c.buffers)
         recompute_flops += count * recompute_flops_per_token(block, s.recompute, plan.seq_len)
-        if prev is not None and Layout.of(prev) != Layout.of(s):
-            # Re-layout of the hidden state between differing strategies (or from the previous stage's).
-            ctx = context(s, layer)
-            f, g = relayout_time(Layout.of(prev), Layout.of(s), carried_bytes(layer, pipe.micro_batch_sequences, ctx),
-                                 stage_group, ctx)
-            fwd += f
-            bwd += g
-            parts["relayout"] += f + g
-        prev = s
     first_s, last_s = stage.strategy(stage.layers[0]), stage.strategy(stage.layers[1] - 1)
     pipelined = len(pipe.stages) > 1
     edges = []
