@@ -48,4 +48,34 @@ def test_strategy_and_layout_use_the_same_coordinates() -> None:
 
 def test_degrees_refuse_bad_values() -> None:
     expect_error(lambda: Degrees(tp=0), "tp must be a positive integer")
-    expect_error(lambda: Degrees(dp=2, ep=4), "ep=4 must divide dp*cp")
+    expect_error(lambda: Degrees(dp=2, ep=4), "ep*etp = 4*1 must divide the stage's dp*cp*tp = 2")
+    expect_error(lambda: Degrees(dp=2, tp=2, ep=2, etp=4), "ep*etp = 2*4")
+
+
+def test_expert_groups_fold_over_the_stage_ranks() -> None:
+    """Megatron's parallel folding: experts lay out etp fastest, then ep, then expert data parallel, over
+    the same ranks as the attention's (dp, cp, tp), whatever those are."""
+    d = Degrees(dp=2, tp=4, ep=4, etp=2)  # attention: dp2 x tp4; experts: edp1 x ep4 x etp2
+    ranks = tuple(range(8))
+    assert d.edp == 1
+    assert d.expert_group(ranks, "etp") == (0, 1)
+    assert d.expert_group(ranks, "ep") == (0, 2, 4, 6)
+    assert d.expert_group(ranks, "ep", position=3) == (1, 3, 5, 7)
+    assert d.expert_group(ranks, "edp") == (0,)
+    e = Degrees(dp=4, tp=2, ep=2)  # experts: edp4 x ep2 x etp1
+    assert e.edp == 4 and e.expert_group(ranks, "ep", 5) == (4, 5) and e.expert_group(ranks, "edp", 1) == (1, 3, 5, 7)
+
+
+@pytest.mark.parametrize("dp,tp,ep,etp", [(4, 2, 2, 1), (2, 4, 4, 2), (8, 1, 8, 1), (2, 2, 1, 4), (1, 8, 2, 2)])
+def test_every_rank_is_in_exactly_one_expert_group_of_each_dimension(dp: int, tp: int, ep: int, etp: int) -> None:
+    d = Degrees(dp=dp, tp=tp, ep=ep, etp=etp)
+    ranks = tuple(range(100, 100 + d.stage_devices))
+    for dim, size in (("etp", etp), ("ep", ep), ("edp", d.edp)):
+        groups = {d.expert_group(ranks, dim, p) for p in range(len(ranks))}  # type: ignore[arg-type]
+        assert sorted(r for g in groups for r in g) == list(ranks)
+        assert all(len(g) == size for g in groups)
+        for p in range(len(ranks)):
+            for q in d.expert_group(ranks, dim, p):  # type: ignore[arg-type]
+                same = [a == b for a, b in zip(d.expert_coords(p), d.expert_coords(q - 100), strict=True)]
+                keep = {"edp": (1, 2), "ep": (0, 2), "etp": (0, 1)}[dim]
+                assert all(same[i] for i in keep)

@@ -440,10 +440,10 @@ def test_load_plan_bad_yaml(tmp_path: Path) -> None:
 
 def test_load_plan_unknown_field(tmp_path: Path) -> None:
     raw = json.loads(uniform_plan("tp=2,pp=2", TINY, C8, 256).to_json())
-    raw["pipelines"][0]["stages"][1]["strategies"][0]["ep"] = 2
+    raw["pipelines"][0]["stages"][1]["strategies"][0]["experts_per_rank"] = 2
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(raw))
-    expect_error(lambda: load_plan(path), str(path), "pipelines.0.stages.1.strategies.0.ep")
+    expect_error(lambda: load_plan(path), str(path), "pipelines.0.stages.1.strategies.0.experts_per_rank")
     raw = json.loads(uniform_plan("tp=2,pp=2", TINY, C8, 256).to_json())
     raw["micro_batch"] = 3
     path.write_text(json.dumps(raw))
@@ -559,3 +559,27 @@ def test_newer_plans_are_refused_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "future.json"
     path.write_text(json.dumps(raw))
     expect_error(lambda: load_plan(path), f"version {plan_mod.PLAN_VERSION + 1}", "upgrade plait")
+
+
+def test_version_2_plans_read_with_expert_degrees_of_one(tmp_path: Path) -> None:
+    plan = uniform_plan("tp=2,pp=2", TINY, C8, 256)
+    raw = json.loads(plan.to_json())
+    raw["version"] = 2
+    for stage in raw["pipelines"][0]["stages"]:
+        for s in stage["strategies"]:
+            del s["ep"], s["etp"]
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps(raw))
+    read = load_plan(path)
+    assert read == plan and read.version == PLAN_VERSION
+    assert all(s.ep == 1 and s.etp == 1 for st in read.pipelines[0].stages for s in st.strategies)
+
+
+def test_expert_degrees_in_the_shorthand() -> None:
+    moe = PRESETS["deepseek-moe-16b"]
+    plan = uniform_plan("tp=2,sp=1,ep=4,etp=1,gbs=64", moe, C8, 256)
+    s = plan.pipelines[0].stages[0].strategies[0]
+    assert (s.ep, s.etp) == (4, 1) and "ep4" in s.short()
+    expect_error(lambda: uniform_plan("tp=2,sp=1,ep=3,gbs=64", moe, C8, 256), "ep*etp = 3*1")
+    expect_error(lambda: uniform_plan("tp=2,sp=0,ep=2,gbs=64", moe, C8, 256), "sequence parallelism")
+    expect_error(lambda: uniform_plan("ep=8,etp=2,gbs=64", moe, C8, 256), "ep*etp = 8*2")

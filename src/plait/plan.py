@@ -35,15 +35,16 @@ from plait.spec.model import ModelSpec, Recompute
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["bf16", "fp16", "fp32"]
-PLAN_VERSION = 2
-"""Version of the plan file. 2: a pipeline's micro-batch is `micro_batch_sequences` (version 1 called it
+PLAN_VERSION = 3
+"""Version of the plan file. 3: strategies carry the expert degrees `ep` and `etp` of MoE layers (absent in
+older files: 1). 2: a pipeline's micro-batch is `micro_batch_sequences` (version 1 called it
 `micro_batch_size`, which the --strategy shorthand's `mbs`, sequences per data-parallel replica, did not
 mean)."""
 
 
 @lru_cache(maxsize=1024)
-def _degrees(dp: int, tp: int, cp: int) -> Degrees:
-    return Degrees(dp=dp, tp=tp, cp=cp)
+def _degrees(dp: int, tp: int, cp: int, ep: int, etp: int) -> Degrees:
+    return Degrees(dp=dp, tp=tp, cp=cp, ep=ep, etp=etp)
 
 
 class Strategy(BaseModel):
@@ -59,11 +60,13 @@ class Strategy(BaseModel):
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage over the dp group: 0 none, 1 optimizer, "
                                                   "2 +gradients, 3 +parameters (FSDP)")
     recompute: Recompute = "none"
+    ep: int = Field(1, ge=1, description="expert-parallel degree of an MoE layer's experts (other layers: 1)")
+    etp: int = Field(1, ge=1, description="expert tensor-parallel degree of an MoE layer's experts")
 
     @property
     def degrees(self) -> Degrees:
         """The layer's degrees over its stage (the one object that gives coordinates and groups)."""
-        return _degrees(self.dp, self.tp, self.cp)
+        return _degrees(self.dp, self.tp, self.cp, self.ep, self.etp)
 
     @property
     def devices(self) -> int:
@@ -76,6 +79,10 @@ class Strategy(BaseModel):
             parts.append("sp")
         if self.cp > 1:
             parts.append(f"cp{self.cp}" + ("-ring" if self.cp_mode == "ring" else ""))
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
         if self.zero:
             parts.append(f"zero{self.zero}")
         if self.recompute != "none":
@@ -164,10 +171,10 @@ class Plan(BaseModel):
         if version > PLAN_VERSION:
             raise ValueError(f"plan version {version} is newer than this plait reads ({PLAN_VERSION}); upgrade plait")
         if version == 1:
-            raw = {**raw, "version": PLAN_VERSION, "pipelines": [
+            raw = {**raw, "pipelines": [
                 {("micro_batch_sequences" if k == "micro_batch_size" else k): v for k, v in p.items()}
                 if isinstance(p, dict) else p for p in raw.get("pipelines", [])]}
-        return raw
+        return {**raw, "version": PLAN_VERSION}  # version 2 -> 3 adds fields with defaults
 
     version: int = PLAN_VERSION
     model: str = Field(description="name of the model the plan was made for")
@@ -325,7 +332,24 @@ def strategy_problem(s: Strategy, block: Block, devices: int, mbs: int, seq_len:
     if mbs % s.dp:
         return (f"micro-batch of {mbs} sequences cannot be split over dp={s.dp}; make the micro-batch size a "
                 "multiple of dp")
-    return kind_problem(s, block)
+    if s.devices % (s.ep * s.etp):
+        return (f"ep*etp = {s.ep}*{s.etp} does not divide the stage's {s.devices} ranks; pick expert degrees "
+                "whose product divides dp*cp*tp")
+    return kind_problem(s, block) or expert_problem(s, block)
+
+
+def expert_problem(s: Strategy, block: Block) -> str | None:
+    """Why the expert degrees of `s` cannot lay out `block`'s experts (None when they can; layers without
+    experts ignore ep and etp)."""
+    if block.kind != "moe":
+        return None
+    if block.experts % s.ep:
+        return f"ep={s.ep} does not divide the {block.experts} experts; pick an ep that divides them"
+    if block.expert_ffn % s.etp:
+        return f"etp={s.etp} does not divide the expert width {block.expert_ffn}; pick an etp that divides it"
+    if s.tp > 1 and not s.sp:
+        return "an MoE layer with tp > 1 needs sequence parallelism (sp=1), as Megatron's token dispatch does"
+    return None
 
 
 TOKENLESS_KINDS = ("patch_embed", "vision", "projector")
@@ -355,7 +379,7 @@ def _validate_strategy(s: Strategy, block: Block, devices: int, mbs: int, plan: 
 # ---- the --strategy shorthand ----------------------------------------------------------------------
 
 _STRATEGY_KEYS = ("tp", "pp", "dp", "cp", "mbs", "gbs", "recompute", "sp", "zero", "vpp", "schedule",
-                  "cp_mode", "precision", "overlap")
+                  "cp_mode", "precision", "overlap", "ep", "etp")
 
 
 def parse_strategy(text: str) -> dict[str, str]:
@@ -402,8 +426,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     """Build a uniform Megatron-style plan from the `--strategy` shorthand.
 
     Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
-    (none|selective|full), sp, zero, vpp (model chunks per device), and optionally schedule, cp_mode,
-    precision, overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
+    (none|selective|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel and expert
+    tensor parallel degrees of MoE layers), and optionally schedule, cp_mode, precision, overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
     """
     d = parse_strategy(text)
     tp, pp, cp = _int(d, "tp", 1), _int(d, "pp", 1), _int(d, "cp", 1)
@@ -439,7 +463,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     if pp * vpp > model.layers:
         raise PlaitError(f"--strategy: pp*vpp = {pp * vpp} chunks but {model.name} has {model.layers} layers")
     strategy = Strategy(dp=dp, tp=tp, cp=cp, sp=_bool(d, "sp", False), cp_mode=cp_mode, zero=zero,
-                        recompute=recompute)  # type: ignore[arg-type]
+                        recompute=recompute, ep=_int(d, "ep", 1), etp=_int(d, "etp", 1))  # type: ignore[arg-type]
     per_group = tp * cp * dp
     stages = []
     start = 0

@@ -3,8 +3,9 @@
 Like torchtitan's ParallelDims: a layer runs on a stage's ranks laid out in Megatron order (tensor parallel
 fastest, then context parallel, then data parallel), and the plan stacks `pp` such stages. The planners,
 the simulator, the layout of activations (plait.layout) and the runtime's device meshes all take their
-coordinates and groups from here. `ep` (expert parallelism) is carried for MoE layers: it divides the
-ranks that share the attention weights (dp x cp).
+coordinates and groups from here. MoE layers lay their experts out over the same ranks in a second way
+(Megatron's "parallel folding"): expert tensor parallel `etp` fastest, then expert parallel `ep`, then the
+expert data parallel rest (`edp` = stage ranks / (ep x etp)), independent of the attention's tp/cp/dp.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Literal
 from plait.errors import PlaitError
 
 Dim = Literal["dp", "cp", "tp", "data"]
+ExpertDim = Literal["ep", "etp", "edp"]
 MESH_DIMS: tuple[str, str, str] = ("dp", "cp", "tp")
 """Names of a stage's device-mesh dimensions, slowest first (Megatron order)."""
 
@@ -29,14 +31,20 @@ class Degrees:
     cp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "cp", "pp", "ep"):
+        for name in ("dp", "tp", "cp", "pp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise PlaitError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if (self.dp * self.cp) % self.ep:
-            raise PlaitError(f"ep={self.ep} must divide dp*cp = {self.dp * self.cp} (experts are spread over the "
-                             "ranks that share the attention weights)")
+        if self.stage_devices % (self.ep * self.etp):
+            raise PlaitError(f"ep*etp = {self.ep}*{self.etp} must divide the stage's dp*cp*tp = {self.stage_devices} "
+                             "ranks (experts are laid out over the same ranks as the attention)")
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel degree: the replicas of each expert shard in a stage."""
+        return self.stage_devices // (self.ep * self.etp)
 
     @property
     def stage_devices(self) -> int:
@@ -76,3 +84,20 @@ class Degrees:
         if dim == "dp":
             return tuple(ranks[c * self.tp + t:: self.cp * self.tp])
         return tuple(ranks[t:: self.tp])
+
+    def expert_coords(self, position: int) -> tuple[int, int, int]:
+        """(edp, ep, etp) coordinates of a position in the stage's rank list, for MoE layers' experts."""
+        return position // (self.etp * self.ep), (position // self.etp) % self.ep, position % self.etp
+
+    def expert_group(self, ranks: Sequence[int], dim: ExpertDim, position: int = 0) -> tuple[int, ...]:
+        """The ranks of a stage that share every expert coordinate but `dim` with `position`: its expert
+        tensor-parallel group ("etp"), expert-parallel group ("ep", which exchanges tokens all-to-all) or
+        expert data-parallel group ("edp", which reduces the experts' gradients)."""
+        e, x, t = self.expert_coords(position)
+        if dim == "etp":
+            start = (e * self.ep + x) * self.etp
+            return tuple(ranks[start: start + self.etp])
+        if dim == "ep":
+            start = e * self.ep * self.etp + t
+            return tuple(ranks[start: start + self.ep * self.etp: self.etp])
+        return tuple(ranks[x * self.etp + t:: self.ep * self.etp])
