@@ -93,7 +93,7 @@ def _elementwise_bytes_per_token(block: Block, s: Strategy, eb: int) -> float:
     width = block.ffn + (block.top_k * block.expert_ffn if block.kind == "moe" else 0)
     sharded = (3 if block.gated_mlp else 2) * width * eb  # SwiGLU reads gate and up, writes the product
     if block.rope:
-        sharded += 2 * (block.q_dim + block.kv_dim) * eb  # RoPE on q and k
+        sharded += 2 * (block.q_dim + block.k_dim) * eb  # RoPE on q and k
     return replicated / (s.tp if s.sp else 1) + sharded / s.tp
 
 
@@ -110,7 +110,7 @@ def _gemms_time(block: Block, s: Strategy, tokens: float, memory_tokens: float, 
     peak = ctx.prec.peak_flops(gpu)
     fwd = bwd = 0.0
     for g in block.gemms:
-        if g.name == "router":  # replicated on every tensor-parallel rank
+        if g.split == "none":  # replicated on every tensor-parallel rank
             k, n = g.k, g.n
         else:
             k, n = (g.k, g.n // s.tp) if g.split == "col" else (g.k // s.tp, g.n)

@@ -48,7 +48,8 @@ class Gemm:
     """One token-wise linear layer: y[tokens, n] = x[tokens, k] @ W[k, n], `count` times (experts).
 
     `split` says how tensor parallelism divides it: "col" splits n (Megatron ColumnParallelLinear),
-    "row" splits k (RowParallelLinear). `rows` says which tokens it runs on: "self" the layer's own,
+    "row" splits k (RowParallelLinear), "none" keeps it whole on every rank (a router, MLA's
+    down-projections). `rows` says which tokens it runs on: "self" the layer's own,
     "memory" the encoder output a cross-attention reads, "routed" the layer's tokens times top-k (each
     token goes through k experts). `count` is how many such matrices exist (experts hold one each).
     """
@@ -56,7 +57,7 @@ class Gemm:
     name: str
     k: int
     n: int
-    split: Literal["col", "row"]
+    split: Literal["col", "row", "none"]
     rows: Literal["self", "memory", "routed"] = "self"
     count: int = 1
 
@@ -110,6 +111,14 @@ class Block:
     top_k: int = 0  # experts per token (moe)
     expert_ffn: int = 0  # one routed expert's MLP width (moe)
     in_dim: int = 0  # input width of patch_embed (channels x patch^2) and projector (the tower's hidden)
+    # Multi-head latent attention (DeepSeek-V2/V3), on when kv_lora > 0: queries (through a q_lora-wide
+    # latent when q_lora > 0) and keys/values from a kv_lora-wide latent; each query/key head has head_dim
+    # plain dims and rope_head_dim rotary dims (the rotary key shared by the heads), each value head
+    # v_head_dim dims.
+    q_lora: int = 0
+    kv_lora: int = 0
+    rope_head_dim: int = 0
+    v_head_dim: int = 0  # 0 = head_dim
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -128,6 +137,11 @@ class Block:
             if self.heads % self.kv_heads:
                 raise PlaitError(f"{self.kind} layer: heads={self.heads} is not a multiple of kv_heads="
                                  f"{self.kv_heads}; grouped-query attention needs kv_heads to divide heads")
+            if not self.v_head_dim:
+                object.__setattr__(self, "v_head_dim", self.head_dim)
+        if min(self.q_lora, self.kv_lora, self.rope_head_dim) < 0 or (self.q_lora or self.rope_head_dim) \
+                and not self.kv_lora:
+            raise PlaitError(f"{self.kind} layer: latent attention needs kv_lora > 0 (with q_lora, rope_head_dim >= 0)")
         if not self.ffn and self.kind not in ("patch_embed", "moe"):
             object.__setattr__(self, "ffn", 4 * self.hidden)
         if self.hidden <= 0:
@@ -151,14 +165,39 @@ class Block:
         return self.kind in ("decoder", "moe", "cross_decoder")
 
     @property
+    def latent(self) -> bool:
+        """Whether the attention is multi-head latent attention (DeepSeek-V2/V3)."""
+        return self.kv_lora > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Dims per query/key head (plain and rotary)."""
+        return self.head_dim + self.rope_head_dim
+
+    @property
     def q_dim(self) -> int:
-        """Width of the query projection (heads x head_dim)."""
-        return self.heads * self.head_dim
+        """Width of the queries (heads x query head dims)."""
+        return self.heads * self.qk_head_dim
+
+    @property
+    def k_dim(self) -> int:
+        """Width of the keys (kv_heads x key head dims)."""
+        return self.kv_heads * self.qk_head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Width of the values (kv_heads x value head dims)."""
+        return self.kv_heads * self.v_head_dim
+
+    @property
+    def o_dim(self) -> int:
+        """Width of the attention output into its projection (heads x value head dims)."""
+        return self.heads * self.v_head_dim
 
     @property
     def kv_dim(self) -> int:
-        """Width of each of the key and value projections (kv_heads x head_dim)."""
-        return self.kv_heads * self.head_dim
+        """Width of the keys and values together, halved (kv_heads x head_dim without latent attention)."""
+        return (self.k_dim + self.v_dim) // 2
 
     def seq(self, seq_len: int) -> int:
         """Tokens per sample this layer runs on, for a run of `seq_len` tokens per sequence."""
@@ -182,13 +221,20 @@ class Block:
             return (Gemm("patch", self.in_dim, h, "col"),)
         if self.kind == "projector":
             return (Gemm("proj_up", self.in_dim, self.ffn, "col"), Gemm("proj_down", self.ffn, h, "row"))
-        out: list[Gemm] = [Gemm("qkv", h, self.q_dim + 2 * self.kv_dim, "col"), Gemm("attn_out", self.q_dim, h, "row")]
+        if self.latent:  # down-projections replicated on every tensor-parallel rank, up-projections split
+            q = [Gemm("q_down", h, self.q_lora, "none"), Gemm("q_up", self.q_lora, self.q_dim, "col")] \
+                if self.q_lora else [Gemm("q", h, self.q_dim, "col")]
+            out: list[Gemm] = [*q, Gemm("kv_down", h, self.kv_lora + self.rope_head_dim, "none"),
+                               Gemm("kv_up", self.kv_lora, self.heads * (self.head_dim + self.v_head_dim), "col"),
+                               Gemm("attn_out", self.o_dim, h, "row")]
+        else:
+            out = [Gemm("qkv", h, self.q_dim + self.k_dim + self.v_dim, "col"), Gemm("attn_out", self.o_dim, h, "row")]
         if self.kind == "cross_decoder":
             out += [Gemm("cross_q", h, self.q_dim, "col"), Gemm("cross_kv", h, 2 * self.kv_dim, "col", rows="memory"),
                     Gemm("cross_out", self.q_dim, h, "row")]
         up = 2 if self.gated_mlp else 1
         if self.kind == "moe":
-            out.append(Gemm("router", h, self.experts, "col"))  # replicated in practice; tiny
+            out.append(Gemm("router", h, self.experts, "none"))
             out += [Gemm("expert_up", h, up * self.expert_ffn, "col", rows="routed", count=self.experts),
                     Gemm("expert_down", self.expert_ffn, h, "row", rows="routed", count=self.experts)]
             if self.ffn:  # shared experts, always active
@@ -201,16 +247,16 @@ class Block:
     def params(self) -> int:
         """Parameters of the layer (weights, biases, norms; every expert)."""
         weights = sum(g.params for g in self.gemms)
-        norm_params = (2 if self.norm == "layernorm" else 1) * self.hidden * self.norms
+        norm_params = (2 if self.norm == "layernorm" else 1) * (self.hidden * self.norms + self.q_lora + self.kv_lora)
         if self.kind == "patch_embed":  # patch projection (+ bias), position table (class token aside), norms
             return weights + self.hidden * self.bias + self.seq(0) * self.hidden + norm_params
         biases = 0
         for g in self.gemms:
-            if g.name in ("qkv", "cross_q", "cross_kv"):
+            if g.name in ("qkv", "cross_q", "cross_kv", "q", "q_up", "kv_up"):
                 biases += g.n * g.count * (self.bias or self.qkv_bias)
             elif g.name in ("attn_out", "cross_out"):
                 biases += g.n * g.count * (self.bias or self.out_bias)
-            elif g.name != "router":
+            elif g.split != "none":
                 biases += g.n * g.count * (self.bias or self.mlp_bias)
         return weights + norm_params + biases
 
@@ -239,9 +285,10 @@ class Block:
         """Forward FLOPs per token of the attention cores (QK^T and AV) over the keys each query sees."""
         if not self.has_attention:
             return 0.0
-        flops = 2 * 2 * self.keys(seq_len) * self.q_dim
+        per_key = 2 * (self.q_dim + self.o_dim)  # QK^T over query/key dims, AV over value dims
+        flops = self.keys(seq_len) * per_key
         if self.kind == "cross_decoder":
-            flops += 2 * 2 * self.memory_seq(seq_len) * self.q_dim
+            flops += self.memory_seq(seq_len) * per_key
         return flops
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -265,9 +312,11 @@ class Block:
             return ActivationBytes(2 * self.in_dim, 2 * 2 * self.ffn, 0, 0, 0)
         drop_masks = 2 * h * MASK_BYTES if self.dropout else 0  # after attention and after the MLP
         replicated = 2 * h + 2 * h + 2 * h + 2 * h  # norm1 in, qkv in, norm2 in, MLP in
-        q_k = 2 * self.q_dim + 2 * self.kv_dim
-        v = 2 * self.kv_dim
-        proj_in = 2 * self.q_dim
+        q_k = 2 * self.q_dim + 2 * self.k_dim
+        v = 2 * self.v_dim
+        proj_in = 2 * self.o_dim
+        if self.latent:  # the latents into the up-projections (and their norms)
+            replicated += 2 * 2 * (self.q_lora + self.kv_lora)
         mlp_width = 3 if self.gated_mlp else 2  # SwiGLU: gate, up, product; GeLU: in, out
         mlp = mlp_width * 2 * self.ffn  # a moe layer's ffn is its shared experts' width
         sharded = q_k + v + proj_in + mlp
@@ -300,12 +349,12 @@ class Block:
     @property
     def ulysses_elements_per_token(self) -> int:
         """Elements per token that Ulysses all-to-alls move per forward (q, k, v in; output back)."""
-        return self.q_dim + 2 * self.kv_dim + self.q_dim
+        return self.q_dim + self.k_dim + self.v_dim + self.o_dim
 
     @property
     def ring_kv_elements_per_token(self) -> int:
         """Elements per token of the K and V blocks that ring attention passes around."""
-        return 2 * self.kv_dim
+        return self.k_dim + self.v_dim
 
     def tp_divides(self, tp: int) -> str | None:
         """Why tensor parallelism of degree `tp` cannot split this layer (None when it can)."""
@@ -313,7 +362,7 @@ class Block:
             return f"tp={tp} does not divide heads={self.heads} and kv_heads={self.kv_heads}"
         for g in self.gemms:
             width = g.n if g.split == "col" else g.k
-            if g.name != "router" and width % tp:
+            if g.split != "none" and width % tp:
                 return f"tp={tp} does not divide the {g.name} width {width}"
         return None
 
