@@ -36,7 +36,7 @@ def test_collected_megatron_runs_generalise() -> None:
     runs, _ = load_runs(COLLECTED)
     errors = []
     for run in runs:
-        if not run.fully_published or "DeepSpeed" in run.source:
+        if not run.fully_published or run.group != "megatron":
             continue
         report = simulate(run.plan, run.model, run.cluster)
         errors.extend(abs(e) for _, _, e in relative_errors(run, report).values())
@@ -48,7 +48,7 @@ def test_collected_megatron_runs_generalise() -> None:
 def test_all_collected_megatron_runs_mostly_within_10_percent() -> None:
     runs, skipped = load_runs(COLLECTED)
     assert all("fp8" in reason for _, reason in skipped)
-    errors = [abs(e) for run in runs if "DeepSpeed" not in run.source
+    errors = [abs(e) for run in runs if run.group == "megatron"
               for _, _, e in relative_errors(run, simulate(run.plan, run.model, run.cluster)).values()]
     assert len(errors) >= 60
     assert sum(e <= 0.10 for e in errors) >= 0.9 * len(errors)
