@@ -4,7 +4,8 @@
 
 Reads the six reference runs in ../shared/data/published/training-runs.json (when present) and the
 larger collection in benchmarks/data/published_runs.json, simulates each layout, and prints the published
-figure, plait's prediction and the relative error, then summary statistics.
+figure, plait's prediction and the relative error, then summary statistics by software family
+(Megatron-LM, DeepSpeed, FSDP; FSDP also split into the rows constants were chosen on and the held-out rows).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def short_source(source: str) -> str:
     """'Narayanan et al., SC21 ...' -> 'Narayanan SC21'; keeps the table narrow."""
     words = source.replace(",", " ").replace("'", " ").split()
     year = next((w for w in words if w.isdigit() and len(w) == 4), "")
-    venue = next((w for w in words if w.startswith(("SC2", "NSDI", "README"))), year)
+    venue = next((w for w in words if w.startswith(("SC2", "NSDI", "README", "MPT-"))), year)
     return f"{words[0].split('/')[-1]} {venue}"[:24]
 
 
@@ -57,7 +58,8 @@ def main() -> None:
     for col in ("set", "source", "model", "GPUs", "layout", "figure", "published", "plait", "error"):
         table.add_column(col, justify="right" if col in ("GPUs", "published", "plait", "error") else "left",
                          no_wrap=True)
-    errors: dict[str, list[float]] = {"reference": [], "megatron": [], "other": []}
+    errors: dict[str, list[float]] = {"reference": [], "megatron": [], "deepspeed": [], "fsdp": [],
+                                      "fsdp fitted": [], "fsdp held-out": [], "fsdp A100": [], "fsdp H100": []}
     rows = []
     skipped_all: list[str] = []
     for name, path in FILES.items():
@@ -67,14 +69,18 @@ def main() -> None:
         runs, skipped = load_runs(path)
         for run in runs:
             report = simulate(run.plan, run.model, run.cluster)
-            other = "DeepSpeed" in run.source
             for key, (pub, ours, err) in relative_errors(run, report).items():
-                group = "reference" if name == "reference" else ("other" if other else "megatron")
+                group = "reference" if name == "reference" else run.group
                 errors[group].append(err)
-                rows.append({"set": name, "source": run.source, "gpus": run.cluster.world_size, "figure": key,
-                             "published": pub, "predicted": ours, "error": err, "strategy": run.strategy})
+                if group == "fsdp":
+                    errors["fsdp held-out" if run.held_out else "fsdp fitted"].append(err)
+                    errors[f"fsdp {run.cluster.gpu.name[:4]}"].append(err)
+                rows.append({"set": name, "group": group, "held_out": run.held_out, "source": run.source,
+                             "gpus": run.cluster.world_size, "figure": key, "published": pub, "predicted": ours,
+                             "error": err, "strategy": run.strategy})
                 colour = "green" if abs(err) <= 0.10 else "red"
-                table.add_row(name, short_source(run.source), f"{run.model.params / 1e9:.0f}B",
+                label = f"{group}{' (held out)' if run.held_out else ''}" if name == "collected" else name
+                table.add_row(label, short_source(run.source), f"{run.model.params / 1e9:.0f}B",
                               f"{run.cluster.world_size} {run.cluster.gpu.name[:4]}", compact(run.strategy),
                               FIGURES[key], f"{pub:.4g}", f"{ours:.4g}", f"[{colour}]{err:+.1%}[/]")
         skipped_all.extend(f"{name}: {source[:90]}: {reason}" for source, reason in skipped)
@@ -88,7 +94,9 @@ def main() -> None:
     for col in ("runs", "figures", "median", "max", "within 10%"):
         summary.add_column(col, justify="right")
     labels = {"reference": "reference runs (shared/data/published)", "megatron": "collected, Megatron-LM software",
-              "other": "collected, DeepSpeed pipeline engine (MT-NLG)"}
+              "deepspeed": "collected, DeepSpeed pipeline engine (MT-NLG)",
+              "fsdp": "collected, FSDP / ZeRO-2/3 (all)", "fsdp fitted": "  FSDP, rows constants were chosen on",
+              "fsdp held-out": "  FSDP, held-out rows", "fsdp A100": "  FSDP on A100", "fsdp H100": "  FSDP on H100"}
     for group, errs in errors.items():
         if errs:
             a = [abs(e) for e in errs]

@@ -32,11 +32,11 @@ def test_reference_runs_within_10_percent(run) -> None:
 
 
 def test_collected_megatron_runs_generalise() -> None:
-    """Runs of Megatron-LM whose layout is fully published: median error <= 6%, none beyond 12%."""
+    """Runs of Megatron-LM whose layout is fully published: median error <= 6% (5.4% today), none beyond 12%."""
     runs, _ = load_runs(COLLECTED)
     errors = []
     for run in runs:
-        if not run.fully_published or "DeepSpeed" in run.source:
+        if not run.fully_published or run.group != "megatron":
             continue
         report = simulate(run.plan, run.model, run.cluster)
         errors.extend(abs(e) for _, _, e in relative_errors(run, report).values())
@@ -48,7 +48,83 @@ def test_collected_megatron_runs_generalise() -> None:
 def test_all_collected_megatron_runs_mostly_within_10_percent() -> None:
     runs, skipped = load_runs(COLLECTED)
     assert all("fp8" in reason for _, reason in skipped)
-    errors = [abs(e) for run in runs if "DeepSpeed" not in run.source
+    errors = [abs(e) for run in runs if run.group == "megatron"
               for _, _, e in relative_errors(run, simulate(run.plan, run.model, run.cluster)).values()]
     assert len(errors) >= 60
     assert sum(e <= 0.10 for e in errors) >= 0.9 * len(errors)
+
+
+def test_every_collected_megatron_figure_keeps_its_accuracy() -> None:
+    """All 84 Megatron-LM figures, layout fully published or not: median 4.2%, max 16.5% (MegaScale's 530B
+    selective-recompute rows, +14-17%, unchanged by the FSDP and Hopper terms; the Llama 3 405B row on 16K
+    H100 moved from -7.6% to -12.8% with Hopper's lower GEMM efficiency)."""
+    runs, _ = load_runs(COLLECTED)
+    errors = [abs(e) for run in runs if run.group == "megatron"
+              for _, _, e in relative_errors(run, simulate(run.plan, run.model, run.cluster)).values()]
+    assert len(errors) == 84
+    assert statistics.median(errors) <= 0.045
+    assert max(errors) <= 0.17
+
+
+def _fsdp_predictions() -> list[tuple[object, float, float]]:
+    """(run, published tokens/s, predicted tokens/s) of every collected FSDP / ZeRO-2/3 row."""
+    runs, _ = load_runs(COLLECTED)
+    out = []
+    for run in runs:
+        if run.group == "fsdp":
+            published, predicted, _ = relative_errors(run, simulate(run.plan, run.model, run.cluster))["tokens_per_s"]
+            out.append((run, published, predicted))
+    return out
+
+
+FSDP = _fsdp_predictions()
+
+
+def _errors(held_out: bool | None = None) -> list[float]:
+    return [abs(pred / pub - 1) for run, pub, pred in FSDP if held_out is None or run.held_out == held_out]
+
+
+def test_fsdp_rows_are_collected_with_a_held_out_third() -> None:
+    assert len(FSDP) == 116
+    assert sum(run.held_out for run, _, _ in FSDP) == 38
+    assert {run.cluster.gpu.name for run, _, _ in FSDP} == {"A100-40GB", "A100-80GB", "H100-80GB"}
+
+
+def test_fsdp_rows_the_constants_were_chosen_on() -> None:
+    """benchmarks/published_runs.py: median 5.9%, max 20.6% (before the FSDP terms: 24.2%, 70.4%)."""
+    errors = _errors(held_out=False)
+    assert statistics.median(errors) <= 0.06
+    assert max(errors) <= 0.21
+
+
+def test_fsdp_held_out_rows() -> None:
+    """Median 7.7% (before: 26.5%). The largest errors (up to 40%) are sequence-8192 rows, whose Triton flash
+    attention the model does not slow down, and a 70B run on 64 A100-40GB at the memory limit."""
+    errors = _errors(held_out=True)
+    assert statistics.median(errors) <= 0.08
+    assert max(errors) <= 0.41
+    assert sum(e <= 0.20 for e in errors) >= 33  # 34 of 38 within 20%
+
+
+def test_fsdp_on_hopper_is_no_longer_overrated() -> None:
+    """H100 rows were all predicted 20-77% too fast; now they fall on both sides."""
+    h100 = [pred / pub - 1 for run, pub, pred in FSDP if run.cluster.gpu.name == "H100-80GB"]
+    assert statistics.median(abs(e) for e in h100) <= 0.08
+    assert sum(e < 0 for e in h100) >= len(h100) // 4
+
+
+def test_fsdp_layouts_of_a_model_rank_as_published() -> None:
+    """Layouts of one model on one GPU type and sequence (GPU counts, micro-batches, recompute, ZeRO-2/3) whose
+    published tokens/s per GPU differ by more than 10%: plait orders 16 of the 20 such pairs as published; the
+    4 others all pair the MPT-1b run on 32 A100-40GB, published ~18% below its 16- and 64-GPU neighbours."""
+    per_gpu = [(run.cluster.gpu.name, run.model.name, run.plan.seq_len, pub / run.cluster.world_size,
+                pred / run.cluster.world_size) for run, pub, pred in FSDP]
+    agree = disagree = 0
+    for i, a in enumerate(per_gpu):
+        for b in per_gpu[i + 1:]:
+            if a[:3] == b[:3] and abs(a[3] / b[3] - 1) > 0.10:
+                if (a[3] > b[3]) == (a[4] > b[4]):
+                    agree += 1
+                else:
+                    disagree += 1
+    assert agree >= 16 and disagree <= 4

@@ -33,6 +33,8 @@ class PublishedRun:
     strategy: str  # the --strategy text of the layout
     reported: dict[str, float]
     fully_published: bool
+    group: str = "megatron"  # software family: "megatron", "deepspeed" (MT-NLG's pipeline engine) or "fsdp"
+    held_out: bool = False  # set aside before any constant was chosen; graded separately
 
 
 def _model(row: dict) -> ModelSpec:
@@ -43,7 +45,8 @@ def _model(row: dict) -> ModelSpec:
         return ModelSpec(family="llama", kv_heads=md.get("kv_heads", md["heads"]), ffn=md["ffn"], gated_mlp=True,
                          norm="rmsnorm", bias=False, dropout=False, tied_embeddings=False, learned_positions=False,
                          attention=md.get("attention", "flash"), **common)
-    return ModelSpec(family="gpt", attention=md.get("attention", "eager"), **common)
+    flags = {k: md[k] for k in ("bias", "dropout") if k in md}  # MPT: no biases, no dropout
+    return ModelSpec(family="gpt", attention=md.get("attention", "eager"), **flags, **common)
 
 
 def _strategy(layout: dict) -> str:
@@ -79,8 +82,14 @@ def load_runs(path: str | Path) -> tuple[list[PublishedRun], list[tuple[str, str
             continue
         reported = {k: float(v) for k, v in row["reported"].items() if k in REPORTED_KEYS}
         runs.append(PublishedRun(row["source"], model, cluster, plan, strategy, reported,
-                                 bool(row.get("layout_fully_published", True))))
+                                 bool(row.get("layout_fully_published", True)), _group(row),
+                                 bool(row.get("held_out", False))))
     return runs, skipped
+
+
+def _group(row: dict) -> str:
+    """The software family of a row: its "group" field, else DeepSpeed for MT-NLG's rows, else Megatron-LM."""
+    return row.get("group") or ("deepspeed" if "DeepSpeed" in row["source"] else "megatron")
 
 
 def predicted(report: Report, key: str) -> float:

@@ -231,6 +231,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         bwd += c.time.backward_total
         parts["compute"] += c.time.forward + c.time.backward
         parts["tp_comm"] += c.time.tp_comm
+        parts["zero_comm"] += c.time.zero_comm  # the embedding's exposed first gather and last reduce-scatter
         working = max(working, c.working)
         priced.append((c, 1, s, layer))
         kinds.append(edge)

@@ -48,6 +48,21 @@ class Calibration:
     overlap_efficiency: float = 0.9
     """Fraction of an overlap window that background communication can actually use (SM and memory
     contention with the compute it hides behind)."""
+    overlap_contention: float = 0.6
+    """Fraction of compute throughput lost while a ZeRO-2/3 (FSDP) gather or reduce-scatter runs beside it:
+    the hidden part of a collective of c seconds lengthens the compute by overlap_contention * c. NCCL ring
+    kernels hold one SM per channel (24 of an H100's 132 SMs for an FSDP all-gather: 18%), the GEMMs that
+    share the GPU then need an extra partial wave, and the copies compete for HBM; a 132-block GEMM beside an
+    all-gather ran ~1.7x longer (NVIDIA developer forum, "Compute-communication overlap causes severe GEMM
+    performance degradation because of tail effect", 2025). Chosen on the fitted FSDP rows of
+    benchmarks/data/published_runs.json (held-out rows untouched) inside that physical range: from the SM
+    share alone (0.18 on H100, 0.22 on A100) to the forum's 0.7."""
+    fsdp_collective_overhead_s: float = 2e-3
+    """Seconds each per-layer ZeRO-2/3 collective adds to its micro-batch pass beyond its transfer: FSDP's
+    pre/post-forward and backward hooks in eager PyTorch, the flat-parameter copies around each gather and
+    reduce-scatter, and the all-gather rate limiter (limit_all_gathers) that makes the compute stream wait for
+    the previous unit's memory. Chosen with overlap_contention on the fitted FSDP rows (0.001-0.003 s span
+    fitted medians of 5-9%); it matters where layers are small or micro-batches short."""
     measured: Measured | None = None
     """Costs measured by `plait profile` on this device type (`plait.cost.measured`), preferred to the
     analytic formulas wherever they cover a case."""
@@ -55,9 +70,18 @@ class Calibration:
 
 DEFAULT_CALIBRATION = Calibration()
 
-HOPPER_CALIBRATION = Calibration(flash_fwd_efficiency=0.40, flash_bwd_efficiency=0.33)
-"""H100/H200: FlashAttention-2 reaches ~335-400 of 989 TFLOP/s (Dao 2023; Shah et al. 2024, FlashAttention-3,
-Fig. 1-2), a smaller share of the peak than on A100; GEMMs keep the A100 share (cuBLAS ~750 of 989)."""
+HOPPER_GEMM_EFFICIENCY = 0.72
+"""H100/H200 GEMMs reach a smaller share of the datasheet peak than A100's: the best cuBLAS bf16 GEMM found by
+a shape sweep is 794 of 989 TFLOP/s on H100 SXM (80%) against 271 of 312 on A100 SXM (87%) (S. Bekman,
+ml-engineering, compute/accelerator "Maximum Achievable Matmul FLOPS" table), so A100's 0.78 scales to
+0.78 x 0.80 / 0.87 = 0.72; plain 8192^3 cuBLAS runs measure 518 (CUDA 12.4, pranjalssh/fast.cu issue 13) to
+797 TFLOP/s (PyTorch 2.7, zzc0721/torch-performance-test-data issue 79), power throttling with random data
+(H. He 2024, "Strangely, matrix multiplications on GPUs run faster when given predictable data")."""
+
+HOPPER_CALIBRATION = Calibration(gemm_efficiency=HOPPER_GEMM_EFFICIENCY, flash_fwd_efficiency=0.40,
+                                 flash_bwd_efficiency=0.33)
+"""H100/H200: GEMMs at HOPPER_GEMM_EFFICIENCY; FlashAttention-2 reaches ~335-400 of 989 TFLOP/s (Dao 2023;
+Shah et al. 2024, FlashAttention-3, Fig. 1-2), a smaller share of the peak than on A100."""
 
 CALIBRATIONS: dict[str, Calibration] = {
     "A100-40GB": DEFAULT_CALIBRATION,

@@ -4,7 +4,7 @@ A group is described by its shape: `size` ranks spread over `nodes` nodes with a
 on one node. Inside one node collectives run at NVLink bus bandwidth. Across nodes every member drives its
 own NIC, so NCCL's rings run `per_node` channels through `per_node` NICs of each node: the inter-node bus
 bandwidth is per_node x NIC bandwidth, capped by NVLink. Latency: a ring inside the node plus a tree
-across nodes. Sizes are bytes of the full (unsharded) buffer; times are seconds.
+across nodes for all-reduce; one hop per rank for the ring-only all-gather and reduce-scatter. Sizes are bytes of the full (unsharded) buffer; times are seconds.
 """
 
 from __future__ import annotations
@@ -64,6 +64,14 @@ def _latency(group: GroupShape, cluster: Cluster) -> float:
     return (group.per_node - 1) * cluster.intra.latency + inter
 
 
+def _ring_latency(group: GroupShape, cluster: Cluster) -> float:
+    """Latency of a ring all-gather or reduce-scatter, seconds: NCCL runs these as rings only (no tree), so
+    each of the n - 1 steps waits for its slowest hop, the network once the group spans nodes (Thakur et al.
+    2005; NCCL's ring algorithm). This is what makes per-layer FSDP collectives costly on hundreds of GPUs."""
+    hop = cluster.inter.latency if group.nodes > 1 else cluster.intra.latency
+    return (group.size - 1) * hop
+
+
 def _measured(op: str, nbytes: float, group: GroupShape, cal: Calibration) -> float | None:
     """Seconds of a collective that the calibration's profile measured for this group size, else None."""
     return cal.measured.collective(op, group.size, group.nodes, nbytes) if cal.measured is not None else None
@@ -95,7 +103,7 @@ def _gather_or_scatter(op: str, nbytes: float, group: GroupShape, cluster: Clust
         return 0.0
     if (t := _measured(op, nbytes, group, cal)) is not None:
         return t
-    return (n - 1) / n * nbytes / bus_bandwidth(group, cluster, cal) + _latency(group, cluster)
+    return (n - 1) / n * nbytes / bus_bandwidth(group, cluster, cal) + _ring_latency(group, cluster)
 
 
 def all_to_all(nbytes: float, group: GroupShape, cluster: Cluster, cal: Calibration) -> float:
@@ -130,6 +138,13 @@ def p2p(nbytes: float, cross_node: bool, cluster: Cluster, cal: Calibration) -> 
     if cross_node:
         return nbytes / (cluster.inter.bandwidth * cal.network_efficiency) + cluster.inter.latency
     return nbytes / (cluster.intra.bandwidth * cal.nvlink_efficiency) + cluster.intra.latency
+
+
+def overlapped(comm_s: float, compute_s: float, contention: float) -> float:
+    """Seconds a collective of `comm_s` adds to `compute_s` of compute that it runs beside: the part longer
+    than the compute, plus the compute slowed by `contention` (its lost fraction of throughput) while the two
+    overlap."""
+    return max(0.0, comm_s - compute_s) + contention * min(comm_s, compute_s)
 
 
 def gradient_sync(params: float, zero: int, group: GroupShape, grad_bytes: int, param_bytes: int,

@@ -200,10 +200,7 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     if "zero3" in runtime:
         zero_fwd, zero_bwd = runtime["zero3"]
     elif ctx.dp_group.size > 1 and s.zero >= 2:
-        rs = comm.reduce_scatter(params * ctx.prec.grad, ctx.dp_group, ctx.cluster, cal)
-        gather = comm.all_gather(params * ctx.prec.param, ctx.dp_group, ctx.cluster, cal) if s.zero == 3 else 0.0
-        zero_fwd = max(0.0, gather - forward * cal.overlap_efficiency)
-        zero_bwd = max(0.0, gather + rs - (backward + recompute) * cal.overlap_efficiency)
+        zero_fwd, zero_bwd = zero_sync_time(params, s.zero, forward, backward + recompute, ctx)
 
     tp_recompute = tp_fwd if s.recompute == "full" else 0.0
     return BlockTime(
@@ -211,6 +208,22 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
         tp_comm=tp_fwd + tp_bwd + tp_recompute, cp_comm=cp_fwd + cp_bwd + cp_recompute,
         zero_comm=zero_fwd + zero_bwd, forward_comm=tp_fwd + cp_fwd + zero_fwd,
     )
+
+
+def zero_sync_time(params: float, zero: int, forward: float, backward: float, ctx: BlockContext
+                   ) -> tuple[float, float]:
+    """(forward, backward) seconds that ZeRO-2/3's per-micro-batch collectives of `params` parameters add to
+    a layer whose passes compute for `forward` and `backward` seconds: ZeRO-3 gathers the weights before
+    each pass, both reduce-scatter the gradients after backward. Prefetching runs each collective beside the
+    compute of a neighbouring layer of the same size (comm.overlapped, with its contention), and each
+    collective costs the runtime's fixed per-collective overhead."""
+    cal = ctx.cal
+    rs = comm.reduce_scatter(params * ctx.prec.grad, ctx.dp_group, ctx.cluster, cal)
+    gather = comm.all_gather(params * ctx.prec.param, ctx.dp_group, ctx.cluster, cal) if zero == 3 else 0.0
+    fixed = cal.fsdp_collective_overhead_s
+    fwd = comm.overlapped(gather, forward, cal.overlap_contention) + (fixed if zero == 3 else 0.0)
+    bwd = comm.overlapped(gather + rs, backward, cal.overlap_contention) + fixed * (2 if zero == 3 else 1)
+    return fwd, bwd
 
 
 def runtime_kinds(s: Strategy, dp_size: int) -> list[tuple[str, str, int]]:

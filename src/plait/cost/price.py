@@ -19,7 +19,14 @@ from plait.cost import comm
 from plait.cost.calibration import Calibration
 from plait.cost.compute import elementwise_time
 from plait.cost.head import EdgeTime, embedding_time, head_activation_bytes, head_time
-from plait.cost.layer import BlockContext, BlockTime, block_activation_bytes, block_time, runtime_kinds
+from plait.cost.layer import (
+    BlockContext,
+    BlockTime,
+    block_activation_bytes,
+    block_time,
+    runtime_kinds,
+    zero_sync_time,
+)
 from plait.cost.memory import FRAGMENTATION_FRACTION, GRAD_BUCKET_BYTES, context_bytes, model_state_bytes
 from plait.layout import Layout, received_fraction
 from plait.plan import Strategy
@@ -94,13 +101,26 @@ def price_edge(edge: Edge, s: Strategy, ctx: BlockContext, pipelined: bool = Fal
     """The embedding (first stage) or the head with its loss (last stage) under `s`; `pipelined`: the head
     is on another stage than a tied embedding."""
     et: EdgeTime = embedding_time(s, ctx) if edge == "embedding" else head_time(s, ctx)
-    time = BlockTime(forward=et.forward, backward=et.backward, recompute=0.0, tp_comm=et.tp_comm, cp_comm=0.0,
-                     zero_comm=0.0, forward_comm=et.tp_comm / 2)
     params = edge_params(edge, ctx, pipelined) / s.tp
+    zero_fwd, zero_bwd = _edge_zero_sync(edge, params, s, et, ctx)
+    time = BlockTime(forward=et.forward, backward=et.backward, recompute=0.0, tp_comm=et.tp_comm, cp_comm=0.0,
+                     zero_comm=zero_fwd + zero_bwd, forward_comm=et.tp_comm / 2 + zero_fwd)
     w, g, o, reduce_t, gather_t = _states_and_sync(params, s, ctx)
     working = head_activation_bytes(s, ctx) if edge == "head" else 0.0
     return LayerCost(time=time, params=params, weights=w, gradients=g, optimizer=o, activation=0.0,
                      working=working, buffers=0.0, grad_reduce=reduce_t, param_gather=gather_t)
+
+
+def _edge_zero_sync(edge: Edge, params: float, s: Strategy, et: EdgeTime, ctx: BlockContext
+                    ) -> tuple[float, float]:
+    """(forward, backward) seconds of an edge's own ZeRO-2/3 collectives. The embedding's are the first gather
+    of a micro-batch and its last reduce-scatter: no compute runs beside them, so they are exposed whole. The
+    head's run beside its own compute, like a layer's."""
+    if s.zero < 2 or ctx.dp_group.size <= 1 or params <= 0:
+        return 0.0, 0.0
+    if edge == "head":
+        return zero_sync_time(params, s.zero, et.forward, et.backward, ctx)
+    return zero_sync_time(params, s.zero, 0.0, 0.0, ctx)
 
 
 def usable_memory(capacity: float, cal: Calibration, bucketed: bool = True) -> float:
