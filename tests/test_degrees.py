@@ -41,7 +41,7 @@ def test_every_rank_is_in_exactly_one_group_of_each_dimension(dp: int, cp: int, 
 
 def test_strategy_and_layout_use_the_same_coordinates() -> None:
     s = Strategy(dp=2, cp=2, tp=2, sp=True)
-    assert s.degrees == Degrees(dp=2, cp=2, tp=2)
+    assert s.degrees == Degrees(dp=2, cp=2, tp=2, etp=2)  # experts split like the attention unless told
     assert all(Layout.of(s).coords(p) == s.degrees.coords(p) for p in range(8))
     assert s.degrees.mesh_shape == (2, 2, 2) and s.degrees.data == 4
 

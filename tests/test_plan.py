@@ -561,7 +561,7 @@ def test_newer_plans_are_refused_in_one_line(tmp_path: Path) -> None:
     expect_error(lambda: load_plan(path), f"version {plan_mod.PLAN_VERSION + 1}", "upgrade plait")
 
 
-def test_version_2_plans_read_with_expert_degrees_of_one(tmp_path: Path) -> None:
+def test_version_2_plans_read_with_default_expert_degrees(tmp_path: Path) -> None:
     plan = uniform_plan("tp=2,pp=2", TINY, C8, 256)
     raw = json.loads(plan.to_json())
     raw["version"] = 2
@@ -572,14 +572,16 @@ def test_version_2_plans_read_with_expert_degrees_of_one(tmp_path: Path) -> None
     path.write_text(json.dumps(raw))
     read = load_plan(path)
     assert read == plan and read.version == PLAN_VERSION
-    assert all(s.ep == 1 and s.etp == 1 for st in read.pipelines[0].stages for s in st.strategies)
+    assert all(s.ep == 1 and s.expert_tp == s.tp for st in read.pipelines[0].stages for s in st.strategies)
 
 
 def test_expert_degrees_in_the_shorthand() -> None:
     moe = PRESETS["deepseek-moe-16b"]
     plan = uniform_plan("tp=2,sp=1,ep=4,etp=1,gbs=64", moe, C8, 256)
     s = plan.pipelines[0].stages[0].strategies[0]
-    assert (s.ep, s.etp) == (4, 1) and "ep4" in s.short()
-    expect_error(lambda: uniform_plan("tp=2,sp=1,ep=3,gbs=64", moe, C8, 256), "ep*etp = 3*1")
+    assert (s.ep, s.expert_tp) == (4, 1) and s.short() == "dp4 tp2 sp ep4 etp1"
+    t = uniform_plan("tp=2,sp=1,ep=2,gbs=64", moe, C8, 256).pipelines[0].stages[0].strategies[0]
+    assert t.expert_tp == 2 and t.degrees.edp == 2  # etp defaults to tp, as in Megatron
+    expect_error(lambda: uniform_plan("tp=2,sp=1,ep=3,gbs=64", moe, C8, 256), "ep*etp = 3*2")
     expect_error(lambda: uniform_plan("tp=2,sp=0,ep=2,gbs=64", moe, C8, 256), "sequence parallelism")
     expect_error(lambda: uniform_plan("ep=8,etp=2,gbs=64", moe, C8, 256), "ep*etp = 8*2")

@@ -61,12 +61,18 @@ class Strategy(BaseModel):
                                                   "2 +gradients, 3 +parameters (FSDP)")
     recompute: Recompute = "none"
     ep: int = Field(1, ge=1, description="expert-parallel degree of an MoE layer's experts (other layers: 1)")
-    etp: int = Field(1, ge=1, description="expert tensor-parallel degree of an MoE layer's experts")
+    etp: int = Field(0, ge=0, description="expert tensor-parallel degree of an MoE layer's experts (0: tp, "
+                                          "as Megatron's default)")
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel degree in effect (etp, or tp when etp is 0)."""
+        return self.etp or self.tp
 
     @property
     def degrees(self) -> Degrees:
         """The layer's degrees over its stage (the one object that gives coordinates and groups)."""
-        return _degrees(self.dp, self.tp, self.cp, self.ep, self.etp)
+        return _degrees(self.dp, self.tp, self.cp, self.ep, self.expert_tp)
 
     @property
     def devices(self) -> int:
@@ -81,8 +87,8 @@ class Strategy(BaseModel):
             parts.append(f"cp{self.cp}" + ("-ring" if self.cp_mode == "ring" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        if self.etp > 1:
-            parts.append(f"etp{self.etp}")
+        if self.expert_tp != self.tp:
+            parts.append(f"etp{self.expert_tp}")
         if self.zero:
             parts.append(f"zero{self.zero}")
         if self.recompute != "none":
@@ -332,8 +338,8 @@ def strategy_problem(s: Strategy, block: Block, devices: int, mbs: int, seq_len:
     if mbs % s.dp:
         return (f"micro-batch of {mbs} sequences cannot be split over dp={s.dp}; make the micro-batch size a "
                 "multiple of dp")
-    if s.devices % (s.ep * s.etp):
-        return (f"ep*etp = {s.ep}*{s.etp} does not divide the stage's {s.devices} ranks; pick expert degrees "
+    if s.devices % (s.ep * s.expert_tp):
+        return (f"ep*etp = {s.ep}*{s.expert_tp} does not divide the stage's {s.devices} ranks; pick expert degrees "
                 "whose product divides dp*cp*tp")
     return kind_problem(s, block) or expert_problem(s, block)
 
@@ -345,8 +351,9 @@ def expert_problem(s: Strategy, block: Block) -> str | None:
         return None
     if block.experts % s.ep:
         return f"ep={s.ep} does not divide the {block.experts} experts; pick an ep that divides them"
-    if block.expert_ffn % s.etp:
-        return f"etp={s.etp} does not divide the expert width {block.expert_ffn}; pick an etp that divides it"
+    if block.expert_ffn % s.expert_tp:
+        return (f"etp={s.expert_tp} does not divide the expert width {block.expert_ffn}; pick an etp that divides "
+                "it")
     if s.tp > 1 and not s.sp:
         return "an MoE layer with tp > 1 needs sequence parallelism (sp=1), as Megatron's token dispatch does"
     return None
@@ -427,7 +434,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
 
     Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
     (none|selective|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel and expert
-    tensor parallel degrees of MoE layers), and optionally schedule, cp_mode, precision, overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
+    tensor parallel degrees of MoE layers; etp defaults to tp), and optionally schedule, cp_mode, precision, overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
     """
     d = parse_strategy(text)
     tp, pp, cp = _int(d, "tp", 1), _int(d, "pp", 1), _int(d, "cp", 1)
@@ -463,7 +470,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     if pp * vpp > model.layers:
         raise PlaitError(f"--strategy: pp*vpp = {pp * vpp} chunks but {model.name} has {model.layers} layers")
     strategy = Strategy(dp=dp, tp=tp, cp=cp, sp=_bool(d, "sp", False), cp_mode=cp_mode, zero=zero,
-                        recompute=recompute, ep=_int(d, "ep", 1), etp=_int(d, "etp", 1))  # type: ignore[arg-type]
+                        recompute=recompute, ep=_int(d, "ep", 1), etp=_int(d, "etp", 0))  # type: ignore[arg-type]
     per_group = tp * cp * dp
     stages = []
     start = 0
