@@ -18,6 +18,7 @@ The plan is the contract between planners and the runtime. It is general enough 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from functools import cached_property, lru_cache
@@ -36,8 +37,8 @@ from plait.spec.model import ModelSpec, Recompute
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["bf16", "fp16", "fp32"]
 PLAN_VERSION = 3
-"""Version of the plan file. 3: strategies carry the expert degrees `ep` and `etp` of MoE layers (absent in
-older files: 1). 2: a pipeline's micro-batch is `micro_batch_sequences` (version 1 called it
+"""Version of the plan file. 3: strategies carry the expert degrees `ep` and `etp` of MoE layers and the plan
+their `expert_load` (absent in older files: ep 1, etp as tp, load 1). 2: a pipeline's micro-batch is `micro_batch_sequences` (version 1 called it
 `micro_batch_size`, which the --strategy shorthand's `mbs`, sequences per data-parallel replica, did not
 mean)."""
 
@@ -190,6 +191,9 @@ class Plan(BaseModel):
     chunks: int = Field(1, ge=1, description="model chunks per device (Megatron's virtual pipeline size)")
     precision: Precision = "bf16"
     overlap_grad_reduce: bool = Field(True, description="reduce gradients during the backward pass")
+    expert_load: float = Field(1.0, ge=1.0, allow_inf_nan=False,
+                               description="routed tokens of the busiest expert rank over the mean (MoE layers): "
+                                           "1 with balanced routing, the capacity factor with padded experts")
     pipelines: tuple[Pipeline, ...] = Field(min_length=1)
 
     @cached_property
@@ -386,7 +390,7 @@ def _validate_strategy(s: Strategy, block: Block, devices: int, mbs: int, plan: 
 # ---- the --strategy shorthand ----------------------------------------------------------------------
 
 _STRATEGY_KEYS = ("tp", "pp", "dp", "cp", "mbs", "gbs", "recompute", "sp", "zero", "vpp", "schedule",
-                  "cp_mode", "precision", "overlap", "ep", "etp")
+                  "cp_mode", "precision", "overlap", "ep", "etp", "expert_load")
 
 
 def parse_strategy(text: str) -> dict[str, str]:
@@ -408,7 +412,7 @@ def _int(d: dict[str, str], key: str, default: int) -> int:
         v = int(d[key])
     except ValueError:
         raise PlaitError(f"--strategy: {key} must be an integer, got {d[key]!r}") from None
-    if v < (0 if key == "zero" else 1):
+    if v < (0 if key in ("zero", "etp") else 1):
         raise PlaitError(f"--strategy: {key} must be positive, got {v}")
     return v
 
@@ -429,12 +433,25 @@ def split_layers(layers: int, parts: int) -> list[int]:
     return [base + (1 if i >= parts - extra else 0) for i in range(parts)]
 
 
+def _expert_load(d: dict[str, str]) -> float:
+    """The shorthand's `expert_load` (>= 1; 1 when absent)."""
+    raw = d.get("expert_load", "1")
+    try:
+        load = float(raw)
+    except ValueError:
+        load = math.nan
+    if not 1.0 <= load < math.inf:
+        raise PlaitError(f"--strategy: expert_load must be a number >= 1 (the busiest expert rank's routed tokens "
+                         f"over the mean), got {raw!r}")
+    return load
+
+
 def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) -> Plan:
     """Build a uniform Megatron-style plan from the `--strategy` shorthand.
 
     Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
     (none|selective|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel and expert
-    tensor parallel degrees of MoE layers; etp defaults to tp), and optionally schedule, cp_mode, precision, overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
+    tensor parallel degrees of MoE layers; etp defaults to tp), expert_load (see Plan), and optionally schedule, cp_mode, precision, overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
     """
     d = parse_strategy(text)
     tp, pp, cp = _int(d, "tp", 1), _int(d, "pp", 1), _int(d, "cp", 1)
@@ -481,6 +498,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
         start += n
     plan = Plan(model=model.name, seq_len=seq_len, global_batch=gbs, schedule=schedule, chunks=vpp,  # type: ignore[arg-type]
                 precision=precision, overlap_grad_reduce=_bool(d, "overlap", True),  # type: ignore[arg-type]
+                expert_load=_expert_load(d),
                 pipelines=(Pipeline(stages=tuple(stages), micro_batches=gbs // (mbs * dp),
                                     micro_batch_sequences=mbs * dp),))
     validate_plan(plan, model, cluster)

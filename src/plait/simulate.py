@@ -36,8 +36,10 @@ from plait.spec.cluster import GIB, Cluster
 from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
-BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "zero_comm", "relayout", "pp_bubble", "p2p",
-                  "dp_comm_exposed", "optimizer")
+BUSY_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "zero_comm", "ep_comm", "relayout")
+"""Parts of a stage's time per micro-batch that keep its devices busy."""
+BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "zero_comm", "ep_comm", "relayout", "pp_bubble",
+                  "p2p", "dp_comm_exposed", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     stage = pipe.stages[stage_index]
     prec = PRECISIONS[plan.precision]
     last = stage_index == len(pipe.stages) - 1
-    parts = dict.fromkeys(("compute", "recompute", "tp_comm", "cp_comm", "zero_comm", "relayout"), 0.0)
+    parts = dict.fromkeys(BUSY_KEYS, 0.0)
     fwd = bwd = 0.0
     act = working = 0.0
     priced: list[tuple[LayerCost, int, Strategy, int]] = []
@@ -182,7 +184,8 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         if single and s in contexts:
             return contexts[s]
         ctx = contexts[s] = BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.per_replica(s),
-                                                   s, stage.ranks, _dp_ranks(plan, layer, s, stage.ranks))
+                                                   s, stage.ranks, _dp_ranks(plan, layer, s, stage.ranks),
+                                                   plan.expert_load)
         return ctx
 
     # Layers of one shape and strategy cost the same wherever they sit (with one pipeline): count them once.
@@ -212,6 +215,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         parts["tp_comm"] += count * bt.tp_comm
         parts["cp_comm"] += count * bt.cp_comm
         parts["zero_comm"] += count * bt.zero_comm
+        parts["ep_comm"] += count * bt.ep_comm
         act += count * c.activation
         working = max(working, c.working)
         priced.append((c, count, s, layer))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plait.cost import comm
+from plait.cost import comm, experts
 from plait.cost.calibration import Calibration
 from plait.cost.comm import GroupShape
 from plait.cost.compute import eager_attention_time, elementwise_time, flash_attention_time, gemm_time
@@ -37,7 +37,8 @@ class BlockTime:
     tp_comm: float  # tensor-parallel collectives, all passes (never overlapped)
     cp_comm: float  # exposed context-parallel communication, all passes
     zero_comm: float  # exposed ZeRO-2/3 parameter gathers and gradient reduce-scatters
-    forward_comm: float  # the part of tp/cp/zero communication that lies in the forward pass
+    forward_comm: float  # the part of tp/cp/zero/ep communication that lies in the forward pass
+    ep_comm: float = 0.0  # an MoE layer's token dispatch and combine (expert parallel), all passes
 
     @property
     def forward_total(self) -> float:
@@ -45,7 +46,8 @@ class BlockTime:
 
     @property
     def backward_total(self) -> float:
-        return self.backward + self.recompute + self.tp_comm + self.cp_comm + self.zero_comm - self.forward_comm
+        return (self.backward + self.recompute + self.tp_comm + self.cp_comm + self.zero_comm + self.ep_comm
+                - self.forward_comm)
 
     @property
     def flops_time(self) -> float:
@@ -65,17 +67,28 @@ class BlockContext:
     tp_group: GroupShape
     cp_group: GroupShape
     dp_group: GroupShape  # ranks that share this block's weights (data and context parallel), every pipeline
+    ep_group: GroupShape = comm.SINGLE  # an MoE layer's expert-parallel group (exchanges tokens)
+    etp_group: GroupShape = comm.SINGLE  # its expert tensor-parallel group
+    edp_group: GroupShape = comm.SINGLE  # ranks that share its experts' weights (expert data parallel)
+    expert_load: float = 1.0  # routed tokens of the busiest expert rank over the mean (plan.expert_load)
 
     @staticmethod
     def for_ranks(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: PrecisionBytes, seq_len: int,
-                  seqs: int, s: Strategy, ranks: tuple[int, ...], dp_ranks: tuple[int, ...]) -> BlockContext:
-        """The context of strategy `s` on a stage's `ranks` (Megatron order: tp fastest, then cp, then dp);
-        `dp_ranks` are the ranks sharing its weights."""
+                  seqs: int, s: Strategy, ranks: tuple[int, ...], dp_ranks: tuple[int, ...],
+                  expert_load: float = 1.0) -> BlockContext:
+        """The context of strategy `s` on a stage's `ranks` (Megatron order: tp fastest, then cp, then dp;
+        experts: etp, ep, edp); `dp_ranks` are the ranks sharing its weights."""
         gpn, d = cluster.gpus_per_node, s.degrees
-        tp_group = GroupShape.of(d.group(ranks, "tp"), gpn) if s.tp > 1 else comm.SINGLE
-        cp_group = GroupShape.of(d.group(ranks, "cp"), gpn) if s.cp > 1 else comm.SINGLE
-        dp_group = GroupShape.of(dp_ranks, gpn) if len(dp_ranks) > 1 else comm.SINGLE
-        return BlockContext(model, cluster, cal, prec, seq_len, seqs, tp_group, cp_group, dp_group)
+
+        def shape(group: tuple[int, ...]) -> GroupShape:
+            return GroupShape.of(group, gpn) if len(group) > 1 else comm.SINGLE
+
+        tp_group = shape(d.group(ranks, "tp")) if s.tp > 1 else comm.SINGLE
+        cp_group = shape(d.group(ranks, "cp")) if s.cp > 1 else comm.SINGLE
+        experts = [shape(d.expert_group(ranks, dim)) if model.has_experts else comm.SINGLE  # type: ignore[arg-type]
+                   for dim in ("ep", "etp", "edp")]
+        return BlockContext(model, cluster, cal, prec, seq_len, seqs, tp_group, cp_group, shape(dp_ranks), *experts,
+                            expert_load)
 
 
 SUBLAYERS = {"decoder": 2, "moe": 2, "encoder": 2, "vision": 2, "cross_decoder": 3, "patch_embed": 1, "projector": 1}
@@ -105,18 +118,18 @@ def measured_block(block: Block, ctx: BlockContext) -> bool:
 def _gemms_time(block: Block, s: Strategy, tokens: float, memory_tokens: float, ctx: BlockContext
                 ) -> tuple[float, float]:
     """(forward, backward) seconds of the layer's GEMMs on one device: forward [rows, k] @ [k, n]; backward
-    computes dgrad and wgrad of the same size. Experts run as a grouped GEMM over balanced routed tokens."""
+    computes dgrad and wgrad of the same size. Routed experts are priced apart (`experts.experts_time`)."""
     gpu, cal, eb = ctx.cluster.gpu, ctx.cal, ctx.prec.activation
     peak = ctx.prec.peak_flops(gpu)
     fwd = bwd = 0.0
     for g in block.gemms:
+        if g.rows == "routed":  # experts: cost/experts.py
+            continue
         if g.split == "none":  # replicated on every tensor-parallel rank
             k, n = g.k, g.n
         else:
             k, n = (g.k, g.n // s.tp) if g.split == "col" else (g.k // s.tp, g.n)
-        rows = {"self": tokens, "memory": memory_tokens,
-                "routed": tokens * block.top_k / max(block.experts, 1)}[g.rows]
-        rows = max(1, int(rows))
+        rows = max(1, int(tokens if g.rows == "self" else memory_tokens))
         fwd += g.count * gemm_time(rows, n, k, gpu, cal, peak, eb)
         bwd += g.count * (gemm_time(rows, k, n, gpu, cal, peak, eb) + gemm_time(k, n, rows, gpu, cal, peak, eb))
     return fwd, bwd
@@ -153,10 +166,11 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     seq = block.seq(ctx.seq_len)
     tokens = ctx.seqs * seq // s.cp  # tokens this device holds outside attention
     fwd_gemm, bwd_gemm = _gemms_time(block, s, tokens, ctx.seqs * block.memory_seq(ctx.seq_len) // s.cp, ctx)
+    expert_f, expert_b = experts.experts_time(block, s, tokens, ctx)
     attn_f, attn_b = _attention_time(block, s, ctx)
     elem_f = elementwise_time(tokens * _elementwise_bytes_per_token(block, s, eb), ctx.cluster.gpu, cal, kernels=8)
-    forward = fwd_gemm + attn_f + elem_f
-    backward = bwd_gemm + attn_b + 2 * elem_f
+    forward = fwd_gemm + expert_f + attn_f + elem_f
+    backward = bwd_gemm + expert_b + attn_b + 2 * elem_f
     measured = measured_block(block, ctx)
     m = ctx.model
     if measured and (timed := cal.measured.block(m.name, s.tp)) is not None:  # type: ignore[union-attr]
@@ -170,8 +184,10 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
 
     # Tensor parallelism: per pass one all-reduce per sublayer (or, with sp, an all-gather and a
     # reduce-scatter of the same total traffic) of the full hidden state of the device's tokens.
+    # An MoE layer's routed experts exchange tokens over their own groups instead (below).
     act_bytes = tokens * block.tp_comm_elements_per_token * eb
-    tp_fwd = tp_bwd = SUBLAYERS[block.kind] * comm.all_reduce(act_bytes, ctx.tp_group, ctx.cluster, cal)
+    sublayers = SUBLAYERS[block.kind] - (1 if block.kind == "moe" and not block.ffn else 0)
+    tp_fwd = tp_bwd = sublayers * comm.all_reduce(act_bytes, ctx.tp_group, ctx.cluster, cal)
     runtime = measured_overheads(s, ctx) if measured else {}
     if "tp" in runtime:
         tp_fwd, tp_bwd = runtime["tp"]
@@ -193,33 +209,43 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
             cp_bwd = max(0.0, 2 * (s.cp - 1) * step - attn_b * cal.overlap_efficiency)
     cp_recompute = cp_fwd if s.recompute == "full" else 0.0
 
+    # Expert parallelism: dispatch and combine, nothing overlapped; repeated by full recompute.
+    ep_pass = experts.dispatch_time(block, s, tokens, ctx)
+    ep_recompute = ep_pass if s.recompute == "full" else 0.0
+
     # ZeRO-3 gathers parameters before forward and backward and reduce-scatters gradients each micro-batch;
     # ZeRO-2 reduce-scatters gradients each micro-batch. Prefetching hides them behind the block's compute.
+    # An MoE layer's routed experts sync over the expert data-parallel group.
     zero_fwd = zero_bwd = 0.0
-    params = block.params / s.tp
+    routed = experts.expert_params_per_rank(block, s)
+    params = (block.params - experts.expert_params(block)) / s.tp
     if "zero3" in runtime:
         zero_fwd, zero_bwd = runtime["zero3"]
-    elif ctx.dp_group.size > 1 and s.zero >= 2:
-        zero_fwd, zero_bwd = zero_sync_time(params, s.zero, forward, backward + recompute, ctx)
+    elif s.zero >= 2:
+        for held, group in ((params, ctx.dp_group), (routed, ctx.edp_group)):
+            if group.size > 1 and held > 0:
+                f, b = zero_sync_time(held, s.zero, forward, backward + recompute, ctx, group)
+                zero_fwd, zero_bwd = zero_fwd + f, zero_bwd + b
 
     tp_recompute = tp_fwd if s.recompute == "full" else 0.0
     return BlockTime(
         forward=forward, backward=backward, recompute=recompute,
         tp_comm=tp_fwd + tp_bwd + tp_recompute, cp_comm=cp_fwd + cp_bwd + cp_recompute,
-        zero_comm=zero_fwd + zero_bwd, forward_comm=tp_fwd + cp_fwd + zero_fwd,
+        zero_comm=zero_fwd + zero_bwd, forward_comm=tp_fwd + cp_fwd + zero_fwd + ep_pass,
+        ep_comm=2 * ep_pass + ep_recompute,
     )
 
 
-def zero_sync_time(params: float, zero: int, forward: float, backward: float, ctx: BlockContext
-                   ) -> tuple[float, float]:
+def zero_sync_time(params: float, zero: int, forward: float, backward: float, ctx: BlockContext,
+                   group: GroupShape | None = None) -> tuple[float, float]:
     """(forward, backward) seconds that ZeRO-2/3's per-micro-batch collectives of `params` parameters add to
     a layer whose passes compute for `forward` and `backward` seconds: ZeRO-3 gathers the weights before
     each pass, both reduce-scatter the gradients after backward. Prefetching runs each collective beside the
     compute of a neighbouring layer of the same size (comm.overlapped, with its contention), and each
-    collective costs the runtime's fixed per-collective overhead."""
-    cal = ctx.cal
-    rs = comm.reduce_scatter(params * ctx.prec.grad, ctx.dp_group, ctx.cluster, cal)
-    gather = comm.all_gather(params * ctx.prec.param, ctx.dp_group, ctx.cluster, cal) if zero == 3 else 0.0
+    collective costs the runtime's fixed per-collective overhead. Over `group` (default: the data group)."""
+    cal, group = ctx.cal, group or ctx.dp_group
+    rs = comm.reduce_scatter(params * ctx.prec.grad, group, ctx.cluster, cal)
+    gather = comm.all_gather(params * ctx.prec.param, group, ctx.cluster, cal) if zero == 3 else 0.0
     fixed = cal.fsdp_collective_overhead_s
     fwd = comm.overlapped(gather, forward, cal.overlap_contention) + (fixed if zero == 3 else 0.0)
     bwd = comm.overlapped(gather + rs, backward, cal.overlap_contention) + fixed * (2 if zero == 3 else 1)
@@ -282,4 +308,4 @@ def block_activation_bytes(block: Block, s: Strategy, ctx: BlockContext, recompu
     per_token = ((a.replicated * scale + a.replicated_masks) / replicated_div
                  + a.sharded * scale / s.tp
                  + (a.quadratic_per_seq_token * scale + a.sharded_quadratic_masks) * block.keys(ctx.seq_len) / s.tp)
-    return tokens * per_token
+    return tokens * per_token + experts.routed_activation_bytes(block, s, tokens, ctx, recompute or s.recompute)

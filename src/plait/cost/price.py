@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from plait.cost import comm
+from plait.cost import comm, experts
 from plait.cost.calibration import Calibration
 from plait.cost.compute import elementwise_time
 from plait.cost.head import EdgeTime, embedding_time, head_activation_bytes, head_time
@@ -66,24 +66,31 @@ class LayerCost:
         return max(0.0, self.grad_reduce - self.time.backward * overlap_efficiency) + self.param_gather
 
 
-def _states_and_sync(params: float, s: Strategy, ctx: BlockContext) -> tuple[float, float, float, float, float]:
-    """(weights, gradients, optimizer bytes, reduce seconds, gather seconds) of `params` shared by
-    `ctx.dp_group`."""
-    replicas = ctx.dp_group.size
-    w, g, o = model_state_bytes(params, replicas, s.zero, ctx.prec)
-    reduce_t, gather_t = comm.gradient_sync(params, s.zero, ctx.dp_group, ctx.prec.grad, ctx.prec.param,
-                                            ctx.cluster, ctx.cal)
+def _states_and_sync(params: float, s: Strategy, ctx: BlockContext, group: comm.GroupShape | None = None
+                     ) -> tuple[float, float, float, float, float]:
+    """(weights, gradients, optimizer bytes, reduce seconds, gather seconds) of `params` shared by `group`
+    (default: `ctx.dp_group`)."""
+    group = group or ctx.dp_group
+    w, g, o = model_state_bytes(params, group.size, s.zero, ctx.prec)
+    reduce_t, gather_t = comm.gradient_sync(params, s.zero, group, ctx.prec.grad, ctx.prec.param, ctx.cluster, ctx.cal)
     return w, g, o, reduce_t, gather_t
 
 
 @lru_cache(maxsize=16384)
 def price(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
-    """Time and memory terms of `block` under `s` in the run `ctx` (see LayerCost)."""
-    params = block.params / s.tp
-    w, g, o, reduce_t, gather_t = _states_and_sync(params, s, ctx)
+    """Time and memory terms of `block` under `s` in the run `ctx` (see LayerCost). An MoE layer's routed
+    experts are held experts/ep per rank, 1/etp of each, and shared by the expert data-parallel group."""
+    params = (block.params - experts.expert_params(block)) / s.tp
+    routed = experts.expert_params_per_rank(block, s)
+    parts = [(params, ctx.dp_group), (routed, ctx.edp_group)] if routed else [(params, ctx.dp_group)]
+    w = g = o = reduce_t = gather_t = gathered = 0.0
+    for held, group in parts:
+        terms = _states_and_sync(held, s, ctx, group)
+        w, g, o, reduce_t, gather_t = (a + b for a, b in zip((w, g, o, reduce_t, gather_t), terms, strict=True))
+        if s.zero == 3 and group.size > 1:  # ZeRO-3 keeps the current and the prefetched layer unsharded
+            gathered += 2 * held * (ctx.prec.param + ctx.prec.grad)
     working = block_activation_bytes(block, s, ctx, "none") if s.recompute != "none" else 0.0
-    gathered = 2 * params * (ctx.prec.param + ctx.prec.grad) if s.zero == 3 and ctx.dp_group.size > 1 else 0.0
-    return LayerCost(time=block_time(block, s, ctx), params=params, weights=w, gradients=g, optimizer=o,
+    return LayerCost(time=block_time(block, s, ctx), params=params + routed, weights=w, gradients=g, optimizer=o,
                      activation=block_activation_bytes(block, s, ctx), working=working, buffers=gathered,
                      grad_reduce=reduce_t, param_gather=gather_t)
 

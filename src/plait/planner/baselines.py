@@ -7,12 +7,13 @@ that fits wins (or, if none fits, the one closest to fitting).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from itertools import product
 from dataclasses import dataclass
 
 from plait.cost.calibration import Calibration
 from plait.errors import PlaitError
 from plait.plan import Plan, Strategy, strategy_problem, uniform_plan
-from plait.planner.space import divisors
+from plait.planner.space import divisors, expert_layouts
 from plait.simulate import PricedPlan, Report, finish, price_plan
 from plait.spec.cluster import Cluster
 from plait.spec.model import ModelSpec
@@ -51,10 +52,17 @@ def _splits_every_layer(model: ModelSpec, tp: int, sp: bool, seq_len: int) -> bo
     return all(strategy_problem(s, b, tp, 1, seq_len) is None for b in model.distinct_blocks)
 
 
+def _expert_layouts(model: ModelSpec, devices: int, tp: int) -> list[tuple[int, int]]:
+    """(ep, etp) pairs valid for every MoE layer of `model` on a stage of `devices` ranks ((1, 0) without)."""
+    pools = [expert_layouts(b, devices, tp) for b in model.distinct_blocks if b.kind == "moe"]
+    return [x for x in pools[0] if all(x in pool for pool in pools[1:])] if pools else [(1, 0)]
+
+
 def grid_layouts(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int,
-                 kind: str = "megatron-grid") -> Iterator[list[str]]:
+                 kind: str = "megatron-grid", expert_load: float = 1.0) -> Iterator[list[str]]:
     """Groups of uniform layouts (as --strategy text); within a group only the micro-batch size grows, so
-    once one does not fit the rest of the group can be skipped."""
+    once one does not fit the rest of the group can be skipped. MoE models get every expert layout (ep,
+    etp) the megatron grid's stages allow."""
     n = cluster.world_size
     if kind == "dp":
         shapes = [(1, 1, ("none", "selective", "full"), (0,))]
@@ -73,30 +81,34 @@ def grid_layouts(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch:
             for zero in zeros:
                 if zero and dp == 1:
                     continue
-                for sp in ((0, 1) if tp > 1 and _splits_every_layer(model, tp, True, seq_len) else (0,)):
-                    for vpp in ((1, 2, 4) if pp > 1 else (1,)):
-                        if pp * vpp > model.layers:
+                experts = _expert_layouts(model, n // pp, tp) if kind == "megatron-grid" else [(1, 0)]
+                for (sp, vpp), (ep, etp) in product(product(
+                        (0, 1) if tp > 1 and _splits_every_layer(model, tp, True, seq_len) else (0,),
+                        (1, 2, 4) if pp > 1 else (1,)), experts):
+                    if pp * vpp > model.layers:
+                        continue
+                    group = []
+                    for mbs in micro_batch_sizes(global_batch, dp):
+                        m = global_batch // (mbs * dp)
+                        if (vpp > 1 and m % pp) or m < pp:  # a pipeline needs a micro-batch per stage
                             continue
-                        group = []
-                        for mbs in micro_batch_sizes(global_batch, dp):
-                            m = global_batch // (mbs * dp)
-                            if (vpp > 1 and m % pp) or m < pp:  # a pipeline needs a micro-batch per stage
-                                continue
-                            group.append(f"tp={tp},pp={pp},dp={dp},mbs={mbs},gbs={global_batch},"
-                                         f"recompute={recompute},sp={sp},zero={zero},vpp={vpp}")
-                        if group:
-                            yield group
+                        moe = f",ep={ep},etp={etp},expert_load={expert_load:g}" if model.has_experts else ""
+                        group.append(f"tp={tp},pp={pp},dp={dp},mbs={mbs},gbs={global_batch},"
+                                     f"recompute={recompute},sp={sp},zero={zero},vpp={vpp}{moe}")
+                    if group:
+                        yield group
 
 
 def run_baseline(kind: str, model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int,
                  progress: Progress | None = None, cal: Calibration | None = None,
-                 accept: Callable[[Plan], bool] | None = None) -> tuple[Candidate | None, int]:
+                 accept: Callable[[Plan], bool] | None = None, expert_load: float = 1.0
+                 ) -> tuple[Candidate | None, int]:
     """The best plan of a baseline (among those `accept` allows) and the number of plans priced.
 
     Every layout is priced (stage costs and memory, no schedule simulated); the fitting ones are then
     simulated in order of their lower bound until the bound passes the fastest simulated, which finds the
     plan a full enumeration would (ties go to the earlier layout)."""
-    groups = list(grid_layouts(model, cluster, seq_len, global_batch, kind))
+    groups = list(grid_layouts(model, cluster, seq_len, global_batch, kind, expert_load))
     fitting: list[tuple[float, int, PricedPlan, str]] = []
     leanest: tuple[float, int, PricedPlan, str] | None = None  # least peak memory of those that do not fit
     order = 0  # enumeration order of the layouts priced

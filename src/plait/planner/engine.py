@@ -117,11 +117,13 @@ class _Config:
     """One (pp, micro-batch count, schedule) configuration: prices strategies and solves stages."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, cal: Calibration, seq_len: int, global_batch: int,
-                 pp: int, m: int, schedule: str, chunks: int, precision: str, limits: SpaceLimits) -> None:
+                 pp: int, m: int, schedule: str, chunks: int, precision: str, limits: SpaceLimits,
+                 expert_load: float = 1.0) -> None:
         self.model, self.cluster, self.cal = model, cluster, cal
         self.seq_len, self.global_batch = seq_len, global_batch
         self.pp, self.m, self.schedule, self.chunks = pp, m, schedule, chunks
         self.precision = precision
+        self.expert_load = expert_load
         self.prec = PRECISIONS[precision]
         self.n = cluster.world_size // pp
         self.mb = global_batch // m  # sequences per pipeline micro-batch
@@ -166,7 +168,7 @@ class _Config:
     def _context(self, s: Strategy) -> BlockContext:
         ranks = tuple(range(self.n))
         return BlockContext.for_ranks(self.model, self.cluster, self.cal, self.prec, self.seq_len, self.mb // s.dp,
-                                      s, ranks, s.degrees.group(ranks, "data"))
+                                      s, ranks, s.degrees.group(ranks, "data"), self.expert_load)
 
     def _price(self, block: Block, s: Strategy) -> _Priced:
         c = price(block, s, self._context(s))
@@ -295,6 +297,7 @@ class _Config:
                 start += n_layers
         return Plan(model=self.model.name, seq_len=self.seq_len, global_batch=self.global_batch,
                     schedule=self.schedule, chunks=self.chunks, precision=self.precision,  # type: ignore[arg-type]
+                    expert_load=self.expert_load,
                     pipelines=(Pipeline(stages=tuple(stages), micro_batches=self.m, micro_batch_sequences=self.mb),))
 
 
@@ -446,7 +449,7 @@ def _accept(plan: Plan, model: ModelSpec, runnable: bool, record: Callable[[Plan
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, *,
            precision: str = "bf16", limits: SpaceLimits = DEFAULT_LIMITS, cal: Calibration | None = None,
            include_uniform: bool = True, runnable: bool = False, progress: Progress | None = None,
-           record: Callable[[Plan], None] | None = None) -> SearchResult:
+           record: Callable[[Plan], None] | None = None, expert_load: float = 1.0) -> SearchResult:
     """Search the fastest plan for `model` on `cluster` (see the module docstring). With `runnable`, only
     plans this version's runtime executes (`plait.executable`). `record` sees every plan the search prices."""
     if seq_len <= 0 or global_batch <= 0:  # callers validate; this guards the Python API
@@ -475,8 +478,8 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
             configs.append((pp, m, "1f1b", 1))
             if pp > 1 and m % pp == 0 and 2 * pp <= model.layers:
                 configs.append((pp, m, "interleaved", 2))
-    cfgs = [_Config(model, cluster, cal, seq_len, global_batch, pp, m, schedule, chunks, precision, limits)
-            for pp, m, schedule, chunks in configs]
+    cfgs = [_Config(model, cluster, cal, seq_len, global_batch, pp, m, schedule, chunks, precision, limits,
+                    expert_load) for pp, m, schedule, chunks in configs]
     bounds = [cfg.lower_bound_s() for cfg in cfgs]
     # Configurations in order of their lower bound; one whose bound exceeds the fastest plan found cannot
     # give the result. Ties between equally fast plans go to the earlier configuration, as in plain order.
@@ -503,7 +506,8 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     if include_uniform:
         best_uniform, n = run_baseline("megatron-grid", model, cluster, seq_len, global_batch,
                                        progress=(lambda d, t: progress("uniform", d, t)) if progress else None,
-                                       cal=cal, accept=lambda p: _accept(p, model, runnable, record))
+                                       cal=cal, accept=lambda p: _accept(p, model, runnable, record),
+                                       expert_load=expert_load)
         evaluated += n
     if best_layerwise is not None:  # the report with its p2p time apart from the bubble
         best_layerwise = replace(best_layerwise, report=simulate(best_layerwise.plan, model, cluster, cal=cal,

@@ -1,7 +1,8 @@
 """The search space: every per-layer strategy a stage of n devices can use.
 
 A strategy splits the stage's n devices into dp x tp x cp (Megatron rank order) and picks sequence
-parallelism, a ZeRO stage and a recompute mode. Only what the plan validator accepts is generated:
+parallelism, a ZeRO stage and a recompute mode; an MoE layer also lays its experts out over the same
+devices (expert parallel ep x expert tensor parallel etp, the rest expert data parallel). Only what the plan validator accepts is generated:
 tp divides the heads and kv heads and stays inside a node, Ulysses cp divides the heads per tp rank, the
 micro-batch splits evenly over dp, sequence parallelism needs tp > 1, ZeRO needs more than one replica.
 """
@@ -28,6 +29,8 @@ class SpaceLimits:
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
     context_parallel: bool = True
+    max_ep: int | None = None  # None: as many as the experts and the stage allow
+    expert_tp: tuple[str, ...] = ("tp", "1")  # an MoE layer's expert tensor parallelism: as tp, or none
 
 
 def divisors(n: int) -> list[int]:
@@ -56,9 +59,28 @@ def block_strategies(block: Block, cluster: Cluster, devices: int, micro_batch: 
                 if strategy_problem(Strategy(dp=dp, tp=tp, cp=cp, sp=sp), block, devices, micro_batch, seq_len):
                     continue
                 zeros = limits.zero_stages if dp * cp > 1 else (0,)
-                for zero in zeros:
-                    for rc in modes:
-                        out.append(Strategy(dp=dp, tp=tp, cp=cp, sp=sp, zero=zero, recompute=rc))  # type: ignore[arg-type]
+                for ep, etp in expert_layouts(block, devices, tp, limits):
+                    for zero in zeros:
+                        for rc in modes:
+                            s = Strategy(dp=dp, tp=tp, cp=cp, sp=sp, zero=zero, recompute=rc, ep=ep, etp=etp)  # type: ignore[arg-type]
+                            if ep == 1 and etp == 0 or not strategy_problem(s, block, devices, micro_batch, seq_len):
+                                out.append(s)
+    return out
+
+
+def expert_layouts(block: Block, devices: int, tp: int, limits: SpaceLimits = SpaceLimits()) -> list[tuple[int, int]]:
+    """(ep, etp) pairs for an MoE layer on `devices` ranks with attention tensor parallel `tp` (etp 0: as tp);
+    (1, 0) for other layers, which have no experts to lay out."""
+    if block.kind != "moe":
+        return [(1, 0)]
+    out = []
+    for etp in dict.fromkeys(0 if e == "tp" else int(e) for e in limits.expert_tp):
+        width = etp or tp
+        if devices % width or block.expert_ffn % width:
+            continue
+        for ep in divisors(devices // width):
+            if block.experts % ep == 0 and ep <= (limits.max_ep or ep) and (etp == 0 or etp != tp):
+                out.append((ep, etp))
     return out
 
 

@@ -51,7 +51,7 @@ SHIFT = 0.3
 MIN_GAIN = 0.1
 """A new plan must be predicted this much faster than the current one to be switched to (a switch costs a
 checkpoint round trip, and speed estimates are noisy)."""
-BUSY_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "zero_comm", "relayout")
+BUSY_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "zero_comm", "ep_comm", "relayout")
 """The simulator's terms that a rank's compute clock covers."""
 
 

@@ -320,9 +320,8 @@ class Block:
         mlp_width = 3 if self.gated_mlp else 2  # SwiGLU: gate, up, product; GeLU: in, out
         mlp = mlp_width * 2 * self.ffn  # a moe layer's ffn is its shared experts' width
         sharded = q_k + v + proj_in + mlp
-        if self.kind == "moe":  # routed tokens' expert inputs and MLP activations, router probabilities
-            replicated += self.top_k * 2 * h + ROUTER_BYTES * self.experts
-            sharded += self.top_k * mlp_width * 2 * self.expert_ffn
+        if self.kind == "moe":  # router probabilities; the routed experts' activations: routed_activation_bytes
+            replicated += ROUTER_BYTES * self.experts
         if self.kind == "cross_decoder":  # norm + query in, scores' q and output, encoder K/V per token
             replicated += 2 * h + 2 * h
             sharded += 2 * self.q_dim + 2 * self.q_dim + 2 * 2 * self.kv_dim
@@ -339,6 +338,13 @@ class Block:
         elif self.attention == "flash":
             sharded += LSE_BYTES * heads
         return ActivationBytes(replicated, sharded, quadratic, drop_masks, quad_masks)
+
+    def routed_activation_bytes(self) -> tuple[int, int]:
+        """(input, hidden) bytes a routed expert keeps for backward per (token, expert) pair, 16-bit: the
+        token's hidden state into the expert, and its MLP activations (SwiGLU: gate, up, product)."""
+        if self.kind != "moe":
+            return 0, 0
+        return 2 * self.hidden, (3 if self.gated_mlp else 2) * 2 * self.expert_ffn
 
     # ---- communication volumes (elements per token) ---------------------------------------
     @property

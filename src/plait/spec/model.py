@@ -115,6 +115,11 @@ class ModelSpec:
         """Each different layer once, in order of first appearance."""
         return tuple(b for b, _ in self.block_counts)
 
+    @cached_property
+    def has_experts(self) -> bool:
+        """Whether any layer routes tokens to experts."""
+        return any(b.kind == "moe" for b in self.distinct_blocks)
+
     def kind_counts(self) -> dict[str, int]:
         """Layers of each kind, in order of first appearance."""
         out: dict[str, int] = {}
