@@ -67,11 +67,6 @@ def test_hf_deepseek_first_k_dense_replace() -> None:
     assert m.params == PRESETS["deepseek-moe-16b"].params
 
 
-def test_hf_deepseek_v3_latent_attention_is_refused_in_one_line() -> None:
-    cfg = {"model_type": "deepseek_v3", **LLAMA_LIKE, "kv_lora_rank": 512, "q_lora_rank": 1536}
-    expect_error(lambda: from_hf_config(cfg, "v3"), "latent attention")
-
-
 def test_hf_qwen_moe_sparse_step_and_mlp_only_layers() -> None:
     cfg = {"model_type": "qwen2_moe", **LLAMA_LIKE, "num_hidden_layers": 8, "moe_intermediate_size": 1408,
            "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,

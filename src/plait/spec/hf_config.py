@@ -1,5 +1,5 @@
 """ModelSpec from a Hugging Face `config.json`: dense decoders (Llama, Mistral, Qwen2/3, Gemma-2, GPT-2),
-MoE decoders (Mixtral, Qwen-MoE, DeepSeekMoE), T5 encoder-decoders and LLaVA-style vision + text models,
+MoE decoders (Mixtral, Qwen2/3-MoE, DeepSeekMoE, DeepSeek-V2/V3 with latent attention, GPT-OSS), T5 encoder-decoders and LLaVA-style vision + text models,
 each layer loaded as its kind (sliding-window and global layers, dense and MoE layers)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from plait.errors import PlaitError
 from plait.spec import stacks
 from plait.spec.model import ModelSpec, _t5
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek",
+               "deepseek_v2", "deepseek_v3", "gpt_oss")
 """model_type values read as Llama-shaped decoders (RMS norms, rotary positions, gated MLPs)."""
 TEXT_TYPES = ("gpt2", "t5", *LLAMA_TYPES)
 
@@ -48,9 +49,6 @@ def from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
             ffn=int(c.get("n_inner") or 4 * hidden), max_seq_len=c.need("n_positions", "n_ctx"),
             tied_embeddings=bool(c.get("tie_word_embeddings", True)),
         )
-    if config.get("kv_lora_rank") or config.get("q_lora_rank"):
-        raise PlaitError(f"config.json of {name!r} uses multi-head latent attention (DeepSeek-V2/V3), which is not "
-                         "modelled yet; give a config with standard attention (e.g. DeepSeekMoE 16B)")
     if model_type and model_type not in LLAMA_TYPES:
         raise PlaitError(f"config.json of {name!r} has model_type {model_type!r}; supported: "
                          + ", ".join((*TEXT_TYPES, "llava", "llava_next")))
@@ -69,11 +67,16 @@ def _decoder(c: _Config, name: str, model_type: str) -> ModelSpec:
         head_dim=int(c.get("head_dim") or 0), max_seq_len=int(c.get("max_position_embeddings") or 4096),
         gated_mlp=True, norm="rmsnorm", bias=False,
         qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(c.get("attention_bias", False)),
-        out_bias=bool(c.get("attention_bias", False)), mlp_bias=bool(c.get("mlp_bias", False)),
+        out_bias=bool(c.get("attention_bias", False)),
+        mlp_bias=bool(c.get("mlp_bias", model_type == "gpt_oss")),  # GPT-OSS experts carry biases
         dropout=False, tied_embeddings=bool(c.get("tie_word_embeddings", model_type == "gemma2")),
         learned_positions=False,
     )
     block = model.block.with_(norms=4) if model_type == "gemma2" else model.block
+    if c.get("kv_lora_rank"):  # DeepSeek-V2/V3 multi-head latent attention
+        block = block.with_(kv_heads=heads, head_dim=c.need("qk_nope_head_dim"), q_lora=int(c.get("q_lora_rank") or 0),  # type: ignore[call-overload]
+                            kv_lora=c.need("kv_lora_rank"), rope_head_dim=c.need("qk_rope_head_dim"),
+                            v_head_dim=c.need("v_head_dim"))
     stack = (block,) * layers
     local = _local_layers(c, layers, model_type)
     if local is not None:
@@ -107,8 +110,8 @@ def _local_layers(c: _Config, layers: int, model_type: str) -> tuple[bool, ...] 
 
 def _moe_layers(c: _Config, block: object, layers: int, model_type: str) -> tuple:
     experts = int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts"))  # type: ignore[call-overload]
-    top_k = c.need("num_experts_per_tok", "num_selected_experts", "top_k")
-    if model_type == "mixtral":  # every layer, experts as wide as the dense MLP, no shared experts
+    top_k = c.need("num_experts_per_tok", "num_selected_experts", "top_k", "experts_per_token")
+    if model_type in ("mixtral", "gpt_oss"):  # every layer, experts as wide as the dense MLP, no shared experts
         return stacks.moe_layers(block, layers, experts, top_k, c.need("intermediate_size"))  # type: ignore[arg-type]
     expert_ffn = c.need("moe_intermediate_size")
     shared = int(c.get("shared_expert_intermediate_size") or 0) or expert_ffn * int(c.get("n_shared_experts") or 0)  # type: ignore[call-overload]

@@ -301,9 +301,36 @@ def _gemma2(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head
     return replace(base, mixed=stacks.windowed(base.block.with_(norms=4), layers, window, global_every=2))
 
 
-def _moe(name: str, dense: ModelSpec, **moe: int) -> ModelSpec:
-    """`dense` with MoE layers (see `stacks.moe_layers`)."""
-    return replace(dense, name=name, mixed=stacks.moe_layers(dense.block, dense.layers, **moe))
+def _moe(name: str, dense: ModelSpec, attention: dict[str, int] | None = None, **moe: int) -> ModelSpec:
+    """`dense` with MoE layers (see `stacks.moe_layers`); `attention` changes every layer's attention shape
+    (latent attention's q_lora, kv_lora, rope_head_dim, v_head_dim)."""
+    block = dense.block.with_(**attention) if attention else dense.block
+    return replace(dense, name=name, mixed=stacks.moe_layers(block, dense.layers, **moe))
+
+
+def _deepseek_v3() -> ModelSpec:
+    """DeepSeek-V3 (671B, 37B active; its config.json): multi-head latent attention, 3 dense layers, then
+    256 routed experts (top 8) and one shared expert per layer. The multi-token-prediction module is left out."""
+    base = replace(_llama("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096), head_dim=128)
+    return _moe("deepseek-v3", base, attention={"q_lora": 1536, "kv_lora": 512, "rope_head_dim": 64, "v_head_dim": 128},
+                experts=256, top_k=8, expert_ffn=2048, shared_ffn=2048, dense_first=3)
+
+
+def _qwen3_moe(name: str, layers: int, hidden: int, heads: int, kv_heads: int, experts: int, top_k: int,
+               expert_ffn: int) -> ModelSpec:
+    """Qwen3 MoE (config.json): 128-dim heads, every layer MoE, no shared experts, untied embeddings."""
+    base = replace(_llama(name, layers, hidden, heads, kv_heads, 6144, 151936, 40960), head_dim=128)
+    return _moe(name, base, experts=experts, top_k=top_k, expert_ffn=expert_ffn)
+
+
+def _gpt_oss(name: str, layers: int, experts: int) -> ModelSpec:
+    """GPT-OSS (config.json): 64 heads of 64 dims with biases, sliding-window (128) and full attention
+    alternating, every layer MoE with biased SwiGLU experts of width 2880, top 4."""
+    base = replace(_llama(name, layers, 2880, 64, 8, 2880, 201088, 131072), head_dim=64, qkv_bias=True,
+                   out_bias=True, mlp_bias=True)
+    moe = stacks.moe_layers(base.block, layers, experts, 4, 2880)
+    local = stacks.windowed(base.block, layers, 128, local=tuple(i % 2 == 0 for i in range(layers)))
+    return replace(base, mixed=tuple(m.with_(window=w.window) for m, w in zip(moe, local, strict=True)))
 
 
 def _t5(name: str, encoder_layers: int, decoder_layers: int, hidden: int, heads: int, head_dim: int, ffn: int,
@@ -345,6 +372,16 @@ PRESETS: dict[str, ModelSpec] = {
     "deepseek-moe-16b": _moe("deepseek-moe-16b", _llama("deepseek-moe-16b", 28, 2048, 16, 16, 10944, 102400, 4096),
                              experts=64, top_k=6, expert_ffn=1408, shared_ffn=2 * 1408, dense_first=1),
     "t5-11b": _t5("t5-11b", 24, 24, 1024, 128, 128, 65536, 32128),
+    # Mixture-of-experts models (their config.json files).
+    "mixtral-8x7b": _moe("mixtral-8x7b", _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768),
+                         experts=8, top_k=2, expert_ffn=14336),
+    "mixtral-8x22b": _moe("mixtral-8x22b", _llama("mixtral-8x22b", 56, 6144, 48, 8, 16384, 32768, 65536),
+                          experts=8, top_k=2, expert_ffn=16384),
+    "qwen3-30b-a3b": _qwen3_moe("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 8, 768),
+    "qwen3-235b-a22b": _qwen3_moe("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 8, 1536),
+    "deepseek-v3": _deepseek_v3(),
+    "gpt-oss-20b": _gpt_oss("gpt-oss-20b", 24, 32),
+    "gpt-oss-120b": _gpt_oss("gpt-oss-120b", 36, 128),
     "llava-llama3-8b": _with_vision("llava-llama3-8b", _llama("llava-llama3-8b", 32, 4096, 32, 8, 14336, 128256,
                                                               8192), "clip-l14-336"),
     # Tiny models for tests and CPU runs.

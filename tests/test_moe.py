@@ -1,0 +1,153 @@
+"""Mixture-of-experts models: presets and Hugging Face configs match their published totals, and the cost
+model prices expert parallelism term by term (experts' memory over ep and etp, token exchange, expert
+data-parallel gradients)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import expect_error
+
+from plait.cost import experts
+from plait.cost.calibration import calibration_for
+from plait.cost.layer import BlockContext, block_time
+from plait.cost.precision import PRECISIONS
+from plait.cost.price import price
+from plait.plan import Strategy, uniform_plan
+from plait.planner.baselines import run_baseline
+from plait.planner.engine import search
+from plait.simulate import simulate
+from plait.spec.cluster import dgx
+from plait.spec.model import PRESETS, from_hf_config
+
+# (total, active) parameters as published: model cards and papers. GPT-OSS counts active parameters without
+# the input embedding (its model card: 116.8B total, 5.1B active; 20.9B, 3.6B).
+PUBLISHED = {
+    "mixtral-8x7b": (46.7e9, 12.9e9),  # Mistral AI, Mixtral of Experts (Jiang et al. 2024): 46.7B, 12.9B active
+    "mixtral-8x22b": (141e9, 39e9),  # Mistral AI release notes: 141B, 39B active
+    "qwen3-30b-a3b": (30.5e9, 3.3e9),  # Qwen3 technical report, Table 2
+    "qwen3-235b-a22b": (235e9, 22e9),
+    "deepseek-v3": (671e9, 37e9),  # DeepSeek-V3 technical report: 671B total, 37B activated per token
+    "gpt-oss-20b": (20.9e9, 3.6e9),
+    "gpt-oss-120b": (116.8e9, 5.1e9),
+}
+ROUNDING = 0.03
+"""Relative tolerance: published figures are rounded to two or three significant digits."""
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_moe_presets_match_published_totals_and_active_parameters(name: str) -> None:
+    m = PRESETS[name]
+    total, active = PUBLISHED[name]
+    counted_active = m.active_params - (m.embedding_params if name.startswith("gpt-oss") else 0)
+    assert m.params == pytest.approx(total, rel=ROUNDING)
+    assert counted_active == pytest.approx(active, rel=ROUNDING)
+
+
+DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json (the fields plait reads)
+    "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "intermediate_size": 18432, "vocab_size": 129280, "moe_intermediate_size": 2048,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "max_position_embeddings": 163840, "tie_word_embeddings": False,
+}
+QWEN3_30B = {  # Qwen/Qwen3-30B-A3B config.json
+    "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+}
+GPT_OSS_120B = {  # openai/gpt-oss-120b config.json
+    "model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 128,
+    "num_experts_per_tok": 4, "vocab_size": 201088, "sliding_window": 128, "attention_bias": True,
+    "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize(("config", "preset"), [(DEEPSEEK_V3, "deepseek-v3"), (QWEN3_30B, "qwen3-30b-a3b"),
+                                                (GPT_OSS_120B, "gpt-oss-120b")])
+def test_hf_configs_load_as_their_presets(config: dict, preset: str) -> None:
+    m = from_hf_config(config, preset)
+    assert m.params == PRESETS[preset].params and m.active_params == PRESETS[preset].active_params
+    assert m.kind_counts() == PRESETS[preset].kind_counts()
+
+
+def test_latent_attention_shapes() -> None:
+    """DeepSeek-V3's attention: q through a 1536-wide latent, k/v from a 512-wide latent plus a 64-dim shared
+    rotary key; 128 heads of 128+64 query/key dims and 128 value dims."""
+    b = PRESETS["deepseek-v3"].stack[0]
+    gemms = {g.name: (g.k, g.n, g.split) for g in b.gemms}
+    assert gemms["q_down"] == (7168, 1536, "none") and gemms["q_up"] == (1536, 128 * 192, "col")
+    assert gemms["kv_down"] == (7168, 512 + 64, "none") and gemms["kv_up"] == (512, 128 * 256, "col")
+    assert gemms["attn_out"] == (128 * 128, 7168, "row")
+    assert b.attention_flops_per_token(4096) == 4096 * 2 * (128 * 192 + 128 * 128)
+
+
+def _context(model, s: Strategy, nodes: int = 1, seqs: int = 1, load: float = 1.0) -> BlockContext:
+    cluster = dgx(nodes, 8, "H100-80GB")
+    ranks = tuple(range(s.devices))
+    return BlockContext.for_ranks(model, cluster, calibration_for(cluster.gpu.name), PRECISIONS["bf16"], 4096, seqs,
+                                  s, ranks, s.degrees.group(ranks, "data"), load)
+
+
+def test_expert_parallelism_divides_the_experts_states_and_moves_routed_tokens() -> None:
+    m = PRESETS["mixtral-8x7b"]
+    b = m.stack[0]
+    routed = experts.expert_params(b)
+    assert routed == 8 * 3 * 4096 * 14336
+    plain = price(b, Strategy(dp=8), _context(m, Strategy(dp=8)))
+    ep8 = price(b, Strategy(dp=8, ep=8), _context(m, Strategy(dp=8, ep=8)))
+    assert plain.params - ep8.params == pytest.approx(routed * 7 / 8)
+    assert block_time(b, Strategy(dp=8), _context(m, Strategy(dp=8))).ep_comm == 0.0
+    t = block_time(b, Strategy(dp=8, ep=8), _context(m, Strategy(dp=8, ep=8)))
+    assert t.ep_comm > 0  # dispatch and combine in forward and in backward
+    # all-to-all bytes: each routed copy of the rank's 4096 tokens, hidden wide, twice per pass
+    ctx = _context(m, Strategy(dp=8, ep=8))
+    one = experts.dispatch_time(b, Strategy(dp=8, ep=8), 4096, ctx)
+    two = experts.dispatch_time(b, Strategy(dp=8, ep=8), 4096, _context(m, Strategy(dp=8, ep=8), load=2.0))
+    assert two > 1.9 * one  # bytes double with the load (latency aside)
+
+
+def test_expert_tensor_parallelism_and_the_expert_data_parallel_group() -> None:
+    m = PRESETS["mixtral-8x7b"]
+    b = m.stack[0]
+    s = Strategy(dp=2, tp=4, sp=True, ep=2, etp=4)  # 8 ranks: experts edp1 x ep2 x etp4
+    ctx = _context(m, s)
+    assert (ctx.ep_group.size, ctx.etp_group.size, ctx.edp_group.size) == (2, 4, 1)
+    assert experts.expert_params_per_rank(b, s) == experts.expert_params(b) / 8
+    zero = price(b, s.model_copy(update={"zero": 1}), _context(m, s.model_copy(update={"zero": 1})))
+    # experts have no replica to shard over: their optimizer states stay whole; the attention's shard over dp 2
+    assert zero.optimizer > experts.expert_params(b) / 8 * 12 * 0.99
+
+
+def test_expert_layout_is_validated() -> None:
+    m = PRESETS["mixtral-8x7b"]
+    cluster = dgx(1, 8, "H100-80GB")
+    expect_error(lambda: uniform_plan("dp=8,ep=16", m, cluster, 4096), "ep*etp = 16")
+    expect_error(lambda: uniform_plan("dp=8,ep=4,etp=3", m, cluster, 4096), "ep*etp = 4*3")
+    plan = uniform_plan("dp=8,ep=8,gbs=64,expert_load=1.2", m, cluster, 4096)
+    assert plan.expert_load == 1.2
+    expect_error(lambda: uniform_plan("dp=8,expert_load=0.5", m, cluster, 4096), "expert_load must be")
+
+
+def test_expert_load_slows_the_experts() -> None:
+    m = PRESETS["mixtral-8x7b"]
+    cluster = dgx(1, 8, "H100-80GB")
+    even = simulate(uniform_plan("dp=8,ep=8,gbs=64,zero=1", m, cluster, 4096), m, cluster)
+    skew = simulate(uniform_plan("dp=8,ep=8,gbs=64,zero=1,expert_load=1.5", m, cluster, 4096), m, cluster)
+    assert skew.iteration_time_s > even.iteration_time_s and skew.breakdown["ep_comm"] > even.breakdown["ep_comm"]
+    assert skew.mfu < even.mfu and even.model_tflops_per_gpu == pytest.approx(
+        skew.model_tflops_per_gpu * skew.iteration_time_s / even.iteration_time_s)
+
+
+def test_search_lays_experts_out_and_beats_or_matches_the_grid() -> None:
+    m = PRESETS["deepseek-moe-16b"]
+    cluster = dgx(2, 8, "H100-80GB")
+    result = search(m, cluster, 4096, 256)
+    grid, _ = run_baseline("megatron-grid", m, cluster, 4096, 256)
+    assert result.report is not None and grid is not None
+    assert result.report.iteration_time_s <= grid.report.iteration_time_s
+    moe = [s for st in result.plan.pipelines[0].stages for s in st.strategies if s.ep > 1]
+    assert moe, "16 H100 should spread DeepSeekMoE's 64 experts"
+    assert "ep=" in grid.label
