@@ -157,3 +157,16 @@ def test_launcher_summaries() -> None:
     assert summary([], {1: -9}, 2) == ("rank 1 was killed by SIGKILL (the kernel kills a process that runs out of "
                                        "host memory: use a smaller model or fewer ranks)", 2)
     assert summary([], {0: 1}, 2) == ("rank 0 failed with exit code 1; its error is printed above", 1)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--gguf", "nope.gguf"], "--gguf names a file in --model-dir"),
+    (["--model-dir", "/nonexistent"], "--model-dir '/nonexistent' is not a directory"),
+    (["--model-dir", "/tmp", "--gguf", "nope.gguf"], "--gguf 'nope.gguf' is not a file in '/tmp'"),
+    (["--budget", "1"], "--budget: Value error, budget must be a fraction below 1"),
+    (["--budget", "1.5"], "budget must be a fraction below 1 or a whole number of tokens from 2, got 1.5"),
+    (["--budget", "5000", "--context", "2048"], "--budget 5000 keeps all 2048 tokens of the context"),
+    (["--text", "/tmp"], "--text '/tmp' is a directory"),
+])
+def test_kv_eval_refuses_before_loading_a_model(args, needle) -> None:
+    assert_bad_input(invoke("kv-eval", *args), needle)

@@ -624,15 +624,18 @@ def kv_eval_cmd(
             raise PlaitError(f"--{'-'.join(map(str, first['loc'])) or 'method'}: {first['msg']}") from None
         if context < 64 or depths < 1 or continuation < 1:
             raise PlaitError("--context must be >= 64 tokens, --depths and --continuation >= 1")
+        if method != "full" and config.tokens(context) >= context:
+            raise PlaitError(f"--budget {budget:g} keeps all {context} tokens of the context; that is --method full, "
+                             "or give a smaller budget")
         if text is not None and not text.is_file():
-            raise PlaitError(f"--text {str(text)!r} does not exist; give a long plain-text file")
-        from plait.inference.evaluate import default_text, evaluate, load
+            why = "is a directory" if text.is_dir() else "does not exist"
+            raise PlaitError(f"--text {str(text)!r} {why}; give a long plain-text file")
+        _check_model_dir(model_dir, gguf)
+        from plait.inference.evaluate import check_inputs, default_text, evaluate, load
 
         body = text.read_text(errors="replace") if text else default_text()
         model, tokenizer = load(model_dir, gguf)
-        if context > model.config.max_position_embeddings:
-            raise PlaitError(f"--context {context} exceeds the model's {model.config.max_position_embeddings} "
-                             "positions")
+        check_inputs(model, tokenizer, config, context, continuation, body)
         bar, update = _search_progress("{}")
         total = depths + continuation
         count = [0]
@@ -650,6 +653,18 @@ def kv_eval_cmd(
         sys.stdout.write(json_line(row))
         return
     print_kv_rows([row])
+
+
+def _check_model_dir(model_dir: Path | None, gguf: str | None) -> None:
+    """kv-eval's model: a directory that exists, and a --gguf file inside it."""
+    if model_dir is None:
+        if gguf:
+            raise PlaitError("--gguf names a file in --model-dir; give --model-dir DIR too")
+        return
+    if not model_dir.is_dir():
+        raise PlaitError(f"--model-dir {str(model_dir)!r} is not a directory; give a Hugging Face model directory")
+    if gguf and not (model_dir / gguf).is_file():
+        raise PlaitError(f"--gguf {gguf!r} is not a file in {str(model_dir)!r}; give the name of a .gguf file there")
 
 
 def print_kv_rows(rows: list[dict]) -> None:
