@@ -514,6 +514,12 @@ def test_a_profile_is_never_applied_to_another_gpu_or_model(tmp_path):
     galv = load_galvatron_profiles(DATA / "gpt_hf", HARDWARE, "A100-80GB", profile=GPT_PROFILE)
     expect_error(lambda: to_calibration(galv, GPT67, load_cluster("1x8xH100-80GB"), A100),
                  "measured on A100-80GB", "H100-80GB")
+    for name in ("A100", "a100-80gb"):  # the type without its memory size, or in another case, matches
+        short = load_galvatron_profiles(DATA / "gpt_hf", HARDWARE, name, profile=GPT_PROFILE)
+        assert to_calibration(short, GPT67, ONE_NODE, A100) == to_calibration(galv, GPT67, ONE_NODE, A100)
+    expect_error(lambda: to_calibration(load_galvatron_profiles(DATA / "gpt_hf", HARDWARE, "A100-40GB",
+                                                                profile=GPT_PROFILE), GPT67, ONE_NODE, A100),
+                 "measured on A100-40GB")
     expect_error(lambda: to_calibration(galv, GPT27, ONE_NODE, A100), "hidden=4096", "hidden=2560")
     wide = GPT67.with_(ffn=8 * 4096)  # same hidden and heads, twice the MLP
     expect_error(lambda: to_calibration(galv, wide, ONE_NODE, A100), "768.9 MiB", "use the profile of this model")

@@ -771,11 +771,17 @@ def _intra_busbw(galv: GalvatronCalibration, cluster: Cluster) -> tuple[float, s
     return None
 
 
+def same_gpu(given: str, cluster_gpu: str) -> bool:
+    """Whether the GPU type `given` names `cluster_gpu`, in full or without its memory size (A100 for
+    A100-80GB), in any case."""
+    given, cluster_gpu = given.upper(), cluster_gpu.upper()
+    return given in (cluster_gpu, cluster_gpu.split("-")[0])
+
+
 def _derive(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluster,
             base: Calibration) -> dict[str, tuple[float | None, str]]:
-    if cluster.gpu.name != galv.gpu_name:
-        raise PlaitError(f"the Galvatron profiles were measured on {galv.gpu_name} but cluster {cluster.name} "
-                         "has "
+    if not same_gpu(galv.gpu_name, cluster.gpu.name):
+        raise PlaitError(f"the Galvatron profiles were measured on {galv.gpu_name} but cluster {cluster.name} has "
                          f"{cluster.gpu.name} GPUs; profile that GPU type or use a {galv.gpu_name} cluster")
     _check_model(galv, model)
     out: dict[str, tuple[float | None, str]] = {}
