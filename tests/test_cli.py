@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ANSI, assert_bad_input
 from typer.testing import CliRunner
 
 from plait.cli import app
@@ -22,7 +23,6 @@ from plait.spec.cluster import GPUS, load_cluster
 from plait.spec.model import PRESETS, load_model
 
 REPO = Path(__file__).resolve().parents[1]
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 GPT175 = ["--model", "gpt3-175b", "--cluster", "192x8xA100-80GB", "--seq-len", "2048"]
 GPT175_STRATEGY = "tp=8,pp=8,dp=24,mbs=2,gbs=2304,recompute=full,vpp=2"
@@ -57,22 +57,6 @@ def report(*args: str) -> dict:
     assert isinstance(data, dict)
     assert result.stdout.count("\n") == 1 and result.stdout.endswith("\n")
     return data
-
-
-def assert_bad_input(result, *needles: str) -> None:
-    """Exit code 2, one line on stderr starting with `error:`, nothing on stdout, no traceback."""
-    stderr = ANSI.sub("", result.stderr)
-    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), \
-        f"escaped exception {result.exception!r}"
-    assert result.exit_code == 2, (result.exit_code, result.stdout, stderr)
-    assert "Traceback" not in result.output
-    lines = stderr.strip("\n").split("\n")
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("error:"), stderr
-    assert len(lines[0]) > len("error: ") + 10  # says what is wrong
-    assert result.stdout == ""
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
 
 
 def close(a: float, b: float, rel: float = 1e-9) -> bool:

@@ -227,6 +227,8 @@ def test_missing_optional_keys_take_galvatron_defaults(tmp_path):
     ({"checkpoint": "0,x,0,0,0,0,0,0"}, ["checkpoint", "comma-separated integers"]),
     ({"pp_deg": None}, ["no 'pp_deg'"]),
     ({"global_bsz": "64"}, ["global_bsz must be an integer"]),
+    ({"global_bsz": -4, "chunks": 2}, ["global_bsz=-4", "must be positive"]),
+    ({"global_bsz": 8, "chunks": 0}, ["chunks=0", "must be positive"]),
     ({"global_bsz": 8, "chunks": 4}, ["micro-batch of 2", "dp=8"]),  # validate_plan
 ])
 def test_bad_strategy_files_give_one_line_errors(tmp_path, fields, needles):
@@ -427,7 +429,13 @@ def test_sequence_mode_and_static_profiles():
 
 def test_profile_selection_errors(tmp_path):
     expect_error(lambda: load_galvatron_profiles(DATA / "gpt_hf", None, "A100-80GB"), "holds 3 computation profiles",
-                 "profile=")
+                 "give one file instead of the directory", "GPU:")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    expect_error(lambda: load_galvatron_profiles(empty, None, "A100-80GB"), "holds no computation_profiling_*.json")
+    with pytest.raises(PlaitError) as caught:
+        load_galvatron_profiles(empty, None, "A100-80GB")
+    assert "profile=" not in str(caught.value)
     expect_error(lambda: load_galvatron_profiles(DATA / "gpt_hf", None, "A100-80GB", profile="bf16_x"), "no computation")
     expect_error(lambda: load_galvatron_profiles(tmp_path / "none", None, "A100-80GB"), "does not exist")
     expect_error(lambda: load_galvatron_profiles(DATA / "llama_fa", tmp_path / "none", "A100-80GB"), "hardware")
@@ -506,6 +514,12 @@ def test_a_profile_is_never_applied_to_another_gpu_or_model(tmp_path):
     galv = load_galvatron_profiles(DATA / "gpt_hf", HARDWARE, "A100-80GB", profile=GPT_PROFILE)
     expect_error(lambda: to_calibration(galv, GPT67, load_cluster("1x8xH100-80GB"), A100),
                  "measured on A100-80GB", "H100-80GB")
+    for name in ("A100", "a100-80gb"):  # the type without its memory size, or in another case, matches
+        short = load_galvatron_profiles(DATA / "gpt_hf", HARDWARE, name, profile=GPT_PROFILE)
+        assert to_calibration(short, GPT67, ONE_NODE, A100) == to_calibration(galv, GPT67, ONE_NODE, A100)
+    expect_error(lambda: to_calibration(load_galvatron_profiles(DATA / "gpt_hf", HARDWARE, "A100-40GB",
+                                                                profile=GPT_PROFILE), GPT67, ONE_NODE, A100),
+                 "measured on A100-40GB")
     expect_error(lambda: to_calibration(galv, GPT27, ONE_NODE, A100), "hidden=4096", "hidden=2560")
     wide = GPT67.with_(ffn=8 * 4096)  # same hidden and heads, twice the MLP
     expect_error(lambda: to_calibration(galv, wide, ONE_NODE, A100), "768.9 MiB", "use the profile of this model")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import expect_error
 
 from plait.inference.config import PQCacheConfig
 from plait.inference.pq import fit
@@ -102,6 +103,9 @@ def test_bad_configs_are_refused() -> None:
     assert PQCacheConfig(budget=0.1, sinks=4, recent=32).tokens(2000) == 200
     assert PQCacheConfig(budget=0.01, sinks=4, recent=32).tokens(2000) == 36
     assert PQCacheConfig(budget=300).tokens(2000) == 300
+    for budget in (1, 1.5, 1.99, 2.5, float("inf")):
+        with pytest.raises(ValueError, match="budget must be a fraction below 1 or a whole number of tokens from 2"):
+            PQCacheConfig(budget=budget)
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +144,48 @@ def test_a_small_budget_changes_attention_but_generates(tiny_llama) -> None:
     cache = SelectiveCache(tiny_llama, PQCacheConfig(method="pqcache", budget=0.2, sinks=2, recent=8,
                                                      measure_recall=True))
     with torch.no_grad():
-        out = tiny_llama.generate(ids, max_new_tokens=5, do_sample=False, cache=cache)
+        native = tiny_llama.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True)
+        out = tiny_llama.generate(ids, max_new_tokens=5, do_sample=False, cache=cache, output_logits=True,
+                                  return_dict_in_generate=True)
     cache.release()
-    assert out.shape[1] == 205
+    assert out.sequences.shape[1] == 205
+    assert len(out.logits) == len(native.logits) == 5
+    for ours, full in zip(out.logits, native.logits):  # attending to 40 of ~200 tokens changes every step
+        assert (ours - full).abs().max() > 1e-3
     assert cache.recall() is not None and 0 < cache.recall() <= 1
     sizes = cache.bytes()
     assert sizes["resident"] < sizes["full_kv"] / 2, sizes
+
+
+class _CharTokenizer:
+    """One token per character (enough for the length checks)."""
+
+    def __call__(self, text: str, return_tensors: str = "pt"):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=torch.zeros(1, len(text), dtype=torch.long))
+
+
+def test_kv_eval_inputs_are_checked_before_any_trial(tiny_llama) -> None:
+    from plait.inference.evaluate import check_inputs
+
+    tok, text = _CharTokenizer(), "x" * 400
+    check_inputs(tiny_llama, tok, PQCacheConfig(subspaces=8), 256, 64, text)
+    expect_error(lambda: check_inputs(tiny_llama, tok, PQCacheConfig(subspaces=7), 256, 64, text),
+                 "--subspaces 7 does not divide the model's head dimension 16")
+    check_inputs(tiny_llama, tok, PQCacheConfig(method="window", subspaces=7), 256, 64, text)  # PQ only
+    expect_error(lambda: check_inputs(tiny_llama, tok, PQCacheConfig(), 600, 64, "x" * 700),
+                 "--context 600 exceeds the model's 512 positions")
+    expect_error(lambda: check_inputs(tiny_llama, tok, PQCacheConfig(), 256, 64, text[:300]),
+                 "the text has 300 tokens; it needs 321")
+
+
+def test_a_pass_key_counts_only_as_a_number_of_its_own() -> None:
+    from plait.inference.evaluate import key_found
+
+    assert key_found(" 10981. It is", 10981) and key_found("1 0 9 8 1", 10981)
+    assert not key_found(" 1098112", 10981) and not key_found("210981", 10981) and not key_found("1098", 10981)
 
 
 def _smollm2_missing() -> str | None:

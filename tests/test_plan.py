@@ -13,7 +13,9 @@ from helpers import expect_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import plait.io
 import plait.plan as plan_mod
+from plait.errors import PlaitError
 from plait.plan import (
     PLAN_VERSION,
     Pipeline,
@@ -407,9 +409,10 @@ def test_save_is_atomic_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(plan_mod.os, "replace", broken_replace)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(plait.io.os, "replace", broken_replace)
+    with pytest.raises(PlaitError) as caught:
         uniform_plan("dp=8", TINY, C8, 256).save(path)
+    assert str(caught.value) == f"cannot write {str(path)!r}: disk full; choose a writable path with free space"
     assert path.read_text() == before
     assert os.listdir(tmp_path) == ["plan.json"]
 
@@ -486,7 +489,7 @@ def uniform_cases(draw):
     head_dim = draw(st.sampled_from([8, 16]))
     heads = tp * draw(st.integers(1, 3))
     layers = pp * draw(st.integers(1, 3)) + draw(st.integers(0, pp - 1))
-    vpp = draw(st.integers(1, max(1, layers // pp)))
+    vpp = draw(st.integers(1, max(1, layers // pp))) if pp > 1 else 1  # chunks interleave over stages
     mbs = draw(st.integers(1, 3))
     micro = (pp if vpp > 1 else 1) * draw(st.integers(1, 4))
     sp = tp > 1 and draw(st.booleans())
@@ -518,6 +521,32 @@ def test_uniform_plan_property(case) -> None:
     back = Plan.model_validate_json(p.to_json())
     assert back == p
     validate_plan(back, model, cluster)
+
+
+def test_vpp_without_a_pipeline_is_refused() -> None:
+    expect_error(lambda: uniform_plan("dp=8,vpp=2", TINY, C8, 256), "chunks=2 (vpp)", "pp=1", "set vpp=1")
+
+
+def test_repeated_strategy_key_is_refused() -> None:
+    expect_error(lambda: uniform_plan("dp=8,dp=4", TINY, C8, 256), "dp is given twice (dp=8 and dp=4)")
+
+
+def test_micro_batches_are_capped() -> None:
+    expect_error(lambda: uniform_plan("dp=8,gbs=1000000000000000000", TINY, C8, 256),
+                 "runs 125000000000000000 micro-batches over 1 stage(s)", f"at most {plan_mod.MAX_MICRO_BATCH_STAGES}")
+    assert uniform_plan(f"dp=8,gbs={8 * plan_mod.MAX_MICRO_BATCH_STAGES}", TINY, C8, 256).pipelines[0].micro_batches \
+        == plan_mod.MAX_MICRO_BATCH_STAGES
+
+
+def test_plan_for_another_architecture_is_refused(tmp_path: Path) -> None:
+    other = parse_inline("llama:layers=4,hidden=128,heads=4,vocab=256")
+    assert other.layers == TINY.layers and other.fingerprint != TINY.fingerprint
+    path = tmp_path / "plan.json"
+    uniform_plan("dp=8", TINY, C8, 256).stamped(TINY).save(path)
+    plan = load_plan(path)
+    assert plan.model_fingerprint == TINY.fingerprint
+    validate_plan(plan, TINY, C8)
+    expect_error(lambda: validate_plan(plan, other, C8), f"made for {TINY.name}", "architecture differs")
 
 
 # ---- known problems (xfail until fixed in src) ---------------------------------------------------------------

@@ -11,8 +11,8 @@ from plait.published import load_runs, relative_errors
 from plait.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data" / "published" / "training-runs.json"
-REFERENCE = SHARED if SHARED.exists() else ROOT / "tests" / "data" / "reference-training-runs.json"
+# The copy in the checkout, so that the result never depends on what sits beside it.
+REFERENCE = ROOT / "tests" / "data" / "reference-training-runs.json"
 COLLECTED = ROOT / "benchmarks" / "data" / "published_runs.json"
 
 reference_runs, reference_skipped = load_runs(REFERENCE)

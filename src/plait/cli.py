@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from plait.errors import PlaitError
+from plait.io import output_path, write_files
 from plait.plan import Plan, load_plan, uniform_plan, validate_plan
 from plait.simulate import Report, simulate
 from plait.spec.cluster import GIB, GPUS, Cluster, load_cluster
@@ -35,8 +37,28 @@ err = Console(stderr=True, width=10_000)  # one-line errors are never wrapped
 
 def fail(message: str) -> None:
     """Print a one-line error and exit with 2."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
+
+
+def json_line(obj: object) -> str:
+    """`obj` as one line of standard JSON: a non-finite number (inf, NaN) becomes null."""
+    def finite(x: object) -> object:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [finite(v) for v in x]
+        return x
+
+    return json.dumps(finite(obj), allow_nan=False) + "\n"
+
+
+MAX_MEMORY_GIB = 2.0**20
+"""Largest --memory-gib (1 PiB per device)."""
+MAX_GLOBAL_BATCH = 65536
+"""Largest `plan --global-batch`, sequences (the search's time and memory grow with it)."""
 
 
 def parse_slow(text: str | None) -> dict[int, float]:
@@ -74,8 +96,9 @@ def load_inputs(model: str, cluster: str, memory_gib: float | None, slow: str | 
         c = load_cluster(cluster)
         cal = load_calibration(galvatron_profile, m, c)
     if memory_gib is not None:
-        if not (math.isfinite(memory_gib) and memory_gib > 0):
-            raise PlaitError(f"--memory-gib must be a positive number of GiB, got {memory_gib}")
+        if not (math.isfinite(memory_gib) and 0 < memory_gib <= MAX_MEMORY_GIB):
+            raise PlaitError(f"--memory-gib must be a positive number of GiB up to {MAX_MEMORY_GIB:.0f}, got "
+                             f"{memory_gib}")
         c = c.with_memory(memory_gib)
     if slow:
         try:
@@ -117,7 +140,7 @@ def read_plan(path: Path, model: ModelSpec, cluster: Cluster, seq_len: int | Non
                 warnings.simplefilter("always")
                 plan = load_galvatron_config(path, model, cluster, seq_len or model.max_seq_len)
             for w in caught:
-                err.print(f"[yellow]note:[/] {w.message}", highlight=False)
+                err.print(f"[yellow]note:[/] {escape(str(w.message))}", highlight=False)
             return plan
     plan = load_plan(path)
     if seq_len is not None and seq_len != plan.seq_len:
@@ -232,7 +255,7 @@ def simulate_cmd(
     plan: Annotated[Path | None, typer.Option("--plan", help="plan JSON/YAML")] = None,
     strategy: Annotated[str | None, typer.Option("--strategy", help='e.g. "tp=8,pp=8,dp=16,mbs=1,gbs=1536"')] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object and nothing else")] = False,
-    timeline: Annotated[Path | None, typer.Option("--timeline", help="write a timeline + memory picture")] = None,
+    timeline: Annotated[str | None, typer.Option("--timeline", help="write a timeline + memory picture")] = None,
     slow: Annotated[str | None, typer.Option("--slow", help="straggling devices RANK:FACTOR[,...]")] = None,
     memory_gib: Annotated[float | None, typer.Option("--memory-gib", help="device memory override, GiB")] = None,
     galvatron_profile: Annotated[str | None, typer.Option(
@@ -242,6 +265,7 @@ def simulate_cmd(
     """Predict iteration time, throughput, MFU and memory of one plan (a plait plan, a Galvatron
     galvatron_config_*.json, or --strategy)."""
     try:
+        timeline_path = output_path(timeline, "timeline.png", "--timeline") if timeline is not None else None
         m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile)
         if (plan is None) == (strategy is None):
             raise PlaitError("give exactly one of --plan FILE or --strategy \"tp=..,pp=..,dp=..\"")
@@ -260,7 +284,7 @@ def simulate_cmd(
             memory = [(f"p{d.pipeline}s{d.index}", {k: v for k, v in d.memory.as_dict().items()})
                       for d in report.devices]
             try:
-                combined(report.pipelines[0], memory, c.gpu.memory_bytes, str(timeline),
+                combined(report.pipelines[0], memory, c.gpu.memory_bytes, str(timeline_path),
                          f"{m.name} on {c.name}: {report.iteration_time_s:.3f} s/iteration, MFU {report.mfu:.1%}")
             except OSError as exc:
                 raise PlaitError(f"cannot write timeline {str(timeline)!r}: {exc.strerror or exc}; "
@@ -270,15 +294,15 @@ def simulate_cmd(
         return
     if as_json:
         extra = {"healthy_iteration_time_s": healthy.iteration_time_s} if healthy else {}
-        sys.stdout.write(json.dumps(report.to_dict() | extra, allow_nan=False) + "\n")
+        sys.stdout.write(json_line(report.to_dict() | extra))
         return
     print_report(report, p, m, c)
     if healthy:
         out.print(f"with the slow devices: {_fmt_s(report.iteration_time_s)} per iteration, "
                   f"{report.iteration_time_s / healthy.iteration_time_s:.2f}x the healthy cluster's "
                   f"{_fmt_s(healthy.iteration_time_s)}; `plait plan --slow` re-plans around them")
-    if timeline is not None:
-        out.print(f"timeline and memory chart: {timeline}")
+    if timeline_path is not None:
+        out.print(f"timeline and memory chart: {timeline_path}")
 
 
 def print_plan(plan: Plan, world: int | None = None) -> None:
@@ -349,7 +373,7 @@ def plan_cmd(
     cluster: Annotated[str, typer.Option("--cluster", "-c", help="NODESxGPUSxTYPE (e.g. 2x8xH100-80GB) or YAML")],
     global_batch: Annotated[int, typer.Option("--global-batch", "-b", help="sequences per optimizer step")],
     seq_len: Annotated[int | None, typer.Option("--seq-len", "-s", help="tokens per sequence")] = None,
-    out_path: Annotated[Path | None, typer.Option("--out", help="write the plan (JSON, or YAML by suffix)")] = None,
+    out_path: Annotated[str | None, typer.Option("--out", help="write the plan (JSON, or YAML by suffix)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object and nothing else")] = False,
     baseline: Annotated[str | None, typer.Option("--baseline", help="dp | zero3 | megatron-grid")] = None,
     compare: Annotated[bool, typer.Option("--compare", help="also run the baselines, side by side")] = False,
@@ -358,7 +382,7 @@ def plan_cmd(
     precision: Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32")] = "bf16",
     galvatron_profile: Annotated[str | None, typer.Option(
         "--galvatron-profile", help="calibrate from Galvatron profiles: GPU:MODEL_DIR[:HARDWARE_DIR]")] = None,
-    galvatron_out: Annotated[Path | None, typer.Option(
+    galvatron_out: Annotated[str | None, typer.Option(
         "--galvatron-out", help="also write the plan as a Galvatron galvatron_config JSON")] = None,
     runnable: Annotated[bool, typer.Option(
         "--runnable", help="only plans `plait train` executes (see plait.executable)")] = False,
@@ -369,10 +393,16 @@ def plan_cmd(
     from plait.planner.engine import fewest_gpus, search
 
     try:
+        plan_file = output_path(out_path, "plan.json", "--out") if out_path is not None else None
+        galvatron_file = output_path(galvatron_out, "galvatron_config.json", "--galvatron-out") \
+            if galvatron_out is not None else None
         m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile)
         seq = seq_len if seq_len is not None else m.max_seq_len
         if seq <= 0 or global_batch <= 0:
             raise PlaitError(f"--seq-len and --global-batch must be positive, got {seq} and {global_batch}")
+        if global_batch > MAX_GLOBAL_BATCH:
+            raise PlaitError(f"--global-batch {global_batch} is more sequences than plait searches "
+                             f"({MAX_GLOBAL_BATCH}); plan a smaller batch (fewer, longer sequences)")
         if baseline is not None and baseline not in BASELINES:
             raise PlaitError(f"--baseline {baseline!r} is unknown; choose one of {', '.join(BASELINES)}")
         if precision not in ("bf16", "fp16", "fp32"):
@@ -416,17 +446,17 @@ def plan_cmd(
                 f"{c.gpu.name})" if more else ""
             raise PlaitError(f"nothing fits in {c.gpu.memory_bytes / GIB:.1f} GiB per device: {need}{gpus}; "
                              "or lower --global-batch / --seq-len")
-        if out_path is not None:
-            chosen.plan.save(out_path)
-        if galvatron_out is not None:
-            from plait.galvatron import save_galvatron_config
+        chosen = replace(chosen, plan=chosen.plan.stamped(m))
+        files: list[tuple[Path, str]] = []
+        if galvatron_file is not None:
+            from plait.galvatron import galvatron_config
 
-            save_galvatron_config(chosen.plan, m, galvatron_out)
+            files.append((galvatron_file, json.dumps(galvatron_config(chosen.plan, m), indent=4)))
+        if plan_file is not None:
+            files.append((plan_file, chosen.plan.file_text(plan_file)))
+        write_files(files)
     except PlaitError as exc:
         fail(str(exc))
-        return
-    except OSError as exc:
-        fail(f"cannot write {exc.filename or out_path}: {exc.strerror or exc}; choose a writable path")
         return
     if as_json:
         obj = {"plan": json.loads(chosen.plan.model_dump_json()), "report": chosen.report.to_dict(),
@@ -436,7 +466,7 @@ def plan_cmd(
                                 for k, b in baselines.items()}
         if straggler:
             obj["straggler"] = straggler
-        sys.stdout.write(json.dumps(obj, allow_nan=False) + "\n")
+        sys.stdout.write(json_line(obj))
         return
     print_plan(chosen.plan, c.world_size)
     print_report(chosen.report, chosen.plan, m, c)
@@ -447,7 +477,7 @@ def plan_cmd(
     if (reason := unsupported(chosen.plan, m)) is not None:
         out.print(f"[yellow]note:[/] `plait train` cannot run this plan yet ({reason}); --runnable restricts the "
                   "search to plans it runs")
-    out.print(f"searched in {elapsed:.2f} s" + (f"; plan written to {out_path}" if out_path else ""))
+    out.print(f"searched in {elapsed:.2f} s" + (f"; plan written to {plan_file}" if plan_file else ""))
     if compare:
         table = Table(title="search vs baselines (speed-up = baseline time / this time)", box=box.SIMPLE_HEAD)
         for col in ("planner", "layout", "iteration", "tokens/s", "MFU", "peak GiB", "fits", "speed-up"):
@@ -547,7 +577,7 @@ def varlen_cmd(
     total = sum(r["time_s"] for r in rows)
     solve = sum(r["solve_time_s"] for r in rows)
     if as_json:
-        sys.stdout.write(json.dumps({"total_time_s": total, "solve_time_s": solve, "per_batch": rows}) + "\n")
+        sys.stdout.write(json_line({"total_time_s": total, "solve_time_s": solve, "per_batch": rows}))
         return
     table = Table(title=f"{m.name} on {c.name}, {method}{f' sp={sp}' if sp else ''}, {capacity} tokens per device",
                   box=box.SIMPLE_HEAD)
@@ -594,15 +624,18 @@ def kv_eval_cmd(
             raise PlaitError(f"--{'-'.join(map(str, first['loc'])) or 'method'}: {first['msg']}") from None
         if context < 64 or depths < 1 or continuation < 1:
             raise PlaitError("--context must be >= 64 tokens, --depths and --continuation >= 1")
+        if method != "full" and config.tokens(context) >= context:
+            raise PlaitError(f"--budget {budget:g} keeps all {context} tokens of the context; that is --method full, "
+                             "or give a smaller budget")
         if text is not None and not text.is_file():
-            raise PlaitError(f"--text {str(text)!r} does not exist; give a long plain-text file")
-        from plait.inference.evaluate import default_text, evaluate, load
+            why = "is a directory" if text.is_dir() else "does not exist"
+            raise PlaitError(f"--text {str(text)!r} {why}; give a long plain-text file")
+        _check_model_dir(model_dir, gguf)
+        from plait.inference.evaluate import check_inputs, default_text, evaluate, load
 
         body = text.read_text(errors="replace") if text else default_text()
         model, tokenizer = load(model_dir, gguf)
-        if context > model.config.max_position_embeddings:
-            raise PlaitError(f"--context {context} exceeds the model's {model.config.max_position_embeddings} "
-                             "positions")
+        check_inputs(model, tokenizer, config, context, continuation, body)
         bar, update = _search_progress("{}")
         total = depths + continuation
         count = [0]
@@ -617,9 +650,21 @@ def kv_eval_cmd(
         fail(str(exc))
         return
     if as_json:
-        sys.stdout.write(json.dumps(row) + "\n")
+        sys.stdout.write(json_line(row))
         return
     print_kv_rows([row])
+
+
+def _check_model_dir(model_dir: Path | None, gguf: str | None) -> None:
+    """kv-eval's model: a directory that exists, and a --gguf file inside it."""
+    if model_dir is None:
+        if gguf:
+            raise PlaitError("--gguf names a file in --model-dir; give --model-dir DIR too")
+        return
+    if not model_dir.is_dir():
+        raise PlaitError(f"--model-dir {str(model_dir)!r} is not a directory; give a Hugging Face model directory")
+    if gguf and not (model_dir / gguf).is_file():
+        raise PlaitError(f"--gguf {gguf!r} is not a file in {str(model_dir)!r}; give the name of a .gguf file there")
 
 
 def print_kv_rows(rows: list[dict]) -> None:
@@ -643,7 +688,7 @@ def print_kv_rows(rows: list[dict]) -> None:
 def profile_cmd(
     model: Annotated[str, typer.Option("--model", help="preset, config.json or inline spec whose layers to measure")],
     nproc: Annotated[int, typer.Option("--nproc", help="ranks to measure collectives with (group sizes up to it)")] = 2,
-    out_path: Annotated[Path, typer.Option("--out", help="the profile JSON to write")] = Path("profile.json"),
+    out_path: Annotated[str, typer.Option("--out", help="the profile JSON to write")] = "profile.json",
     quick: Annotated[bool, typer.Option("--quick", help="fewer sizes and repetitions (seconds, not minutes)")] = False,
     gpu_type: Annotated[str | None, typer.Option(
         "--gpu-type", help="the cluster device type the profile applies to (default: CPU, or the CUDA name)")] = None,
@@ -654,17 +699,18 @@ def profile_cmd(
     from plait.profile.run import profile
 
     try:
+        profile_file = output_path(out_path, "profile.json", "--out")
         m = load_model(model)
         bar, update = _search_progress("measuring {}")
         t0 = time.perf_counter()
         with bar:
             result = profile(m, nproc, quick=quick, gpu_type=gpu_type, progress=update)
-        result.save(out_path)
+        result.save(profile_file)
     except PlaitError as exc:
         fail(str(exc))
         return
     print_profile(result)
-    out.print(f"profiled in {time.perf_counter() - t0:.0f} s; written to {out_path}")
+    out.print(f"profiled in {time.perf_counter() - t0:.0f} s; written to {profile_file}")
 
 
 def print_profile(p) -> None:
@@ -721,10 +767,14 @@ def train_cmd(
     lr: Annotated[float, typer.Option("--lr", help="peak learning rate")] = 3e-4,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32 | bf16")] = "fp32",
     data: Annotated[Path | None, typer.Option("--data", help="text file (byte-level tokens); default synthetic")] = None,
-    metrics_out: Annotated[Path | None, typer.Option("--metrics-out", help="JSON lines, one per step")] = None,
+    metrics_out: Annotated[str | None, typer.Option("--metrics-out", help="JSON lines, one per step")] = None,
     checkpoint_dir: Annotated[Path | None, typer.Option(
-        "--checkpoint-dir", help="save (DCP) here and resume from the latest checkpoint in it")] = None,
+        "--checkpoint-dir", help="save (DCP) here and resume from the newest readable checkpoint in it")] = None,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="steps between checkpoints")] = 0,
+    resume_from: Annotated[Path | None, typer.Option(
+        "--resume-from", help="start from this checkpoint (a step-N directory) instead of the newest")] = None,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", help="seconds a rank waits in a collective before the job fails")] = 300.0,
     max_restarts: Annotated[int, typer.Option("--max-restarts", help="torchrun restarts after a failure")] = 0,
     hf_checkpoint: Annotated[Path | None, typer.Option(
         "--hf-checkpoint", help="start from Hugging Face safetensors weights in this directory")] = None,
@@ -748,19 +798,26 @@ def train_cmd(
     import os
 
     from plait.models.hf_weights import HF_FAMILIES
+    from plait.runtime import preflight
     from plait.runtime.placement import check_executable
     from plait.runtime.train import TrainConfig
     from plait.spec.cluster import local_ranks
 
     try:
         m = load_model(model)
+        preflight.check_numbers(lr=lr, seed=seed, timeout_s=timeout)
+        metrics_file = output_path(metrics_out, "metrics.jsonl", "--metrics-out") if metrics_out is not None else None
+        if seq_len is not None:
+            preflight.check_seq_len(seq_len, m)
         inside = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
         world = int(os.environ["WORLD_SIZE"]) if inside else nproc
         if varlen is not None:
             cfg, world = _varlen_config(m, model, varlen, world or 1, steps, global_batch, seed, lr, dtype, data,
-                                        metrics_out, lengths, capacity, sp, cp_mode, plan or strategy,
-                                        checkpoint_dir or hf_checkpoint or adaptive or inject_slow)
-            _launch(cfg, world, inside, max_restarts)
+                                        metrics_file, lengths, capacity, sp, cp_mode, plan or strategy,
+                                        checkpoint_dir or hf_checkpoint or adaptive or inject_slow or resume_from)
+            if not inside:
+                preflight.check_host_memory(m, world)
+            _launch(replace(cfg, timeout_s=timeout), world, inside, max_restarts)
             return
         if (plan is None) == (strategy is None):
             raise PlaitError("give exactly one of --plan FILE or --strategy \"dp=..,tp=..\"")
@@ -777,6 +834,7 @@ def train_cmd(
             p = uniform_plan(text, m, local_ranks(world), seq_len or min(m.max_seq_len, 256))
         if global_batch is not None and global_batch != p.global_batch:
             raise PlaitError(f"--global-batch {global_batch} differs from the plan's {p.global_batch}")
+        preflight.check_seq_len(p.seq_len, m)
         validate_plan(p, m, local_ranks(world))
         check_executable(p, m, world)
         if data is not None and not data.is_file():
@@ -785,9 +843,10 @@ def train_cmd(
             raise PlaitError(f"--dtype must be fp32 or bf16, got {dtype!r}")
         cfg = TrainConfig(model=model, plan=json.loads(p.model_dump_json()), steps=steps, seed=seed, lr=lr,
                           dtype=dtype, data=str(data) if data else None,
-                          metrics_out=str(metrics_out) if metrics_out else None,
+                          metrics_out=str(metrics_file) if metrics_file else None,
                           checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
-                          checkpoint_every=checkpoint_every,
+                          checkpoint_every=checkpoint_every, timeout_s=timeout,
+                          resume_from=str(resume_from) if resume_from else None,
                           hf_checkpoint=str(hf_checkpoint) if hf_checkpoint else None, adaptive=adaptive,
                           inject_slow=inject_slow, profile=str(profile) if profile else None)
         if inject_slow is not None:
@@ -806,14 +865,30 @@ def train_cmd(
                              "Face model directory")
         if checkpoint_every < 0 or max_restarts < 0:
             raise PlaitError("--checkpoint-every and --max-restarts must be >= 0")
-        if checkpoint_dir is not None:
-            from plait.runtime.checkpoint import latest
-
-            latest(checkpoint_dir)  # a corrupt checkpoint fails here, before any process starts
+        if checkpoint_every and checkpoint_dir is None:
+            raise PlaitError("--checkpoint-every saves into --checkpoint-dir; give --checkpoint-dir DIR or drop "
+                             "--checkpoint-every")
+        _check_checkpoints(checkpoint_dir, resume_from, m)
+        if not inside:
+            preflight.check_host_memory(m, world)
     except PlaitError as exc:
         fail(str(exc))
         return
     _launch(cfg, world, inside, max_restarts)
+
+
+def _check_checkpoints(directory: Path | None, resume_from: Path | None, m: ModelSpec) -> None:
+    """Before launching: the checkpoint directory can take a checkpoint, and the one to resume from is
+    readable and holds this model (unreadable ones are skipped with a note)."""
+    from plait.runtime import checkpoint
+    from plait.runtime.preflight import check_checkpoint_dir
+
+    if resume_from is not None:
+        checkpoint.check_resume_from(resume_from, m)
+    if directory is not None:
+        check_checkpoint_dir(directory, m)
+        if resume_from is None:
+            checkpoint.resumable(directory, m, lambda line: None)  # rank 0 notes the ones it skips
 
 
 def _varlen_config(m, model: str, method: str, world: int, steps: int, global_batch: int | None, seed: int,
@@ -842,7 +917,7 @@ def _varlen_config(m, model: str, method: str, world: int, steps: int, global_ba
                       sp=sp, cp_mode=cp_mode)
     check_config(cfg, m, world)
     if other:
-        raise PlaitError("--checkpoint-dir, --hf-checkpoint, --adaptive and --inject-slow do not combine with "
+        raise PlaitError("--checkpoint-dir, --resume-from, --hf-checkpoint, --adaptive and --inject-slow do not combine with "
                          "--varlen yet; drop them")
     return cfg, world
 
@@ -853,20 +928,20 @@ def _launch(cfg, world: int, inside: bool, max_restarts: int) -> None:
     import subprocess
     import tempfile
 
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-        fh.write(cfg.to_json())
-        config_path = fh.name
-    try:
+    from plait.runtime.launch import ERROR_DIR_ENV
+
+    with tempfile.TemporaryDirectory(prefix="plait-train.") as tmp:
+        config_path = os.path.join(tmp, "config.json")
+        Path(config_path).write_text(cfg.to_json())
         if inside:
             from plait.runtime.worker import main as worker_main
 
             code = worker_main([config_path])
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+            cmd = [sys.executable, "-m", "plait.runtime.launch", "--standalone", f"--nproc-per-node={world}",
                    f"--max-restarts={max_restarts}", "-m", "plait.runtime.worker", config_path]
-            code = subprocess.run(cmd, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
-    finally:
-        os.unlink(config_path)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", ERROR_DIR_ENV: tmp}
+            code = subprocess.run(cmd, check=False, env=env).returncode
     raise typer.Exit(code)
 
 

@@ -76,7 +76,8 @@ from plait.cost.layer import BlockContext
 from plait.cost.precision import PRECISIONS
 from plait.cost.price import price
 from plait.errors import PlaitError
-from plait.plan import Pipeline, Plan, Stage, Strategy, validate_plan, write_atomically
+from plait.io import write_atomically
+from plait.plan import Pipeline, Plan, Stage, Strategy, validate_plan
 from plait.spec.cluster import GB, Cluster
 from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
@@ -239,7 +240,10 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
         precision = token.group(1) if token else "bf16"
     if precision not in PRECISIONS:
         raise PlaitError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
-    if chunks < 1 or global_bsz < 1 or global_bsz % chunks:
+    if chunks < 1 or global_bsz < 1:
+        raise PlaitError(f"{where}: global_bsz={global_bsz} and chunks={chunks} must be positive integers; fix the "
+                         "file")
+    if global_bsz % chunks:
         raise PlaitError(f"{where}: global_bsz={global_bsz} is not a multiple of chunks={chunks}; plait "
                          "micro-batches all have the same size")
 
@@ -598,10 +602,13 @@ def load_galvatron_profiles(model_dir: str | Path, hardware_dir: str | Path | No
     found = sorted(p.name[len("computation_profiling_"):-len(".json")]
                    for p in model_dir.glob("computation_profiling_*.json"))
     if profile is None:
-        if len(found) != 1:
-            listed = ", ".join(found) if found else "none"
-            raise PlaitError(f"{str(model_dir)!r} holds {len(found)} computation profiles ({listed}); pick one "
-                             "with profile=")
+        if not found:
+            raise PlaitError(f"{str(model_dir)!r} holds no computation_profiling_*.json; give the "
+                             "models/<model>/configs directory Galvatron's profiler wrote to")
+        if len(found) > 1:
+            raise PlaitError(f"{str(model_dir)!r} holds {len(found)} computation profiles ({', '.join(found)}); "
+                             "give one file instead of the directory, e.g. "
+                             f"GPU:{model_dir / ('computation_profiling_' + found[0] + '.json')}")
         profile = found[0]
     elif profile not in found:
         raise PlaitError(f"{str(model_dir)!r} has no computation_profiling_{profile}.json; it has: "
@@ -764,11 +771,17 @@ def _intra_busbw(galv: GalvatronCalibration, cluster: Cluster) -> tuple[float, s
     return None
 
 
+def same_gpu(given: str, cluster_gpu: str) -> bool:
+    """Whether the GPU type `given` names `cluster_gpu`, in full or without its memory size (A100 for
+    A100-80GB), in any case."""
+    given, cluster_gpu = given.upper(), cluster_gpu.upper()
+    return given in (cluster_gpu, cluster_gpu.split("-")[0])
+
+
 def _derive(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluster,
             base: Calibration) -> dict[str, tuple[float | None, str]]:
-    if cluster.gpu.name != galv.gpu_name:
-        raise PlaitError(f"the Galvatron profiles were measured on {galv.gpu_name} but cluster {cluster.name} "
-                         "has "
+    if not same_gpu(galv.gpu_name, cluster.gpu.name):
+        raise PlaitError(f"the Galvatron profiles were measured on {galv.gpu_name} but cluster {cluster.name} has "
                          f"{cluster.gpu.name} GPUs; profile that GPU type or use a {galv.gpu_name} cluster")
     _check_model(galv, model)
     out: dict[str, tuple[float | None, str]] = {}

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Literal
@@ -29,6 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from plait.errors import PlaitError
+from plait.io import write_atomically
 from plait.spec.cluster import Cluster
 from plait.spec.degrees import Degrees
 from plait.spec.layers import Block
@@ -37,10 +36,14 @@ from plait.spec.model import ModelSpec, Recompute
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["bf16", "fp16", "fp32"]
 PLAN_VERSION = 3
-"""Version of the plan file. 3: strategies carry the expert degrees `ep` and `etp` of MoE layers and the plan
-their `expert_load` (absent in older files: ep 1, etp as tp, load 1). 2: a pipeline's micro-batch is `micro_batch_sequences` (version 1 called it
+"""Version of the plan file. 2: a pipeline's micro-batch is `micro_batch_sequences` (version 1 called it
 `micro_batch_size`, which the --strategy shorthand's `mbs`, sequences per data-parallel replica, did not
-mean)."""
+mean). 3: `model_fingerprint` (optional) records the model's architecture; strategies carry the expert
+degrees `ep` and `etp` of MoE layers and the plan their `expert_load` (absent in older files: ep 1, etp as
+tp, load 1)."""
+MAX_MICRO_BATCH_STAGES = 2**20
+"""Most micro-batches x stages of one pipeline that plait prices or runs (the simulator keeps every
+micro-batch's ops: about 1 KB each)."""
 
 
 @lru_cache(maxsize=1024)
@@ -185,6 +188,7 @@ class Plan(BaseModel):
 
     version: int = PLAN_VERSION
     model: str = Field(description="name of the model the plan was made for")
+    model_fingerprint: str | None = Field(None, description="ModelSpec.fingerprint of that model (None: unchecked)")
     seq_len: int = Field(ge=1, description="tokens per sequence")
     global_batch: int = Field(ge=1, description="sequences per optimizer step")
     schedule: Schedule = "1f1b"
@@ -209,30 +213,19 @@ class Plan(BaseModel):
     def to_json(self) -> str:
         return self.model_dump_json(indent=1)
 
+    def stamped(self, model: ModelSpec) -> Plan:
+        """This plan recording `model`'s name and architecture fingerprint (checked when it is read back)."""
+        return self.model_copy(update={"model": model.name, "model_fingerprint": model.fingerprint})
+
+    def file_text(self, path: str | Path) -> str:
+        """The plan as the text of a file at `path`: YAML for .yaml/.yml, else JSON."""
+        if Path(path).suffix in (".yaml", ".yml"):
+            return yaml.safe_dump(json.loads(self.model_dump_json()), sort_keys=False)
+        return self.to_json() + "\n"
+
     def save(self, path: str | Path) -> None:
         """Write JSON (or YAML for .yaml/.yml) atomically."""
-        path = Path(path)
-        if path.suffix in (".yaml", ".yml"):
-            text = yaml.safe_dump(json.loads(self.model_dump_json()), sort_keys=False)
-        else:
-            text = self.to_json() + "\n"
-        write_atomically(path, text)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write a text file so that readers never see it half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        write_atomically(path, self.file_text(path))
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -262,15 +255,25 @@ def load_plan(path: str | Path) -> Plan:
 
 def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
     """Raise PlaitError naming the first thing that makes `plan` impossible for `model` on `cluster`."""
+    if plan.model_fingerprint is not None and plan.model_fingerprint != model.fingerprint:
+        raise PlaitError(f"the plan was made for {plan.model}, whose architecture differs from {model.name}'s; "
+                         f"give --model {plan.model}, or make a plan for {model.name} with `plait plan`")
     used: dict[int, str] = {}  # rank -> the stage that uses it
     samples = 0
     for pi, pipe in enumerate(plan.pipelines):
         where = f"pipeline {pi}"
         stages = pipe.stages
+        if pipe.micro_batches * len(stages) > MAX_MICRO_BATCH_STAGES:
+            raise PlaitError(f"{where} runs {pipe.micro_batches} micro-batches over {len(stages)} stage(s) per "
+                             f"step; plait handles at most {MAX_MICRO_BATCH_STAGES} micro-batches x stages: raise "
+                             "the micro-batch size (mbs) or lower the global batch (gbs)")
         if len(stages) % plan.chunks:
             raise PlaitError(f"{where} has {len(stages)} stages, not a multiple of chunks={plan.chunks}; "
                              "give pp * chunks stages")
         pp = len(stages) // plan.chunks
+        if plan.chunks > 1 and pp == 1:
+            raise PlaitError(f"chunks={plan.chunks} (vpp) interleaves model chunks over pipeline stages, but "
+                             f"{where} has pp=1; set vpp=1 (chunks=1) or pp > 1")
         if plan.chunks > 1 and plan.schedule != "interleaved":
             raise PlaitError(f"chunks={plan.chunks} needs schedule 'interleaved'; set chunks=1 (vpp=1) "
                              "or schedule=interleaved")
@@ -401,6 +404,8 @@ def parse_strategy(text: str) -> dict[str, str]:
         key = key.strip()
         if not eq or key not in _STRATEGY_KEYS:
             raise PlaitError(f"--strategy: cannot read {item!r}; use key=value with keys {', '.join(_STRATEGY_KEYS)}")
+        if key in out:
+            raise PlaitError(f"--strategy: {key} is given twice ({key}={out[key]} and {item}); give each key once")
         out[key] = value.strip()
     return out
 

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from plait.errors import PlaitError
-from plait.plan import write_atomically
+from plait.io import write_atomically
 
 PROFILE_VERSION = 1
 

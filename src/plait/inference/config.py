@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 METHODS = ("pqcache", "full", "window", "h2o", "snapkv")
 
@@ -32,6 +34,14 @@ class PQCacheConfig(BaseModel):
     observation: int = Field(default=32, ge=1)
     pool: int = Field(default=7, ge=1)
     measure_recall: bool = False
+
+    @field_validator("budget")
+    @classmethod
+    def _budget(cls, budget: float) -> float:
+        """Below 1 a fraction of the context, from 2 a whole number of tokens: nothing in between."""
+        if not math.isfinite(budget) or 1 <= budget < 2 or (budget >= 2 and budget != int(budget)):
+            raise ValueError(f"budget must be a fraction below 1 or a whole number of tokens from 2, got {budget:g}")
+        return budget
 
     @model_validator(mode="after")
     def _known(self) -> PQCacheConfig:

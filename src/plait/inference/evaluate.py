@@ -18,6 +18,7 @@ import importlib.util
 import io
 import math
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,7 +127,7 @@ def passkey(model, tokenizer, config: PQCacheConfig, context: int, depths: list[
                                  do_sample=False, cache=cache, pad_token_id=tokenizer.eos_token_id)
         _, recall = done_with(cache)
         answer = tokenizer.decode(out[0, ids.shape[1]:])
-        ok = str(key) in answer.replace(" ", "")
+        ok = key_found(answer, key)
         result.found += ok
         result.trials += 1
         result.by_depth.setdefault(depth, []).append(ok)
@@ -152,10 +153,7 @@ def continuation(model, tokenizer, config: PQCacheConfig, text: str, context: in
                  progress=None) -> ContinuationResult:
     """Perplexity of `length` tokens of `text` after its first `context` tokens, each token decoded alone
     over the method's selection."""
-    ids = tokenizer(text, return_tensors="pt").input_ids
-    if ids.shape[1] < context + length + 1:
-        raise PlaitError(f"the text has {ids.shape[1]} tokens; it needs {context + length + 1} for a context of "
-                         f"{context} and {length} continuation tokens")
+    ids = text_ids(tokenizer, text, context, length)
     cache = new_cache(model, config)
     nll, seconds = 0.0, 0.0
     with torch.no_grad():
@@ -172,6 +170,35 @@ def continuation(model, tokenizer, config: PQCacheConfig, text: str, context: in
                 progress()
     kv, recall = done_with(cache)
     return ContinuationResult(math.exp(nll / length), seconds / length, prefill, kv, recall)
+
+
+def text_ids(tokenizer, text: str, context: int, length: int) -> torch.Tensor:
+    """Token ids [1, T] of `text`; PlaitError when it is shorter than a context of `context` tokens and
+    `length` continuation tokens."""
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    if ids.shape[1] < context + length + 1:
+        raise PlaitError(f"the text has {ids.shape[1]} tokens; it needs {context + length + 1} for a context of "
+                         f"{context} and {length} continuation tokens: give a longer --text or a shorter --context")
+    return ids
+
+
+def check_inputs(model, tokenizer, config: PQCacheConfig, context: int, length: int, text: str) -> None:
+    """Refuse, before any trial runs, a context beyond the model's positions, PQ sub-spaces that do not divide
+    the head dimension, and a text too short for the context and continuation."""
+    positions = model.config.max_position_embeddings
+    if context > positions:
+        raise PlaitError(f"--context {context} exceeds the model's {positions} positions")
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    if config.method == "pqcache" and head_dim % config.subspaces:
+        raise PlaitError(f"--subspaces {config.subspaces} does not divide the model's head dimension {head_dim}; "
+                         f"pick a divisor of {head_dim}")
+    text_ids(tokenizer, text, context, length)
+
+
+def key_found(answer: str, key: int) -> bool:
+    """Whether the generated `answer` states `key` as a number of its own (digits may be spaced; a longer
+    number that merely starts with the key does not count)."""
+    return any(run.replace(" ", "") == str(key) for run in re.findall(r"\d(?:[ ]?\d)*", answer))
 
 
 def default_text() -> str:

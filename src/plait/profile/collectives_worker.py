@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plait.plan import write_atomically
+from plait.io import write_atomically
 from plait.profile.collectives import ELEMENT_BYTES, ERROR_PREFIX, GROUP_OPS, PROGRESS_PREFIX, group_sizes
 
 DTYPE = torch.float32  # ELEMENT_BYTES bytes an element

@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -36,8 +37,8 @@ from plait.runtime.placement import Placement, check_executable, place
 from plait.runtime.stragglers import Adaptive, ComputeClock
 from plait.spec.model import ModelSpec, load_model
 
-COLLECTIVE_TIMEOUT_S = 300
-"""Seconds a rank waits in a collective before failing (gloo's default is 30 minutes)."""
+COLLECTIVE_TIMEOUT_S = 300.0
+"""Default seconds a rank waits in a collective before failing (gloo's default is 30 minutes)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class TrainConfig:
     metrics_out: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only after the last step
+    resume_from: str | None = None  # a checkpoint directory (step-N) to start from, instead of the newest
+    timeout_s: float = COLLECTIVE_TIMEOUT_S  # seconds a rank waits in a collective before failing
     hf_checkpoint: str | None = None  # a Hugging Face safetensors directory to start from
     adaptive: bool = False  # detect straggling ranks and re-plan around them while training
     inject_slow: str | None = None  # simulated stragglers: "RANK:FACTOR@STEP[,...]" (FACTOR 1 = recovered)
@@ -347,10 +350,7 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
     adaptive = Adaptive(cfg, spec, world) if cfg.adaptive or cfg.inject_slow else None
     clock = adaptive.clock if adaptive else None
     placed = apply_plan(cfg, spec, plan, clock, hand_sync=adaptive is not None)
-    start = 0
-    if cfg.checkpoint_dir and (found := checkpoint.latest(cfg.checkpoint_dir)) is not None:
-        start, path = found
-        checkpoint.load(path, placed.chunks, placed.optimizers)
+    start = resume(cfg, spec, placed, rank)
     source = TokenSource(spec.vocab, plan.seq_len, plan.global_batch, cfg.seed, cfg.data)
     metrics: list[dict] = []
     out = open_metrics(cfg.metrics_out, start) if rank == 0 else None
@@ -423,13 +423,40 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
             if rank == 0:
                 publish(record, metrics, out, report)
             if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
-                checkpoint.save(cfg.checkpoint_dir, done, placed.chunks, placed.optimizers)
+                checkpoint.save(cfg.checkpoint_dir, done, placed.chunks, placed.optimizers, spec)
     finally:
         if out:
             out.close()
         if adaptive:
             adaptive.close()
     return metrics
+
+
+def resume(cfg: TrainConfig, spec: ModelSpec, placed: Placed, rank: int) -> int:
+    """Load the checkpoint to start from and return the steps it was saved after (0: none): --resume-from,
+    else the newest checkpoint of --checkpoint-dir that loads; rank 0 prints a note for each one skipped."""
+    def note(line: str) -> None:
+        if rank == 0:
+            print(f"note: {line}", file=sys.stderr, flush=True)
+
+    if cfg.resume_from:
+        path = Path(cfg.resume_from)
+        checkpoint.load(path, placed.chunks, placed.optimizers)
+        return checkpoint.step_of(path)
+    if not cfg.checkpoint_dir:
+        return 0
+    candidates = checkpoint.resumable(cfg.checkpoint_dir, spec, note)
+    for path in candidates:
+        try:
+            checkpoint.load(path, placed.chunks, placed.optimizers)
+        except PlaitError as exc:
+            note(f"{exc}; using the next older checkpoint")
+            continue
+        return checkpoint.step_of(path)
+    if candidates:
+        raise PlaitError(f"no checkpoint in {cfg.checkpoint_dir!r} could be loaded; delete them or give another "
+                         "--checkpoint-dir")
+    return 0
 
 
 def publish(record: dict, metrics: list[dict], out, report) -> None:
@@ -458,22 +485,25 @@ def open_metrics(path: str | None, start: int):
 
 def _maybe_fail(step: int, rank: int) -> None:
     """Fault injection for restart tests: PLAIT_FAIL_AT_STEP=k kills rank PLAIT_FAIL_RANK (default 1) at
-    step k, once (PLAIT_FAIL_MARKER names a file that records it happened)."""
+    step k, once (PLAIT_FAIL_MARKER names a file that records it happened); with PLAIT_FAIL_MODE=hang the
+    rank stops answering instead."""
     at = os.environ.get("PLAIT_FAIL_AT_STEP")
     marker = os.environ.get("PLAIT_FAIL_MARKER")
     if at is None or marker is None or int(at) != step or rank != int(os.environ.get("PLAIT_FAIL_RANK", "1")):
         return
     if not os.path.exists(marker):
         Path(marker).write_text(str(step))
+        if os.environ.get("PLAIT_FAIL_MODE") == "hang":
+            time.sleep(10**6)
         os._exit(1)
 
 
-def init_distributed() -> None:
-    """Join the torchrun job (gloo on CPU, NCCL on GPUs) with a finite timeout."""
+def init_distributed(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+    """Join the torchrun job (gloo on CPU, NCCL on GPUs); a collective fails after `timeout_s` seconds."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    timeout = timedelta(seconds=timeout_s)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None:
         dist.init_process_group(backend, timeout=timeout)

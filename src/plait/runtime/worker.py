@@ -5,18 +5,29 @@ per run (tests and benchmarks)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
 from plait.errors import PlaitError
-from plait.runtime.train import TrainConfig, init_distributed, run
+from plait.runtime.launch import Failure, report_failure
+from plait.runtime.train import COLLECTIVE_TIMEOUT_S, TrainConfig, init_distributed, run
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether `exc` is a collective or store operation that gave up waiting for another rank."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("timed out" in text or isinstance(exc, dist.DistError) and "timeout" in text)
 
 
 def main(argv: list[str]) -> int:
+    """Run every config on this rank; 0 on success, 2 after reporting bad input or a timed-out collective
+    (`plait.runtime.launch.report_failure`)."""
     configs = [TrainConfig.from_json(Path(path).read_text()) for path in argv]
-    init_distributed()
+    timeout_s = configs[0].timeout_s if configs else COLLECTIVE_TIMEOUT_S
+    init_distributed(timeout_s)
     rank = dist.get_rank()
     try:
         for cfg in configs:
@@ -41,9 +52,18 @@ def main(argv: list[str]) -> int:
             dist.barrier()
         return 0
     except PlaitError as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
+        report_failure(Failure(rank, str(exc)))
         return 2
+    except MemoryError:
+        report_failure(Failure(rank, f"rank {rank} ran out of host memory; use a smaller model, fewer ranks or a "
+                                     "smaller --global-batch"))
+        return 2
+    except Exception as exc:
+        if not is_timeout(exc):
+            raise
+        report_failure(Failure(rank, f"rank {rank} timed out in a collective", "timeout", timeout_s))
+        sys.stderr.flush()
+        os._exit(2)  # the process group is broken: tearing it down could wait again
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -118,12 +118,15 @@ class Cluster:
             if not 0 <= rank < self.world_size:
                 raise PlaitError(f"a slowdown is given for rank {rank}, but the cluster has ranks "
                                  f"0..{self.world_size - 1}")
-            if not (math.isfinite(factor) and factor >= 1.0):
-                raise PlaitError(f"slowdown {factor} of rank {rank}: a slowdown factor is a finite number >= 1.0 "
-                                 "(time relative to a healthy device)")
+            if not (math.isfinite(factor) and 1.0 <= factor <= MAX_SLOWDOWN):
+                raise PlaitError(f"slowdown {factor} of rank {rank}: a slowdown factor is a number from 1.0 to "
+                                 f"{MAX_SLOWDOWN:g} (time relative to a healthy device; leave a slower one out)")
             speed[rank] = factor
         return replace(self, speed=tuple(speed))
 
+
+MAX_SLOWDOWN = 1e4
+"""Largest slowdown factor a device may have (a slower one is as good as down)."""
 
 SNAP_FACTOR = 1.2
 """Speed factors below this count as healthy when planning around stragglers (re-planning for a 10% wobble

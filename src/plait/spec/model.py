@@ -91,6 +91,15 @@ class ModelSpec:
             object.__setattr__(self, "_hash", cached)
         return cached
 
+    @cached_property
+    def fingerprint(self) -> str:
+        """A short hash of the architecture (every field but the name): plans and checkpoints record it, so
+        one made for another model is refused even when the layer counts agree."""
+        import hashlib
+
+        shape = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "name"}
+        return hashlib.sha256(repr(sorted(shape.items())).encode()).hexdigest()[:16]
+
     # ---- layers -------------------------------------------------------------------------------
     @cached_property
     def block(self) -> Block:

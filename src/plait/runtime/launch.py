@@ -1,0 +1,119 @@
+"""Launch a training job's ranks with torchrun's agent and turn a failed rank into one line on stderr.
+
+`python -m plait.runtime.launch TORCHRUN_ARGS...` takes torchrun's arguments. A rank that fails on bad
+input (PlaitError) or in a collective that timed out writes a short report into the directory named by
+PLAIT_ERROR_DIR (`report_failure`); the launcher prints the report of the first failed rank, or says which
+ranks stopped answering, and exits with 2, instead of torchrun's ChildFailedError traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ERROR_DIR_ENV = "PLAIT_ERROR_DIR"
+"""Environment variable naming the directory where ranks report their failures."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What one rank reported before it exited: `kind` is "error" (bad input) or "timeout" (a collective
+    that waited `timeout_s` seconds)."""
+
+    rank: int
+    message: str
+    kind: str = "error"
+    timeout_s: float = 0.0
+    time: float = 0.0
+
+
+def report_failure(failure: Failure) -> None:
+    """In a rank: record `failure` for the launcher (or print it on rank 0 when run by plain torchrun)."""
+    directory = os.environ.get(ERROR_DIR_ENV)
+    if not directory:
+        if failure.rank == 0:
+            print(f"error: {failure.message}", file=sys.stderr)
+        return
+    from plait.io import write_atomically
+
+    data = {"rank": failure.rank, "message": failure.message, "kind": failure.kind,
+            "timeout_s": failure.timeout_s, "time": time.time()}
+    write_atomically(Path(directory) / f"rank-{failure.rank}.json", json.dumps(data))
+
+
+def read_failures(directory: Path) -> list[Failure]:
+    """The failures ranks reported in `directory`, earliest first."""
+    found = []
+    for path in directory.glob("rank-*.json"):
+        try:
+            found.append(Failure(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue
+    return sorted(found, key=lambda f: f.time)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, sorted(ranks)))
+
+
+def summary(reported: list[Failure], exitcodes: dict[int, int], world: int) -> tuple[str, int]:
+    """(the one line to print, the exit code) for a failed job: `reported` failures, `exitcodes` of the ranks
+    torchrun saw fail (negative: killed by that signal), `world` ranks in all."""
+    errors = [f for f in reported if f.kind == "error"]
+    if errors:
+        return errors[0].message, 2
+    timeouts = [f for f in reported if f.kind == "timeout"]
+    if timeouts:
+        waited = [f.rank for f in timeouts]
+        silent = sorted(set(range(world)) - set(waited))
+        limit = max(f.timeout_s for f in timeouts)
+        if silent:
+            one = len(silent) == 1
+            it, process, slow = ("it", "that process", "it is") if one else ("them", "those processes", "they are")
+            return (f"{_ranks(silent)} stopped answering: {_ranks(waited)} waited {limit:g} s for {it} in a "
+                    f"collective; check {process} (stopped, swapped out, deadlocked), or raise --timeout if "
+                    f"{slow} only slow"), 2
+        return (f"{_ranks(waited)} timed out after {limit:g} s waiting in a collective; raise --timeout if the "
+                "job is only slow"), 2
+    killed = {r: c for r, c in exitcodes.items() if c < 0}
+    if killed:
+        rank, code = min(killed.items())
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        hint = " (the kernel kills a process that runs out of host memory: use a smaller model or fewer ranks)" \
+            if -code == signal.SIGKILL else ""
+        return f"rank {rank} was killed by {name}{hint}", 2
+    rank, code = min(exitcodes.items()) if exitcodes else (0, 1)
+    return f"rank {rank} failed with exit code {code}; its error is printed above", 1
+
+
+def main(argv: list[str]) -> int:
+    """Run torchrun with `argv`; 0 when every rank succeeded, else print one line and return 2 (or 1 for
+    an unexpected crash, whose traceback the rank printed)."""
+    import logging
+
+    os.environ["LOGLEVEL"] = "CRITICAL"  # torchrun's own failure logs: the summary below replaces them
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    del os.environ["LOGLEVEL"]
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    args = parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        directory = os.environ.get(ERROR_DIR_ENV)
+        reported = read_failures(Path(directory)) if directory else []
+        world = int(str(args.nproc_per_node)) if str(args.nproc_per_node).isdigit() else len(exc.failures)
+        message, code = summary(reported, {r: f.exitcode for r, f in exc.failures.items()}, world)
+        print(f"error: {message}", file=sys.stderr)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
