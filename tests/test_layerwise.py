@@ -52,11 +52,15 @@ def instances(draw, max_layers: int = 6, max_strategies: int = 5, identical: boo
         memory = memory.reshape(time.shape)
         if draw(st.booleans()):
             time[draw(masks(time.shape))] = INF
-    kind = draw(st.sampled_from(["zero", "random", "uniform"]))
+    kind = draw(st.sampled_from(["zero", "random", "uniform", "layouts"]))
     if kind == "zero":
         transition = np.zeros((n_strat, n_strat))
     elif kind == "uniform":
         transition = np.full((n_strat, n_strat), draw(st.sampled_from([0.25, 1.0, 10.0])))
+    elif kind == "layouts":  # strategies of one layout switch freely (the search's re-layout costs)
+        layout = np.array(draw(st.lists(st.integers(0, 2), min_size=n_strat, max_size=n_strat)))
+        between = np.array(draw(st.lists(SWITCHES, min_size=9, max_size=9))).reshape(3, 3)
+        transition = np.where(layout[:, None] != layout[None, :], between[layout][:, layout], 0.0)
     else:
         transition = np.array(draw(st.lists(SWITCHES, min_size=n_strat**2, max_size=n_strat**2)))
         transition = transition.reshape(n_strat, n_strat)
@@ -357,7 +361,14 @@ def check_pareto(time, memory, transition, budget, allowed, slack) -> LayerSolut
     return got
 
 
-@settings(max_examples=200, deadline=None)
+def test_switch_classes_group_strategies_with_the_same_switches():
+    trans = np.array([[0, 1, 0, 2], [1, 0, 1, 3], [0, 1, 0, 2], [5, 5, 5, 0]], dtype=float)
+    classes = layerwise._switch_classes(trans)
+    assert classes is not None and classes[0] == classes[2] and len(set(classes.tolist())) == 3
+    assert layerwise._switch_classes(np.array([[0, 1.0], [2.0, 0]])) is None
+
+
+@settings(max_examples=300, deadline=None)
 @given(instances())
 def test_pareto_matches_brute_force(inst):
     time, memory, transition, budget, allowed = inst

@@ -366,16 +366,56 @@ def _first_front(t: np.ndarray, mem: np.ndarray, limit: float, slowest: float) -
     return _Front(mem[targets], t[targets], targets, np.full(len(targets), -1, dtype=np.intp))
 
 
+def _switch_classes(trans: np.ndarray) -> np.ndarray | None:
+    """Class of each strategy: strategies whose switches to every strategy cost the same (so switching
+    between them is free, and a prefix ending in either has the same futures), e.g. strategies of one
+    activation layout. None when every class holds one strategy."""
+    rows = trans.copy()
+    np.fill_diagonal(rows, 0.0)
+    _, classes = np.unique(rows, axis=0, return_inverse=True)
+    classes = classes.reshape(-1)
+    return classes if len(np.unique(classes)) < len(classes) else None
+
+
 def _extend(front: _Front, t: np.ndarray, mem: np.ndarray, trans: np.ndarray, limit: float,
-            slowest: float, merge: float) -> _Front:
+            slowest: float, merge: float, classes: np.ndarray | None = None) -> _Front:
     """The front after one more layer (costs of shape ``(S,)``): row ``i`` of the candidates holds
-    every kept prefix (memory ascending) extended by target strategy ``targets[i]``."""
+    every kept prefix (memory ascending) extended by target strategy ``targets[i]``. Targets of one
+    switch class (`_switch_classes`) compete in one list: their prefixes have the same futures."""
     order = np.argsort(front.memory, kind="stable")
     targets = np.flatnonzero(np.isfinite(t))
     time = front.time[order] + trans[:, targets][front.strategy[order]].T + t[targets][:, None]
     memory = front.memory[order] + mem[targets][:, None]
-    rows, cols = _survivors(time, memory, limit, merge, slowest)
+    if classes is not None and len(targets) and len(np.unique(classes[targets])) < len(targets):
+        rows, cols = _class_survivors(time, memory, classes[targets], limit, merge, slowest)
+    else:
+        rows, cols = _survivors(time, memory, limit, merge, slowest)
     return _Front(memory[rows, cols], time[rows, cols], targets[rows], order[cols])
+
+
+def _class_survivors(time: np.ndarray, memory: np.ndarray, cls: np.ndarray, limit: float, merge: float,
+                     slowest: float) -> tuple[np.ndarray, np.ndarray]:
+    """`_survivors` over the candidates of each class of rows together: ``(rows, cols)`` into
+    ``time``/``memory`` ``(R, F)`` of the kept ones."""
+    n_rows, width = time.shape
+    _, group, counts = np.unique(cls, return_inverse=True, return_counts=True)
+    group = group.reshape(-1)
+    by_group = np.argsort(group, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    slot = np.empty(n_rows, dtype=np.intp)
+    slot[by_group] = np.arange(n_rows) - starts[group[by_group]]
+    members = np.full((len(counts), counts.max()), -1, dtype=np.intp)  # [group, slot] -> row
+    members[group, slot] = np.arange(n_rows)
+    cells = slot[:, None] * width + np.arange(width)[None, :]
+    flat_memory = np.full((len(counts), counts.max() * width), np.inf)
+    flat_time = np.full_like(flat_memory, np.inf)
+    flat_memory[group[:, None], cells] = memory
+    flat_time[group[:, None], cells] = time
+    sort = np.argsort(flat_memory, axis=1, kind="stable")
+    g, k = _survivors(np.take_along_axis(flat_time, sort, axis=1), np.take_along_axis(flat_memory, sort, axis=1),
+                      limit, merge, slowest)
+    cell = sort[g, k]
+    return members[g, cell // width], cell % width
 
 
 def _chain(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, budget: float, merge: float, upper: float
@@ -384,11 +424,12 @@ def _chain(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, budget: float, mer
     prefix is dropped when the least memory of the layers after it no longer fits, or when it
     cannot finish within ``upper`` seconds even with each later layer's fastest strategy."""
     room, slowest = budget - _after(_least_memory(t, mem)), upper - _after(t.min(axis=1))
+    classes = _switch_classes(trans)
     fronts = [_first_front(t[0], mem[0], room[0], slowest[0])]
     for layer in range(1, t.shape[0]):
         if len(fronts[-1].time) == 0:
             return None
-        fronts.append(_extend(fronts[-1], t[layer], mem[layer], trans, room[layer], slowest[layer], merge))
+        fronts.append(_extend(fronts[-1], t[layer], mem[layer], trans, room[layer], slowest[layer], merge, classes))
 
     def expand(k: int) -> tuple[int, ...]:
         choice = []
