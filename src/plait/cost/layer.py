@@ -64,18 +64,21 @@ class BlockContext:
     seqs: int  # sequences per data-parallel replica per micro-batch
     tp_group: GroupShape
     cp_group: GroupShape
-    dp_group: GroupShape  # ranks that share this block's weights (data and context parallel), every pipeline
+    dp_group: GroupShape  # ranks ZeRO shards this block's weights over (data and context parallel, every pipeline)
+    replica_group: GroupShape = comm.SINGLE  # HSDP: ranks holding the same shard, which all-reduce its gradients
 
     @staticmethod
     def for_ranks(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: PrecisionBytes, seq_len: int,
                   seqs: int, s: Strategy, ranks: tuple[int, ...], dp_ranks: tuple[int, ...]) -> BlockContext:
         """The context of strategy `s` on a stage's `ranks` (Megatron order: tp fastest, then cp, then dp);
-        `dp_ranks` are the ranks sharing its weights."""
+        `dp_ranks` are the ranks sharing its weights (under HSDP cut into shard and replicate groups)."""
         gpn, d = cluster.gpus_per_node, s.degrees
         tp_group = GroupShape.of(d.group(ranks, "tp"), gpn) if s.tp > 1 else comm.SINGLE
         cp_group = GroupShape.of(d.group(ranks, "cp"), gpn) if s.cp > 1 else comm.SINGLE
-        dp_group = GroupShape.of(dp_ranks, gpn) if len(dp_ranks) > 1 else comm.SINGLE
-        return BlockContext(model, cluster, cal, prec, seq_len, seqs, tp_group, cp_group, dp_group)
+        shard_ranks, replica_ranks = d.split_data(dp_ranks)
+        dp_group = GroupShape.of(shard_ranks, gpn) if len(shard_ranks) > 1 else comm.SINGLE
+        replica_group = GroupShape.of(replica_ranks, gpn) if len(replica_ranks) > 1 else comm.SINGLE
+        return BlockContext(model, cluster, cal, prec, seq_len, seqs, tp_group, cp_group, dp_group, replica_group)
 
 
 SUBLAYERS = {"decoder": 2, "moe": 2, "encoder": 2, "vision": 2, "cross_decoder": 3, "patch_embed": 1, "projector": 1}
@@ -216,14 +219,25 @@ def zero_sync_time(params: float, zero: int, forward: float, backward: float, ct
     a layer whose passes compute for `forward` and `backward` seconds: ZeRO-3 gathers the weights before
     each pass, both reduce-scatter the gradients after backward. Prefetching runs each collective beside the
     compute of a neighbouring layer of the same size (comm.overlapped, with its contention), and each
-    collective costs the runtime's fixed per-collective overhead."""
+    collective costs the runtime's fixed per-collective overhead. Under HSDP the reduce-scatter runs in the
+    shard group (`ctx.dp_group`) and the gradient shard is then all-reduced over the replicas."""
     cal = ctx.cal
-    rs = comm.reduce_scatter(params * ctx.prec.grad, ctx.dp_group, ctx.cluster, cal)
+    rs = comm.reduce_scatter(params * ctx.prec.reduce_bytes, ctx.dp_group, ctx.cluster, cal)
+    rs += hsdp_all_reduce(params, ctx)
     gather = comm.all_gather(params * ctx.prec.param, ctx.dp_group, ctx.cluster, cal) if zero == 3 else 0.0
     fixed = cal.fsdp_collective_overhead_s
     fwd = comm.overlapped(gather, forward, cal.overlap_contention) + (fixed if zero == 3 else 0.0)
     bwd = comm.overlapped(gather + rs, backward, cal.overlap_contention) + fixed * (2 if zero == 3 else 1)
     return fwd, bwd
+
+
+def hsdp_all_reduce(params: float, ctx: BlockContext) -> float:
+    """Seconds to all-reduce the gradient shard of `params` parameters (1/shard of them) over the HSDP
+    replicas, as FSDP's HYBRID_SHARD does after each reduce-scatter (0 without replicas)."""
+    if ctx.replica_group.size <= 1:
+        return 0.0
+    shard = params / max(ctx.dp_group.size, 1)
+    return comm.all_reduce(shard * ctx.prec.reduce_bytes, ctx.replica_group, ctx.cluster, ctx.cal)
 
 
 def runtime_kinds(s: Strategy, dp_size: int) -> list[tuple[str, str, int]]:
