@@ -167,3 +167,34 @@ def test_zero3_gathers_are_hidden_by_compute_when_cheap() -> None:
     ctx = BlockContext(GPT22B, dgx(64, 8, "A100-80GB"), CAL, BF16, 2048, 1, comm.SINGLE, comm.SINGLE,
                        GroupShape(64, 64, 1))
     assert block_time(ctx.model.block, starved, ctx).zero_comm > 0.0
+
+
+def test_hsdp_shards_inside_the_node_and_all_reduces_the_shards_across_replicas() -> None:
+    from plait.cost.layer import hsdp_all_reduce
+    from plait.cost.precision import plan_precision
+    from plait.cost.price import price
+
+    m = ModelSpec(name="m", family="gpt", layers=4, hidden=4096, heads=32, vocab=32000, max_seq_len=2048)
+    ranks = tuple(range(16))  # two nodes of 8
+
+    def ctx(s: Strategy, prec=BF16) -> BlockContext:
+        return BlockContext.for_ranks(m, A100, CAL, prec, 2048, 1, s, ranks, s.degrees.group(ranks, "data"))
+
+    hsdp, fsdp, shard8 = Strategy(dp=16, zero=3, shard=8), Strategy(dp=16, zero=3), Strategy(dp=8, zero=3)
+    c = ctx(hsdp)
+    assert c.dp_group == GroupShape(8, 1, 8) and c.replica_group == GroupShape(2, 2, 1)
+    assert ctx(fsdp).dp_group == GroupShape(16, 2, 8) and ctx(fsdp).replica_group == comm.SINGLE
+    block, params = m.block, m.block.params
+    h, f = price(block, hsdp, c), price(block, fsdp, ctx(fsdp))
+    assert h.weights == pytest.approx(params * 2 / 8) and f.weights == pytest.approx(params * 2 / 16)
+    assert h.optimizer == pytest.approx(params * 12 / 8)
+    # The shard of 1/8 of the fp32 gradients, all-reduced over the two replicas across the network.
+    assert hsdp_all_reduce(params, c) == pytest.approx(comm.all_reduce(params / 8 * 4, GroupShape(2, 2, 1), A100, CAL))
+    # HSDP's collectives: a single node's FSDP ones plus that all-reduce (the same compute beside them).
+    alone = BlockContext.for_ranks(m, A100, CAL, BF16, 2048, 1, shard8, ranks[:8], ranks[:8])
+    assert h.time.zero_comm > price(block, shard8, alone).time.zero_comm
+    # A bf16 reduce halves the bytes of every gradient reduction.
+    half = ctx(hsdp, plan_precision("bf16", "bf16"))
+    assert half.prec.reduce_bytes == 2 and BF16.reduce_bytes == 4
+    assert hsdp_all_reduce(params, half) < hsdp_all_reduce(params, c)
+    assert price(block, hsdp, half).time.zero_comm < h.time.zero_comm

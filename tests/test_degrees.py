@@ -79,3 +79,24 @@ def test_every_rank_is_in_exactly_one_expert_group_of_each_dimension(dp: int, tp
                 same = [a == b for a, b in zip(d.expert_coords(p), d.expert_coords(q - 100), strict=True)]
                 keep = {"edp": (1, 2), "ep": (0, 2), "etp": (0, 1)}[dim]
                 assert all(same[i] for i in keep)
+
+
+def test_hsdp_shard_and_replicate_groups_cut_the_data_ranks() -> None:
+    d = Degrees(dp=8, tp=2, shard=4)  # 16 ranks: data ranks of tp coordinate 0 are 0, 2, ..., 14
+    ranks = tuple(range(16))
+    assert d.shard_size == 4 and d.replicas == 2
+    assert d.group(ranks, "shard") == (0, 2, 4, 6)
+    assert d.group(ranks, "replicate") == (0, 8)
+    assert d.group(ranks, "shard", position=11) == (9, 11, 13, 15)
+    assert d.group(ranks, "replicate", position=11) == (3, 11)
+    plain = Degrees(dp=8, tp=2)
+    assert plain.shard_size == 8 and plain.replicas == 1
+    assert plain.group(ranks, "shard") == plain.group(ranks, "data") and plain.group(ranks, "replicate") == (0,)
+    for position in range(16):  # every data-parallel rank is in one shard group and one replicate group
+        shard, replicate = d.group(ranks, "shard", position), d.group(ranks, "replicate", position)
+        assert set(shard) & set(replicate) == {ranks[position]}
+        assert set(shard) | set(replicate) <= set(d.group(ranks, "data", position))
+
+
+def test_shard_must_divide_the_data_ranks() -> None:
+    expect_error(lambda: Degrees(dp=8, shard=3), "shard=3", "divide")

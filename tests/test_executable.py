@@ -44,3 +44,13 @@ def test_refusals_name_their_cause() -> None:
     few = plan("tiny-llama", [Stage(layers=(0, 2), ranks=(0,), strategies=(S(),)),
                               Stage(layers=(2, 4), ranks=(1,), strategies=(S(),))], micro_batches=1)
     assert "micro-batches" in unsupported(few, llama)
+
+
+def test_hsdp_and_a_chosen_reduce_precision_are_priced_but_refused_in_one_line() -> None:
+    llama = PRESETS["tiny-llama"]
+    hsdp = plan("tiny-llama", [Stage(layers=(0, 4), ranks=(0, 1, 2, 3), strategies=(S(dp=4, zero=3, shard=2),))])
+    why = unsupported(hsdp, llama)
+    assert why is not None and "HSDP" in why and "shard=0" in why and "\n" not in why
+    fsdp = plan("tiny-llama", [Stage(layers=(0, 4), ranks=(0, 1, 2, 3), strategies=(S(dp=4, zero=3),))])
+    assert unsupported(fsdp, llama) is None
+    assert "grad_reduce" in unsupported(fsdp.model_copy(update={"grad_reduce": "bf16"}), llama)

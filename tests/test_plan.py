@@ -614,3 +614,27 @@ def test_expert_degrees_in_the_shorthand() -> None:
     expect_error(lambda: uniform_plan("tp=2,sp=1,ep=3,gbs=64", moe, C8, 256), "ep*etp = 3*2")
     expect_error(lambda: uniform_plan("tp=2,sp=0,ep=2,gbs=64", moe, C8, 256), "sequence parallelism")
     expect_error(lambda: uniform_plan("ep=8,etp=2,gbs=64", moe, C8, 256), "ep*etp = 8*2")
+
+
+def test_version_3_plans_read_without_hsdp_and_with_the_default_reduce(tmp_path: Path) -> None:
+    plan = uniform_plan("dp=8,zero=3", TINY, C8, 256)
+    raw = json.loads(plan.to_json())
+    raw["version"] = 3
+    del raw["grad_reduce"]
+    for stage in raw["pipelines"][0]["stages"]:
+        for s in stage["strategies"]:
+            del s["shard"]
+    path = tmp_path / "v3.json"
+    path.write_text(json.dumps(raw))
+    read = load_plan(path)
+    assert read == plan and read.version == PLAN_VERSION == 4
+    assert read.grad_reduce == "auto" and read.pipelines[0].stages[0].strategies[0].shard == 0
+
+
+def test_hsdp_and_reduce_precision_in_the_shorthand() -> None:
+    plan = uniform_plan("dp=8,zero=3,shard=4,grad_reduce=bf16", TINY, C8, 256)
+    s = plan.pipelines[0].stages[0].strategies[0]
+    assert s.shard == 4 and plan.grad_reduce == "bf16" and "shard4" in s.short()
+    expect_error(lambda: uniform_plan("dp=8,zero=3,shard=3", TINY, C8, 256), "shard=3", "divide")
+    expect_error(lambda: uniform_plan("dp=8,shard=4", TINY, C8, 256), "shard=4", "zero")
+    expect_error(lambda: uniform_plan("dp=8,zero=3,grad_reduce=fp8", TINY, C8, 256), "grad_reduce", "fp32 or bf16")

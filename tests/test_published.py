@@ -85,25 +85,26 @@ def _errors(held_out: bool | None = None) -> list[float]:
 
 
 def test_fsdp_rows_are_collected_with_a_held_out_third() -> None:
-    assert len(FSDP) == 116
-    assert sum(run.held_out for run, _, _ in FSDP) == 38
+    assert len(FSDP) == 125
+    assert sum(run.held_out for run, _, _ in FSDP) == 41
     assert {run.cluster.gpu.name for run, _, _ in FSDP} == {"A100-40GB", "A100-80GB", "H100-80GB"}
 
 
 def test_fsdp_rows_the_constants_were_chosen_on() -> None:
-    """benchmarks/published_runs.py: median 5.9%, max 20.6% (before the FSDP terms: 24.2%, 70.4%)."""
+    """benchmarks/published_runs.py: median 5.7%, max 21.6% (before the FSDP terms: 24.2%, 70.4%; the max moved
+    from 20.6% when llm-foundry's PURE rows began to reduce gradients in bf16, as published)."""
     errors = _errors(held_out=False)
     assert statistics.median(errors) <= 0.06
-    assert max(errors) <= 0.21
+    assert max(errors) <= 0.22
 
 
 def test_fsdp_held_out_rows() -> None:
-    """Median 7.7% (before: 26.5%). The largest errors (up to 40%) are sequence-8192 rows, whose Triton flash
+    """Median 7.6% (before: 26.5%). The largest errors (up to 40%) are sequence-8192 rows, whose Triton flash
     attention the model does not slow down, and a 70B run on 64 A100-40GB at the memory limit."""
     errors = _errors(held_out=True)
     assert statistics.median(errors) <= 0.08
     assert max(errors) <= 0.41
-    assert sum(e <= 0.20 for e in errors) >= 33  # 34 of 38 within 20%
+    assert sum(e <= 0.20 for e in errors) >= 36  # 37 of 41 within 20%
 
 
 def test_fsdp_on_hopper_is_no_longer_overrated() -> None:
@@ -128,3 +129,47 @@ def test_fsdp_layouts_of_a_model_rank_as_published() -> None:
                 else:
                     disagree += 1
     assert agree >= 16 and disagree <= 4
+
+
+def test_fms_fsdp_rows_hsdp_and_slow_networks() -> None:
+    """IBM's fms-fsdp runs (Llama 2 7B/13B HSDP with shard groups of one node, 34B/70B FSDP; 128 A100 on 400 Gb/s
+    and 96 H100 on 800 Gb/s per node, bf16 gradient reduce): median 3.9%, max 16.7% (70B at batch 2 on A100,
+    held out)."""
+    fms = [(run, pub, pred) for run, pub, pred in FSDP if "fms-fsdp" in run.source]
+    assert len(fms) == 9 and sum(run.held_out for run, _, _ in fms) == 3
+    assert sum(run.plan.pipelines[0].stages[0].strategies[0].shard == 8 for run, _, _ in fms) == 3
+    assert all(run.plan.grad_reduce == "bf16" for run, _, _ in fms)
+    errors = [abs(pred / pub - 1) for _, pub, pred in fms]
+    assert statistics.median(errors) <= 0.05
+    assert max(errors) <= 0.17
+
+
+def _throughput(run, key: str, value: float) -> float:
+    """A figure as a rate that grows with throughput: tokens per second of an iteration time, else itself (model
+    FLOP/s per GPU, MFU and tokens/s are proportional to each other for one model, sequence and GPU count)."""
+    return run.plan.global_batch * run.plan.seq_len / value if key == "iteration_time_s" else value
+
+
+def test_two_layouts_of_one_model_on_one_cluster_rank_as_published() -> None:
+    """Every pair of collected runs of the same model, sequence, GPU type and count in two layouts, compared on a
+    figure both report (hardware FLOP/s and HFU left out: they count recomputation): full vs selective recompute
+    (Korthikanti et al.: 22B on 8, 175B on 64, 530B on 280, 1T on 512 A100), global batch (MegaScale 175B on 256
+    A100) and micro-batch under FSDP with full recompute (fms-fsdp 34B and 70B on 128 A100, batch 2 vs 8 and 6).
+    plait orders all 7 as published."""
+    runs, _ = load_runs(COLLECTED)
+    priced = [(run, simulate(run.plan, run.model, run.cluster)) for run in runs]
+    keys = ("tokens_per_s", "model_tflops_per_gpu", "mfu", "iteration_time_s")
+    pairs = []
+    for i, (a, ra) in enumerate(priced):
+        for b, rb in priced[i + 1:]:
+            same = (a.cluster.gpu.name, a.cluster.world_size, a.model, a.plan.seq_len) == \
+                (b.cluster.gpu.name, b.cluster.world_size, b.model, b.plan.seq_len)
+            common = [k for k in keys if k in a.reported and k in b.reported]
+            if not same or a.strategy == b.strategy or not common:
+                continue
+            k = common[0]
+            published = _throughput(a, k, a.reported[k]) > _throughput(b, k, b.reported[k])
+            predicted = _throughput(a, k, getattr(ra, k)) > _throughput(b, k, getattr(rb, k))
+            pairs.append((a.source, b.source, published == predicted))
+    assert len(pairs) == 7
+    assert all(agree for _, _, agree in pairs), [p for p in pairs if not p[2]]

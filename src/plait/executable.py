@@ -13,6 +13,8 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     """Why `plan` cannot run on this version's runtime (one line), or None if it can."""
     if (reason := unbuildable(model)) is not None or (reason := _kind_problem(plan, model)) is not None:
         return reason
+    if (reason := _unsupported_sharding(plan)) is not None:
+        return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
     for pi, pipe in enumerate(plan.pipelines):
@@ -37,6 +39,19 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
         if len(stages) == 1 and mixed and first.zero > 0:
             return (f"{model.name} ties its embedding and LM head, which FSDP cannot shard as two units of a stage "
                     "with per-layer strategies; use zero=0 for its first and last layers")
+    return None
+
+
+def _unsupported_sharding(plan: Plan) -> str | None:
+    """HSDP (a ZeRO shard group smaller than the data-parallel ranks) and a chosen gradient reduce precision
+    are priced but not executed yet."""
+    if plan.grad_reduce != "auto":
+        return (f"grad_reduce={plan.grad_reduce} is priced but not executed yet; the runtime reduces gradients in "
+                "the precision's gradient dtype: use grad_reduce=auto")
+    hsdp = next((s for p in plan.pipelines for st in p.stages for s in st.strategies if s.shard), None)
+    if hsdp is not None:
+        return (f"{hsdp.short()} is hybrid sharded data parallelism (HSDP), which the runtime does not execute "
+                "yet; use shard=0 (ZeRO over all data-parallel ranks)")
     return None
 
 

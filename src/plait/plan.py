@@ -35,20 +35,22 @@ from plait.spec.model import ModelSpec, Recompute
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["bf16", "fp16", "fp32"]
-PLAN_VERSION = 3
-"""Version of the plan file. 2: a pipeline's micro-batch is `micro_batch_sequences` (version 1 called it
-`micro_batch_size`, which the --strategy shorthand's `mbs`, sequences per data-parallel replica, did not
-mean). 3: `model_fingerprint` (optional) records the model's architecture; strategies carry the expert
-degrees `ep` and `etp` of MoE layers and the plan their `expert_load` (absent in older files: ep 1, etp as
-tp, load 1)."""
+GradReduce = Literal["auto", "fp32", "bf16"]
+PLAN_VERSION = 4
+"""Version of the plan file. 4: strategies carry ZeRO's shard group `shard` (HSDP; absent in older files: 0,
+all data-parallel ranks) and the plan the gradient reduce precision `grad_reduce` (absent: "auto"). 3:
+`model_fingerprint` (optional) records the model's architecture; strategies carry the expert degrees `ep` and
+`etp` of MoE layers and the plan their `expert_load` (absent in older files: ep 1, etp as tp, load 1). 2: a
+pipeline's micro-batch is `micro_batch_sequences` (version 1 called it `micro_batch_size`, which the
+--strategy shorthand's `mbs`, sequences per data-parallel replica, did not mean)."""
 MAX_MICRO_BATCH_STAGES = 2**20
 """Most micro-batches x stages of one pipeline that plait prices or runs (the simulator keeps every
 micro-batch's ops: about 1 KB each)."""
 
 
 @lru_cache(maxsize=1024)
-def _degrees(dp: int, tp: int, cp: int, ep: int, etp: int) -> Degrees:
-    return Degrees(dp=dp, tp=tp, cp=cp, ep=ep, etp=etp)
+def _degrees(dp: int, tp: int, cp: int, ep: int, etp: int, shard: int = 0) -> Degrees:
+    return Degrees(dp=dp, tp=tp, cp=cp, ep=ep, etp=etp, shard=shard)
 
 
 class Strategy(BaseModel):
@@ -72,11 +74,13 @@ class Strategy(BaseModel):
     def expert_tp(self) -> int:
         """Expert tensor-parallel degree in effect (etp, or tp when etp is 0)."""
         return self.etp or self.tp
+    shard: int = Field(0, ge=0, description="ranks ZeRO shards over: 0 all dp*cp ranks holding the weights, else "
+                                            "a shard group of that size replicated over the rest (HSDP)")
 
     @property
     def degrees(self) -> Degrees:
         """The layer's degrees over its stage (the one object that gives coordinates and groups)."""
-        return _degrees(self.dp, self.tp, self.cp, self.ep, self.expert_tp)
+        return _degrees(self.dp, self.tp, self.cp, self.ep, self.expert_tp, self.shard)
 
     @property
     def devices(self) -> int:
@@ -95,6 +99,8 @@ class Strategy(BaseModel):
             parts.append(f"etp{self.expert_tp}")
         if self.zero:
             parts.append(f"zero{self.zero}")
+        if self.shard:
+            parts.append(f"shard{self.shard}")
         if self.recompute != "none":
             parts.append(f"rc={self.recompute}")
         return " ".join(parts)
@@ -184,7 +190,7 @@ class Plan(BaseModel):
             raw = {**raw, "pipelines": [
                 {("micro_batch_sequences" if k == "micro_batch_size" else k): v for k, v in p.items()}
                 if isinstance(p, dict) else p for p in raw.get("pipelines", [])]}
-        return {**raw, "version": PLAN_VERSION}  # version 2 -> 3 adds fields with defaults
+        return {**raw, "version": PLAN_VERSION}  # versions 2 -> 3 -> 4 add fields with defaults
 
     version: int = PLAN_VERSION
     model: str = Field(description="name of the model the plan was made for")
@@ -198,6 +204,8 @@ class Plan(BaseModel):
     expert_load: float = Field(1.0, ge=1.0, allow_inf_nan=False,
                                description="routed tokens of the busiest expert rank over the mean (MoE layers): "
                                            "1 with balanced routing, the capacity factor with padded experts")
+    grad_reduce: GradReduce = Field("auto", description="precision gradients are reduced in: auto (the "
+                                    "precision's gradient bytes: fp32 under bf16), fp32 or bf16 (FSDP's reduce_dtype)")
     pipelines: tuple[Pipeline, ...] = Field(min_length=1)
 
     @cached_property
@@ -345,6 +353,9 @@ def strategy_problem(s: Strategy, block: Block, devices: int, mbs: int, seq_len:
     if mbs % s.dp:
         return (f"micro-batch of {mbs} sequences cannot be split over dp={s.dp}; make the micro-batch size a "
                 "multiple of dp")
+    if s.shard and (s.zero == 0 or (s.dp * s.cp) % s.shard):
+        return (f"shard={s.shard} needs ZeRO (zero >= 1) and must divide the dp*cp = {s.dp * s.cp} data-parallel "
+                "ranks; set zero and pick a shard group size that divides them (0: all of them)")
     if s.devices % (s.ep * s.expert_tp):
         return (f"ep*etp = {s.ep}*{s.expert_tp} does not divide the stage's {s.devices} ranks; pick expert degrees "
                 "whose product divides dp*cp*tp")
@@ -393,7 +404,7 @@ def _validate_strategy(s: Strategy, block: Block, devices: int, mbs: int, plan: 
 # ---- the --strategy shorthand ----------------------------------------------------------------------
 
 _STRATEGY_KEYS = ("tp", "pp", "dp", "cp", "mbs", "gbs", "recompute", "sp", "zero", "vpp", "schedule",
-                  "cp_mode", "precision", "overlap", "ep", "etp", "expert_load")
+                  "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce")
 
 
 def parse_strategy(text: str) -> dict[str, str]:
@@ -417,7 +428,7 @@ def _int(d: dict[str, str], key: str, default: int) -> int:
         v = int(d[key])
     except ValueError:
         raise PlaitError(f"--strategy: {key} must be an integer, got {d[key]!r}") from None
-    if v < (0 if key in ("zero", "etp") else 1):
+    if v < (0 if key in ("zero", "etp", "shard") else 1):
         raise PlaitError(f"--strategy: {key} must be positive, got {v}")
     return v
 
@@ -456,7 +467,9 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
 
     Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
     (none|selective|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel and expert
-    tensor parallel degrees of MoE layers; etp defaults to tp), expert_load (see Plan), and optionally schedule, cp_mode, precision, overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
+    tensor parallel degrees of MoE layers; etp defaults to tp), expert_load (see Plan), shard (ZeRO's shard
+    group, HSDP: 0 all of dp*cp), and optionally schedule, cp_mode, precision, grad_reduce (auto|fp32|bf16),
+    overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
     """
     d = parse_strategy(text)
     tp, pp, cp = _int(d, "tp", 1), _int(d, "pp", 1), _int(d, "cp", 1)
@@ -486,13 +499,17 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     cp_mode = d.get("cp_mode", "ulysses")
     if cp_mode not in ("ulysses", "ring"):
         raise PlaitError(f"--strategy: cp_mode must be ulysses or ring, got {cp_mode!r}")
+    grad_reduce = d.get("grad_reduce", "auto")
+    if grad_reduce not in ("auto", "fp32", "bf16"):
+        raise PlaitError(f"--strategy: grad_reduce must be auto, fp32 or bf16, got {grad_reduce!r}")
     zero = _int(d, "zero", 0)
     if zero > 3:
         raise PlaitError(f"--strategy: zero must be 0..3, got {zero}")
     if pp * vpp > model.layers:
         raise PlaitError(f"--strategy: pp*vpp = {pp * vpp} chunks but {model.name} has {model.layers} layers")
     strategy = Strategy(dp=dp, tp=tp, cp=cp, sp=_bool(d, "sp", False), cp_mode=cp_mode, zero=zero,
-                        recompute=recompute, ep=_int(d, "ep", 1), etp=_int(d, "etp", 0))  # type: ignore[arg-type]
+                        recompute=recompute, ep=_int(d, "ep", 1), etp=_int(d, "etp", 0),  # type: ignore[arg-type]
+                        shard=_int(d, "shard", 0))
     per_group = tp * cp * dp
     stages = []
     start = 0
@@ -504,6 +521,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     plan = Plan(model=model.name, seq_len=seq_len, global_batch=gbs, schedule=schedule, chunks=vpp,  # type: ignore[arg-type]
                 precision=precision, overlap_grad_reduce=_bool(d, "overlap", True),  # type: ignore[arg-type]
                 expert_load=_expert_load(d),
+                grad_reduce=grad_reduce,  # type: ignore[arg-type]
                 pipelines=(Pipeline(stages=tuple(stages), micro_batches=gbs // (mbs * dp),
                                     micro_batch_sequences=mbs * dp),))
     validate_plan(plan, model, cluster)

@@ -9,13 +9,13 @@ positions) with the unfused attention of their time unless a row says `"attentio
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from plait.errors import PlaitError
 from plait.plan import Plan, uniform_plan
 from plait.simulate import Report
-from plait.spec.cluster import Cluster, dgx
+from plait.spec.cluster import Cluster, Link, dgx
 from plait.spec.model import ModelSpec
 
 REPORTED_KEYS = ("hardware_tflops_per_gpu", "model_tflops_per_gpu", "iteration_time_s", "mfu", "hfu",
@@ -55,7 +55,8 @@ def _strategy(layout: dict) -> str:
         "mbs": layout["micro_batch"], "gbs": layout["global_batch"], "recompute": layout["recompute"],
         "sp": int(bool(layout.get("sequence_parallel", False))), "vpp": layout.get("vpp", 1),
         "zero": layout.get("zero", 0), "precision": layout.get("precision", "bf16"),
-        "cp_mode": layout.get("cp_mode", "ulysses"),
+        "cp_mode": layout.get("cp_mode", "ulysses"), "shard": layout.get("shard", 0),
+        "grad_reduce": layout.get("reduce_dtype", "auto"),
     }
     return ",".join(f"{k}={v}" for k, v in keys.items())
 
@@ -72,7 +73,7 @@ def load_runs(path: str | Path) -> tuple[list[PublishedRun], list[tuple[str, str
             continue
         gpus = row["gpus"]
         per_node = min(8, gpus)
-        cluster = dgx(gpus // per_node, per_node, row["gpu"])
+        cluster = _cluster(row, gpus // per_node, per_node)
         model = _model(row)
         strategy = _strategy(row["layout"])
         try:
@@ -85,6 +86,16 @@ def load_runs(path: str | Path) -> tuple[list[PublishedRun], list[tuple[str, str
                                  bool(row.get("layout_fully_published", True)), _group(row),
                                  bool(row.get("held_out", False))))
     return runs, skipped
+
+
+def _cluster(row: dict, nodes: int, per_node: int) -> Cluster:
+    """A DGX-style cluster of the row's GPUs; a row's `network_gbps_per_node` (Gb/s out of each node, e.g. AWS
+    EFA's 400) replaces the DGX network, shared evenly by the node's GPUs."""
+    cluster = dgx(nodes, per_node, row["gpu"])
+    if "network_gbps_per_node" in row:
+        per_gpu = row["network_gbps_per_node"] * 1e9 / 8 / per_node
+        cluster = replace(cluster, inter=Link(per_gpu, cluster.inter.latency))
+    return cluster
 
 
 def _group(row: dict) -> str:

@@ -16,7 +16,7 @@ from plait.cost.comm import GroupShape
 from plait.cost.layer import BlockContext
 from plait.cost.memory import GRAD_BUCKET_BYTES, MemoryTerms, with_reserve
 from plait.cost.pipeline import PipelineResult, StageTimes, peak_weighted_in_flight, simulate_pipeline
-from plait.cost.precision import PRECISIONS, PrecisionBytes
+from plait.cost.precision import PRECISIONS, PrecisionBytes, plan_precision
 from plait.cost.price import (
     Held,
     LayerCost,
@@ -163,7 +163,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
                 cal: Calibration) -> StageCost:
     pipe = plan.pipelines[pipe_index]
     stage = pipe.stages[stage_index]
-    prec = PRECISIONS[plan.precision]
+    prec = plan_precision(plan.precision, plan.grad_reduce)
     last = stage_index == len(pipe.stages) - 1
     parts = dict.fromkeys(BUSY_KEYS, 0.0)
     fwd = bwd = 0.0
@@ -306,7 +306,7 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
     ctx = BlockContext(model, cluster, cal, prec, plan.seq_len, 1, comm.SINGLE, comm.SINGLE, comm.SINGLE)
     if model.tied_embeddings and len(plan.pipelines[0].stages) > 1:
         reduce_t += tied_embedding_sync(ctx)
-    held = [Held(c, count, s, len(_dp_ranks(plan, layer, s, stage.ranks)))
+    held = [Held(c, count, s, len(s.degrees.split_data(_dp_ranks(plan, layer, s, stage.ranks))[0]))
             for cost in costs for c, count, s, layer in cost.priced]
     return reduce_t, gather_t, optimizer_time(held, ctx)
 
@@ -383,7 +383,7 @@ def price_plan(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration 
     cal = cal or calibration_for(cluster.gpu.name)
     if validate:
         validate_plan(plan, model, cluster)
-    prec = PRECISIONS[plan.precision]
+    prec = plan_precision(plan.precision, plan.grad_reduce)
     costs = [[_stage_cost(plan, pi, j, model, cluster, cal) for j in range(len(pipe.stages))]
              for pi, pipe in enumerate(plan.pipelines)]
     memory, syncs = [], []
@@ -408,7 +408,7 @@ def finish(priced: PricedPlan, record: bool = False, detail: bool = True) -> Rep
     """Simulate the pipeline schedules of a priced plan: the Report. Without `detail`, the p2p time a
     pipeline waits for is counted in its bubble (one schedule simulated instead of two)."""
     plan, model, cluster, cal = priced.plan, priced.model, priced.cluster, priced.cal
-    prec = PRECISIONS[plan.precision]
+    prec = plan_precision(plan.precision, plan.grad_reduce)
     groups: list[DeviceGroup] = []
     multi = len(plan.pipelines) > 1
     all_costs = priced.costs

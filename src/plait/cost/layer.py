@@ -66,7 +66,8 @@ class BlockContext:
     seqs: int  # sequences per data-parallel replica per micro-batch
     tp_group: GroupShape
     cp_group: GroupShape
-    dp_group: GroupShape  # ranks that share this block's weights (data and context parallel), every pipeline
+    dp_group: GroupShape  # ranks ZeRO shards this block's weights over (data and context parallel, every pipeline)
+    replica_group: GroupShape = comm.SINGLE  # HSDP: ranks holding the same shard, which all-reduce its gradients
     ep_group: GroupShape = comm.SINGLE  # an MoE layer's expert-parallel group (exchanges tokens)
     etp_group: GroupShape = comm.SINGLE  # its expert tensor-parallel group
     edp_group: GroupShape = comm.SINGLE  # ranks that share its experts' weights (expert data parallel)
@@ -77,7 +78,8 @@ class BlockContext:
                   seqs: int, s: Strategy, ranks: tuple[int, ...], dp_ranks: tuple[int, ...],
                   expert_load: float = 1.0) -> BlockContext:
         """The context of strategy `s` on a stage's `ranks` (Megatron order: tp fastest, then cp, then dp;
-        experts: etp, ep, edp); `dp_ranks` are the ranks sharing its weights."""
+        experts: etp, ep, edp); `dp_ranks` are the ranks sharing its weights (under HSDP cut into shard and
+        replicate groups)."""
         gpn, d = cluster.gpus_per_node, s.degrees
 
         def shape(group: tuple[int, ...]) -> GroupShape:
@@ -85,10 +87,11 @@ class BlockContext:
 
         tp_group = shape(d.group(ranks, "tp")) if s.tp > 1 else comm.SINGLE
         cp_group = shape(d.group(ranks, "cp")) if s.cp > 1 else comm.SINGLE
+        shard_ranks, replica_ranks = d.split_data(dp_ranks)
         experts = [shape(d.expert_group(ranks, dim)) if model.has_experts else comm.SINGLE  # type: ignore[arg-type]
                    for dim in ("ep", "etp", "edp")]
-        return BlockContext(model, cluster, cal, prec, seq_len, seqs, tp_group, cp_group, shape(dp_ranks), *experts,
-                            expert_load)
+        return BlockContext(model, cluster, cal, prec, seq_len, seqs, tp_group, cp_group, shape(shard_ranks),
+                            shape(replica_ranks), *experts, expert_load)
 
 
 SUBLAYERS = {"decoder": 2, "moe": 2, "encoder": 2, "vision": 2, "cross_decoder": 3, "patch_embed": 1, "projector": 1}
@@ -242,14 +245,27 @@ def zero_sync_time(params: float, zero: int, forward: float, backward: float, ct
     a layer whose passes compute for `forward` and `backward` seconds: ZeRO-3 gathers the weights before
     each pass, both reduce-scatter the gradients after backward. Prefetching runs each collective beside the
     compute of a neighbouring layer of the same size (comm.overlapped, with its contention), and each
-    collective costs the runtime's fixed per-collective overhead. Over `group` (default: the data group)."""
+    collective costs the runtime's fixed per-collective overhead. Over `group` (default: the data group);
+    under HSDP the reduce-scatter runs in the shard group (`ctx.dp_group`) and the gradient shard is then
+    all-reduced over the replicas."""
     cal, group = ctx.cal, group or ctx.dp_group
-    rs = comm.reduce_scatter(params * ctx.prec.grad, group, ctx.cluster, cal)
+    rs = comm.reduce_scatter(params * ctx.prec.reduce_bytes, group, ctx.cluster, cal)
+    if group == ctx.dp_group:
+        rs += hsdp_all_reduce(params, ctx)
     gather = comm.all_gather(params * ctx.prec.param, group, ctx.cluster, cal) if zero == 3 else 0.0
     fixed = cal.fsdp_collective_overhead_s
     fwd = comm.overlapped(gather, forward, cal.overlap_contention) + (fixed if zero == 3 else 0.0)
     bwd = comm.overlapped(gather + rs, backward, cal.overlap_contention) + fixed * (2 if zero == 3 else 1)
     return fwd, bwd
+
+
+def hsdp_all_reduce(params: float, ctx: BlockContext) -> float:
+    """Seconds to all-reduce the gradient shard of `params` parameters (1/shard of them) over the HSDP
+    replicas, as FSDP's HYBRID_SHARD does after each reduce-scatter (0 without replicas)."""
+    if ctx.replica_group.size <= 1:
+        return 0.0
+    shard = params / max(ctx.dp_group.size, 1)
+    return comm.all_reduce(shard * ctx.prec.reduce_bytes, ctx.replica_group, ctx.cluster, ctx.cal)
 
 
 def runtime_kinds(s: Strategy, dp_size: int) -> list[tuple[str, str, int]]:

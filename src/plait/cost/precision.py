@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from plait.spec.cluster import GPU
 
@@ -20,6 +21,12 @@ class PrecisionBytes:
     grad: int  # bytes per parameter of the accumulated gradient
     optimizer: int  # bytes per parameter of optimizer state (master copy + Adam moments)
     optimizer_traffic: int  # bytes moved through HBM per parameter by one fused Adam step
+    reduce: int = 0  # bytes per gradient element on the wire of data-parallel reductions (0: `grad`)
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per gradient element that data-parallel reductions move (FSDP's reduce_dtype)."""
+        return self.reduce or self.grad
 
     def peak_flops(self, gpu: GPU) -> float:
         """Tensor-core peak FLOP/s at this precision (fp32 runs on TF32 tensor cores)."""
@@ -34,3 +41,16 @@ PRECISIONS: dict[str, PrecisionBytes] = {
     # fp32: weights are the master copy; Adam reads grad 4, read+write param 8, m 8, v 8.
     "fp32": PrecisionBytes(activation=4, param=4, grad=4, optimizer=8, optimizer_traffic=28),
 }
+
+
+REDUCE_BYTES = {"fp32": 4, "bf16": 2}
+"""Bytes per element of a gradient reduced in fp32 or bf16 (a plan's `grad_reduce`; "auto" keeps `grad`)."""
+
+
+@lru_cache(maxsize=16)
+def plan_precision(precision: str, grad_reduce: str = "auto") -> PrecisionBytes:
+    """The storage of a plan's `precision` with its gradients reduced in `grad_reduce` (FSDP's reduce_dtype:
+    PyTorch FSDP MixedPrecision(reduce_dtype=torch.bfloat16) halves the bytes of every reduce-scatter and
+    all-reduce; the sharded gradient and the optimizer stay as they are)."""
+    prec = PRECISIONS[precision]
+    return prec if grad_reduce == "auto" else replace(prec, reduce=REDUCE_BYTES[grad_reduce])

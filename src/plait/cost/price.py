@@ -24,6 +24,7 @@ from plait.cost.layer import (
     BlockTime,
     block_activation_bytes,
     block_time,
+    hsdp_all_reduce,
     runtime_kinds,
     zero_sync_time,
 )
@@ -69,10 +70,14 @@ class LayerCost:
 def _states_and_sync(params: float, s: Strategy, ctx: BlockContext, group: comm.GroupShape | None = None
                      ) -> tuple[float, float, float, float, float]:
     """(weights, gradients, optimizer bytes, reduce seconds, gather seconds) of `params` shared by `group`
-    (default: `ctx.dp_group`)."""
+    (default: `ctx.dp_group`, under HSDP its shard group; ZeRO-1's gradient shards are then all-reduced over
+    the replicas once per step, ZeRO-2/3's every micro-batch in `zero_sync_time`)."""
     group = group or ctx.dp_group
     w, g, o = model_state_bytes(params, group.size, s.zero, ctx.prec)
-    reduce_t, gather_t = comm.gradient_sync(params, s.zero, group, ctx.prec.grad, ctx.prec.param, ctx.cluster, ctx.cal)
+    reduce_t, gather_t = comm.gradient_sync(params, s.zero, group, ctx.prec.reduce_bytes, ctx.prec.param,
+                                            ctx.cluster, ctx.cal)
+    if s.zero == 1 and group == ctx.dp_group:
+        reduce_t += hsdp_all_reduce(params, ctx)
     return w, g, o, reduce_t, gather_t
 
 

@@ -6,6 +6,9 @@ the simulator, the layout of activations (plait.layout) and the runtime's device
 coordinates and groups from here. MoE layers lay their experts out over the same ranks in a second way
 (Megatron's "parallel folding"): expert tensor parallel `etp` fastest, then expert parallel `ep`, then the
 expert data parallel rest (`edp` = stage ranks / (ep x etp)), independent of the attention's tp/cp/dp.
+Hybrid sharded data parallelism (HSDP, `shard` > 0) cuts the data-parallel ranks (dp x cp, which hold the same
+weights) into consecutive shard groups of `shard` ranks, over which ZeRO shards, and replicate groups (the
+ranks holding the same shard in every shard group), which all-reduce the gradient shards.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Literal
 
 from plait.errors import PlaitError
 
-Dim = Literal["dp", "cp", "tp", "data"]
+Dim = Literal["dp", "cp", "tp", "data", "shard", "replicate"]
 ExpertDim = Literal["ep", "etp", "edp"]
 MESH_DIMS: tuple[str, str, str] = ("dp", "cp", "tp")
 """Names of a stage's device-mesh dimensions, slowest first (Megatron order)."""
@@ -32,11 +35,15 @@ class Degrees:
     pp: int = 1
     ep: int = 1
     etp: int = 1
+    shard: int = 0  # ZeRO's shard group: 0 all data-parallel ranks, else that many of them (HSDP)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "cp", "pp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise PlaitError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.shard < 0 or (self.shard and self.data % self.shard):
+            raise PlaitError(f"shard={self.shard} must divide the dp*cp = {self.data} data-parallel ranks (0: all "
+                             "of them)")
         if self.stage_devices % (self.ep * self.etp):
             raise PlaitError(f"ep*etp = {self.ep}*{self.etp} must divide the stage's dp*cp*tp = {self.stage_devices} "
                              "ranks (experts are laid out over the same ranks as the attention)")
@@ -62,6 +69,25 @@ class Degrees:
         return self.dp * self.cp
 
     @property
+    def shard_size(self) -> int:
+        """Ranks that ZeRO shards a weight over: the shard group (all data-parallel ranks without HSDP)."""
+        return self.shard or self.data
+
+    @property
+    def replicas(self) -> int:
+        """Shard groups holding the same weights (1 without HSDP): the size of a replicate group."""
+        return self.data // self.shard_size
+
+    def split_data(self, data_ranks: Sequence[int], index: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(shard group, replicate group) of the member `index` of a data-parallel group `data_ranks` (ranks
+        holding the same weights, in order): consecutive runs of `shard_size` ranks shard; the ranks at the
+        same place in every run replicate. Sized by this object's shard, whatever the length of `data_ranks`
+        (several pipelines add replicas)."""
+        size = self.shard or len(data_ranks)
+        start = index - index % size
+        return tuple(data_ranks[start: start + size]), tuple(data_ranks[index % size:: size])
+
+    @property
     def mesh_shape(self) -> tuple[int, int, int]:
         """Shape of a stage's device mesh, dims `MESH_DIMS`."""
         return self.dp, self.cp, self.tp
@@ -72,8 +98,8 @@ class Degrees:
 
     def group(self, ranks: Sequence[int], dim: Dim, position: int = 0) -> tuple[int, ...]:
         """The ranks of a stage (`ranks`, in Megatron order) that share every coordinate but `dim` with
-        `position`: its tensor-, context- or data-parallel group, or "data" (dp x cp: the ranks holding the
-        same weight shard)."""
+        `position`: its tensor-, context- or data-parallel group, "data" (dp x cp: the ranks holding the
+        same weight shard), or its HSDP "shard" or "replicate" group within "data" (`split_data`)."""
         d, c, t = self.coords(position)
         if dim == "tp":
             start = (d * self.cp + c) * self.tp
@@ -83,7 +109,11 @@ class Degrees:
             return tuple(ranks[start: start + self.cp * self.tp: self.tp])
         if dim == "dp":
             return tuple(ranks[c * self.tp + t:: self.cp * self.tp])
-        return tuple(ranks[t:: self.tp])
+        data = tuple(ranks[t:: self.tp])
+        if dim == "data":
+            return data
+        shard, replicate = self.split_data(data, position // self.tp)
+        return shard if dim == "shard" else replicate
 
     def expert_coords(self, position: int) -> tuple[int, int, int]:
         """(edp, ep, etp) coordinates of a position in the stage's rank list, for MoE layers' experts."""
