@@ -128,3 +128,52 @@ def test_fsdp_layouts_of_a_model_rank_as_published() -> None:
                 else:
                     disagree += 1
     assert agree >= 16 and disagree <= 4
+
+
+def _moe_errors() -> list[tuple[object, float]]:
+    """(run, signed relative error) of every collected mixture-of-experts row (one figure each)."""
+    runs, _ = load_runs(COLLECTED)
+    out = []
+    for run in runs:
+        if run.group == "moe":
+            (_, _, error), = relative_errors(run, simulate(run.plan, run.model, run.cluster)).values()
+            out.append((run, error))
+    return out
+
+
+MOE = _moe_errors()
+
+
+def test_moe_rows_are_collected_with_a_held_out_third() -> None:
+    assert len(MOE) == 13
+    assert sum(run.held_out for run, _ in MOE) == 4
+    assert {run.cluster.gpu.name for run, _ in MOE} == {"H100-80GB"}
+    assert {run.model.name for run, _ in MOE} == {"qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x7b", "mixtral-8x22b",
+                                                   "gpt-oss-120b", "deepseek-v3"}
+
+
+def test_moe_rows_the_constants_were_chosen_on() -> None:
+    """benchmarks/published_runs.py: median 14.8%, max 62.2% (before the dispatch and launch terms: 29.8%, 62.8%).
+    The four GPT-OSS 120B rows (Megatron-Bridge, 64 H100) are predicted ~60% too fast and the Mixtral-8x22B rows
+    ~15% too fast; the issue's bar (median <= 10%, max <= 20%) is not met."""
+    errors = [abs(e) for run, e in MOE if not run.held_out]
+    assert statistics.median(errors) <= 0.15
+    assert max(errors) <= 0.63
+
+
+def test_moe_held_out_rows() -> None:
+    """Median 42.4%, max 106.2% (before: 51.1%, 106.2%): Megatron-FSDP Qwen3-235B (+106%: plait exposes the
+    expert parameter gathers that Megatron-FSDP hides), GPT-OSS 120B (+63%), DeepSeek-V3 on 1024 GPUs (+22%),
+    Mixtral-8x7B (+18%)."""
+    errors = sorted(abs(e) for run, e in MOE if run.held_out)
+    assert statistics.median(errors) <= 0.43
+    assert max(errors) <= 1.07
+
+
+def test_cross_node_expert_parallel_rows_within_13_percent() -> None:
+    """Qwen3-235B-A22B on 256 H100 with DeepEP (fully published layouts, no FSDP): EP32 across 4 nodes was
+    +30% (every routed copy over InfiniBand) and TP4/EP8 with 16 small local experts -40%; now -8.8% and -12.1%."""
+    errors = [e for run, e in MOE if run.model.name == "qwen3-235b-a22b" and run.plan.pipelines[0].stages[0]
+              .strategies[0].zero == 1]
+    assert len(errors) == 2
+    assert all(abs(e) <= 0.13 for e in errors)
