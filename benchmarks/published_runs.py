@@ -5,7 +5,8 @@
 Reads the six reference runs in ../shared/data/published/training-runs.json (when present) and the
 larger collection in benchmarks/data/published_runs.json, simulates each layout, and prints the published
 figure, plait's prediction and the relative error, then summary statistics by software family
-(Megatron-LM, DeepSpeed, FSDP; FSDP also split into the rows constants were chosen on and the held-out rows).
+(Megatron-LM, DeepSpeed, FSDP, MoE; FSDP and MoE also split into the rows constants were chosen on and the
+held-out rows).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def short_source(source: str) -> str:
 def compact(strategy: str) -> str:
     """'tp=8,pp=8,dp=24,...' -> 'tp8 pp8 dp24 mbs2 vpp2 full sp' (defaults dropped)."""
     d = dict(item.split("=") for item in strategy.split(","))
-    parts = [f"{k}{d[k]}" for k in ("tp", "pp", "cp", "dp", "mbs", "vpp", "zero", "shard") if d.get(k, "1") not in ("1", "0")
-             or k in ("tp", "pp", "dp")]
+    parts = [f"{k}{d[k]}" for k in ("tp", "pp", "cp", "dp", "ep", "etp", "mbs", "vpp", "zero", "shard")
+             if d.get(k, "1") not in ("1", "0") or k in ("tp", "pp", "dp")]
     parts.append(d["recompute"])
     if d.get("sp") == "1":
         parts.append("sp")
@@ -59,7 +60,8 @@ def main() -> None:
         table.add_column(col, justify="right" if col in ("GPUs", "published", "plait", "error") else "left",
                          no_wrap=True)
     errors: dict[str, list[float]] = {"reference": [], "megatron": [], "deepspeed": [], "fsdp": [],
-                                      "fsdp fitted": [], "fsdp held-out": [], "fsdp A100": [], "fsdp H100": []}
+                                      "fsdp fitted": [], "fsdp held-out": [], "fsdp A100": [], "fsdp H100": [],
+                                      "moe": [], "moe fitted": [], "moe held-out": [], "moe published layout": []}
     rows = []
     skipped_all: list[str] = []
     for name, path in FILES.items():
@@ -75,12 +77,16 @@ def main() -> None:
                 if group == "fsdp":
                     errors["fsdp held-out" if run.held_out else "fsdp fitted"].append(err)
                     errors[f"fsdp {run.cluster.gpu.name[:4]}"].append(err)
+                if group == "moe":
+                    errors["moe held-out" if run.held_out else "moe fitted"].append(err)
+                    if run.fully_published:
+                        errors["moe published layout"].append(err)
                 rows.append({"set": name, "group": group, "held_out": run.held_out, "source": run.source,
                              "gpus": run.cluster.world_size, "figure": key, "published": pub, "predicted": ours,
                              "error": err, "strategy": run.strategy})
                 colour = "green" if abs(err) <= 0.10 else "red"
                 label = f"{group}{' (held out)' if run.held_out else ''}" if name == "collected" else name
-                table.add_row(label, short_source(run.source), f"{run.model.params / 1e9:.0f}B",
+                table.add_row(label, short_source(run.source), run.model.name if run.group == "moe" else f"{run.model.params / 1e9:.0f}B",
                               f"{run.cluster.world_size} {run.cluster.gpu.name[:4]}", compact(run.strategy),
                               FIGURES[key], f"{pub:.4g}", f"{ours:.4g}", f"[{colour}]{err:+.1%}[/]")
         skipped_all.extend(f"{name}: {source[:90]}: {reason}" for source, reason in skipped)
@@ -96,7 +102,9 @@ def main() -> None:
     labels = {"reference": "reference runs (shared/data/published)", "megatron": "collected, Megatron-LM software",
               "deepspeed": "collected, DeepSpeed pipeline engine (MT-NLG)",
               "fsdp": "collected, FSDP / ZeRO-2/3 (all)", "fsdp fitted": "  FSDP, rows constants were chosen on",
-              "fsdp held-out": "  FSDP, held-out rows", "fsdp A100": "  FSDP on A100", "fsdp H100": "  FSDP on H100"}
+              "fsdp held-out": "  FSDP, held-out rows", "fsdp A100": "  FSDP on A100", "fsdp H100": "  FSDP on H100",
+              "moe": "collected, mixture-of-experts (all)", "moe fitted": "  MoE, rows constants were chosen on",
+              "moe held-out": "  MoE, held-out rows", "moe published layout": "  MoE, layout fully published"}
     for group, errs in errors.items():
         if errs:
             a = [abs(e) for e in errs]

@@ -3,7 +3,9 @@
 Files follow the schema of `shared/data/published/training-runs.json`: each run gives the model shape,
 the parallel layout, the GPU type and count, and the reported figures (hardware or model TFLOP/s per GPU,
 MFU/HFU, iteration time, tokens/s). GPT-style rows are Megatron GPT (LayerNorm, GeLU, dropout, learned
-positions) with the unfused attention of their time unless a row says `"attention": "flash"`.
+positions) with the unfused attention of their time unless a row says `"attention": "flash"`. A row whose
+model gives a `"preset"` (the MoE rows) is that preset of `plait.spec.model` at the row's sequence length, and
+its layout may give the expert degrees `ep` and `etp` and the plan's `expert_load`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from plait.errors import PlaitError
 from plait.plan import Plan, uniform_plan
 from plait.simulate import Report
 from plait.spec.cluster import Cluster, Link, dgx
-from plait.spec.model import ModelSpec
+from plait.spec.model import PRESETS, ModelSpec
 
 REPORTED_KEYS = ("hardware_tflops_per_gpu", "model_tflops_per_gpu", "iteration_time_s", "mfu", "hfu",
                  "tokens_per_s")
@@ -33,12 +35,15 @@ class PublishedRun:
     strategy: str  # the --strategy text of the layout
     reported: dict[str, float]
     fully_published: bool
-    group: str = "megatron"  # software family: "megatron", "deepspeed" (MT-NLG's pipeline engine) or "fsdp"
+    group: str = "megatron"  # software family: "megatron", "deepspeed" (MT-NLG's pipeline engine), "fsdp", or
+    # "moe" (mixture-of-experts runs with expert parallelism, whatever their software)
     held_out: bool = False  # set aside before any constant was chosen; graded separately
 
 
 def _model(row: dict) -> ModelSpec:
     md = row["model"]
+    if "preset" in md:  # an MoE (or other) preset of plait.spec.model, trained at the row's sequence length
+        return PRESETS[md["preset"]].with_(max_seq_len=max(md["seq_len"], PRESETS[md["preset"]].max_seq_len))
     common = {"name": f"{md['layers']}L-h{md['hidden']}", "layers": md["layers"], "hidden": md["hidden"],
               "heads": md["heads"], "vocab": md["vocab"], "max_seq_len": md["seq_len"]}
     if md.get("family", "gpt") == "llama":
@@ -58,6 +63,8 @@ def _strategy(layout: dict) -> str:
         "cp_mode": layout.get("cp_mode", "ulysses"), "shard": layout.get("shard", 0),
         "grad_reduce": layout.get("reduce_dtype", "auto"),
     }
+    # MoE rows: expert parallel and expert tensor parallel degrees, and the busiest expert rank's load.
+    keys.update({k: layout[k] for k in ("ep", "etp", "expert_load") if k in layout})
     return ",".join(f"{k}={v}" for k, v in keys.items())
 
 

@@ -15,6 +15,7 @@ one device; sizes are bytes.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from plait.cost import comm
@@ -24,6 +25,18 @@ from plait.spec.layers import Block
 
 if TYPE_CHECKING:
     from plait.cost.layer import BlockContext
+
+
+EXPERT_GEMM_HOST_S = 50e-6
+"""Host seconds to issue one local expert's GEMM in a grouped expert layer, exposed because the GPU waits on
+them. Megatron's dropless token dispatchers copy the tokens per expert to the host (a device-to-host sync that
+drains the GPU's queue) and TransformerEngine's GroupedLinear then splits the routed tokens and launches one
+cuBLAS GEMM per local expert from Python, so with many small experts the GPU idles behind the host; the reason
+Megatron captures `moe_router` and `moe_preprocess` in CUDA graphs and prefers ep = experts (MoE README,
+"CUDA Graph support", "Use EP ... Token permutation"). Eager PyTorch costs ~10-20 us of host time per
+operator; a GroupedLinear expert issues 3-5 (split view, GEMM, bias/accumulate, stream hand-off), so 30-100 us.
+Chosen in that range on the fitted MoE rows of benchmarks/data/published_runs.json (held-out rows untouched):
+it matters only where experts are small (tokens per expert x width), e.g. Qwen3-235B with 16 local experts."""
 
 
 def own_tokens(block: Block, s: Strategy, tokens: float) -> float:
@@ -59,13 +72,18 @@ def experts_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) ->
     local = block.experts // s.ep
     rows = max(1, int(routed_pairs(block, s, tokens, ctx) / local))  # tokens per local expert
     fwd = bwd = 0.0
+    calls = 0
     for g in block.gemms:
         if g.rows != "routed":
             continue
         k, n = (g.k, g.n // s.expert_tp) if g.split == "col" else (g.k // s.expert_tp, g.n)
         fwd += local * gemm_time(rows, n, k, gpu, cal, peak, eb)
         bwd += local * (gemm_time(rows, k, n, gpu, cal, peak, eb) + gemm_time(k, n, rows, gpu, cal, peak, eb))
-    return fwd, bwd
+        calls += 1
+    # The host launches each local expert's GEMM one by one after the dispatcher's sync: a pass takes at
+    # least its launches' host time (forward: one GEMM per weight; backward: data and weight gradients).
+    launch = local * calls * EXPERT_GEMM_HOST_S
+    return max(fwd, launch), max(bwd, 2 * launch)
 
 
 def dispatch_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> float:
@@ -75,11 +93,42 @@ def dispatch_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -
         return 0.0
     cluster, cal = ctx.cluster, ctx.cal
     sent = own_tokens(block, s, tokens) * block.top_k * ctx.expert_load * block.hidden * ctx.prec.activation
-    a2a = comm.all_to_all(sent, ctx.ep_group, cluster, cal)
+    a2a = token_exchange_time(block, sent, ctx)
     gathered = sent * s.expert_tp
     etp = comm.all_gather(gathered, ctx.etp_group, cluster, cal) + comm.reduce_scatter(gathered, ctx.etp_group,
                                                                                        cluster, cal)
     return 2 * a2a + etp
+
+
+def remote_nodes_per_token(experts: int, top_k: int, nodes: int) -> float:
+    """Expected number of other nodes a token's top_k distinct experts fall on, with the experts spread evenly
+    over `nodes` nodes and routing balanced: each other node holds experts/nodes of them and is missed by all
+    top_k picks with probability C(experts - experts/nodes, top_k) / C(experts, top_k)."""
+    if nodes <= 1:
+        return 0.0
+    per_node = experts // nodes
+    miss = math.comb(experts - per_node, top_k) / math.comb(experts, top_k)
+    return (nodes - 1) * (1.0 - miss)
+
+
+def token_exchange_time(block: Block, sent: float, ctx: BlockContext) -> float:
+    """Seconds of one dispatch (or combine) all-to-all of `sent` bytes of routed token copies over the ep group.
+
+    Inside a node every copy crosses NVLink once. Between nodes a token travels once per destination node,
+    however many of its experts live there, and is copied to them over that node's NVLink: DeepEP's normal
+    kernels (DeepSeek-V3 report, sec. 3.2.2: "each token ... transmitted via IB to the GPUs with the same
+    in-node index on its target nodes ... then forwarded via NVLink"), Megatron's flex dispatcher, which
+    Megatron recommends for cross-node expert parallelism. A plain NCCL all-to-all sends every copy; inside one
+    node the two are the same. So the network carries the token's bytes times the expected number of other
+    nodes its experts fall on (`remote_nodes_per_token`), not top_k times the remote share."""
+    group, cluster, cal = ctx.ep_group, ctx.cluster, ctx.cal
+    if group.nodes <= 1:
+        return comm.all_to_all(sent, group, cluster, cal)
+    local = comm.all_to_all(sent, comm.GroupShape(group.per_node, 1, group.per_node), cluster, cal)
+    token_bytes = sent / block.top_k
+    remote_bytes = token_bytes * remote_nodes_per_token(block.experts, block.top_k, group.nodes)
+    remote = remote_bytes / (cluster.inter.bandwidth * cal.network_efficiency) + cluster.inter.latency
+    return max(local, remote)
 
 
 def routed_activation_bytes(block: Block, s: Strategy, tokens: float, ctx: BlockContext, recompute: str) -> float:
