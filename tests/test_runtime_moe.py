@@ -10,12 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_runtime import _losses, assert_same, reference_losses, text, train_together  # noqa: F401 (fixture)
+from helpers import expect_error
 from test_runtime_kinds import _plan
 
 from plait.executable import unbuildable, unsupported
 from plait.models import build_model
+from plait.models.hf_weights import load_hf_safetensors
 from plait.models.moe import MoE
 from plait.plan import Strategy, uniform_plan
+from plait.runtime.train import TrainConfig
+from plait.runtime.varlen import check_config
 from plait.spec.cluster import local_ranks
 from plait.spec.model import PRESETS, parse_inline
 
@@ -114,6 +118,9 @@ def test_what_the_runtime_refuses_for_moe_names_the_cause() -> None:
     assert "layer 2 (moe, dp1 tp2 ep2)" in unsupported(no_sp, spec) and "sp=1" in unsupported(no_sp, spec)
     gpt_moe = parse_inline("gpt:layers=2,hidden=64,heads=4,vocab=512,experts=4,top_k=2,expert_ffn=32")
     assert "MoE layers in llama models" in unbuildable(gpt_moe)
+    cfg = TrainConfig(model=MODEL, plan={}, varlen="flexsp", capacity=64)
+    expect_error(lambda: check_config(cfg, spec, 2), "--varlen does not train MoE")
+    expect_error(lambda: load_hf_safetensors(build_model(spec), "."), "MoE models do not load")
 
 
 TWO_RANKS = {  # name: plan or --strategy text

@@ -107,7 +107,6 @@ class MoE(nn.Module):
         self.router = nn.Linear(block.hidden, block.experts, bias=False)
         self.experts = Experts(block.experts, block.hidden, block.expert_ffn)
         self.shared = FeedForward(block) if block.ffn else None
-        self.last_aux: Tensor | None = None
 
     @property
     def n_experts(self) -> int:
@@ -154,8 +153,6 @@ class MoE(nn.Module):
         out = self.routed(flat, chosen, weights)
         if self.shared is not None:
             out = out + self.shared(flat)
-        aux = self.aux_loss(probs, chosen, b)
-        self.last_aux = aux.detach()
         if self.training and torch.is_grad_enabled():
-            out = _AuxGradient.apply(out, aux, self.aux_scale / b)
+            out = _AuxGradient.apply(out, self.aux_loss(probs, chosen, b), self.aux_scale / b)
         return out.view(b, t, h)

@@ -345,6 +345,9 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
     spec = load_model(cfg.model)
     plan = Plan.model_validate(cfg.plan)
     check_executable(plan, spec, world)
+    if (cfg.adaptive or cfg.inject_slow) and "moe" in spec.kind_counts():
+        raise PlaitError(f"re-planning around stragglers does not move MoE experts yet ({spec.name}); drop "
+                         "--adaptive and --inject-slow")
     if cfg.dtype not in ("fp32", "bf16"):
         raise PlaitError(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
     # bf16: fp32 master weights and optimizer, bf16 autocast for the forward (and so the backward) math.
