@@ -113,9 +113,9 @@ def _kind_problem(plan: Plan, model: ModelSpec) -> str | None:
 
 
 def _expert_problem(plan: Plan, model: ModelSpec) -> str | None:
-    """The first MoE layer whose expert layout the runtime does not run: expert tensor parallelism, ZeRO
-    sharding of an MoE layer, several pipelines (their experts' gradients would cross pipelines), or degrees
-    that do not lay out its experts (`plait.plan.expert_problem`)."""
+    """The first MoE layer whose expert layout the runtime does not run: expert tensor parallelism, several
+    pipelines (their experts' gradients would cross pipelines), or degrees that do not lay out its experts
+    (`plait.plan.expert_problem`)."""
     if "moe" not in model.kind_counts():
         return None
     if len(plan.pipelines) > 1:
@@ -128,9 +128,6 @@ def _expert_problem(plan: Plan, model: ModelSpec) -> str | None:
             where = f"layer {layer} (moe, {s.short()})"
             if s.etp > 1:
                 return f"{where}: expert tensor parallelism (etp > 1) is not executable yet; use etp=1"
-            if s.zero > 0:
-                return (f"{where}: MoE layers reduce their gradients without ZeRO sharding; use zero=0 for MoE "
-                        "layers")
             if (why := expert_problem(s, block)) is not None:
                 return f"{where}: {why}"
     return None

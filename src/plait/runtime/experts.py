@@ -2,14 +2,15 @@
 
 Megatron's parallel folding: the experts are laid out over the stage's ranks independently of the
 attention's dp/cp/tp, expert-parallel fastest (etp = 1 here), then expert data parallel. Each rank of an ep
-group holds E/ep consecutive experts (DTensors sharded along the expert dimension on the ("edp", "ep")
-mesh, so checkpoints reshard across ep degrees); assignments travel to their expert's rank and back in two
+group holds E/ep consecutive experts (DTensors sharded along the expert dimension over the "ep" dimension
+of an ("edp", "ep") mesh, so checkpoints reshard across ep degrees); assignments travel to their expert's rank and back in two
 differentiable all-to-alls with uneven splits, after the per-expert counts are exchanged.
 
 Gradients, with every rank's loss the mean over its own tokens (as dp and cp ranks have; sp ranks share one
 loss and each holds a part of its tokens): the weights that see only this rank's tokens (router, shared
 experts) sum over the stage's ranks and the experts over their expert-data-parallel replicas, both divided
-by the data-parallel degree dp x cp, as the dense weights' average over the data group is.
+by the data-parallel degree dp x cp, as the dense weights' average over the data group is. By hand after
+the backward (zero=0), or with ZeRO by FSDP2 units over the stage's ranks and over the edp group.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from plait.models.moe import AUX_LOSS_COEF, MoE
 from plait.runtime.placement import Segment
@@ -58,11 +61,19 @@ def moe_layers(model: nn.Module, layers: list[str]) -> list[MoE]:
     return [m for name in layers for m in model.layers[name].modules() if isinstance(m, MoE)]
 
 
-def shard_experts(moe: MoE, mesh: object) -> None:
-    """Keep this rank's experts: each weight becomes a DTensor replicated over "edp", sharded over "ep"."""
+def shard_experts(moe: MoE, ep_mesh: DeviceMesh) -> None:
+    """Keep this rank's experts: each weight becomes a DTensor sharded along the experts over `ep_mesh`."""
     for name, param in list(moe.experts.named_parameters()):
-        local = distribute_tensor(param.detach(), mesh, [Replicate(), Shard(0)], src_data_rank=None)
+        local = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
         setattr(moe.experts, name, nn.Parameter(local))
+
+
+def _zero(module: nn.Module, mesh: DeviceMesh, zero: int, data: int) -> None:
+    """ZeRO (FSDP2) of one MoE part over `mesh`: gradients summed over it, divided by `data`."""
+    fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3)
+    if mesh.size() > 1:  # gloo has no pre-multiplied sum: sum, then divide (a one-rank mesh divides once
+        module.set_force_sum_reduction_for_comms(True)  # in its copy, and would divide twice with this)
+    module.set_gradient_divide_factor(float(data))
 
 
 def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dist.ProcessGroup | None,
@@ -70,23 +81,31 @@ def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dis
     """Expert parallelism on the MoE layers among `layers` (segment `seg`'s strategy): shard their
     experts, route through all-to-alls, set the auxiliary loss's gradient weight (`grad_accumulation`
     micro-batches whose mean loss the caller backpropagates; 1 under a pipeline schedule, which scales
-    gradients itself). Returns the hand-reduced gradients of the MoE weights."""
+    gradients itself); with ZeRO, shard the router, shared experts and experts with FSDP2. Returns the
+    MoE weights whose gradients are reduced by hand (zero=0)."""
     moes = moe_layers(model, layers)
     if not moes:
         return []
     s, groups = seg.strategy, seg.experts
     assert groups is not None, "the placement builds expert groups for every segment with MoE layers"
-    data = 1.0 / (s.dp * s.cp)
+    data = s.dp * s.cp
     syncs: list[Sync] = []
     for moe in moes:
-        if groups.mesh is not None:
-            shard_experts(moe, groups.mesh)
+        if s.ep > 1:
+            shard_experts(moe, groups.mesh["ep"])
             moe.exchange = AllToAll(groups.mesh.get_group("ep"))
         moe.sequence_group = groups.sequence
         moe.aux_scale = AUX_LOSS_COEF * s.cp / grad_accumulation
-        syncs.append((list(moe.experts.parameters()), groups.edp, data))
-        shared = list(moe.shared.parameters()) if moe.shared is not None else []
-        syncs.append((list(moe.router.parameters()) + shared, stage_group, data))
+        dense = [moe.router] + ([moe.shared] if moe.shared is not None else [])
+        if s.zero > 0 and groups.stage is not None:
+            for part in dense:
+                _zero(part, groups.stage, s.zero, data)
+        else:
+            syncs.append(([p for m in dense for p in m.parameters()], stage_group, 1.0 / data))
+        if s.zero > 0 and groups.mesh is not None:  # also when edp == 1: the layer's FSDP unit must skip them
+            _zero(moe.experts, groups.mesh["edp"], s.zero, data)
+        else:
+            syncs.append((list(moe.experts.parameters()), groups.edp, 1.0 / data))
     return syncs
 
 

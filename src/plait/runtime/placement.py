@@ -31,7 +31,9 @@ class ExpertGroups:
     """This rank's groups for the MoE layers of a segment (Megatron's parallel folding over the stage's
     ranks, `Degrees.expert_group`)."""
 
-    mesh: DeviceMesh | None  # dims ("edp", "ep") over the stage's ranks; None when ep == 1
+    mesh: DeviceMesh | None  # dims ("edp", "ep") over the stage's ranks; None when the stage is one rank
+    stage: DeviceMesh | None  # the stage's ranks as one dimension ("stage"), for ZeRO on the router and
+    # shared experts; None when the stage is one rank
     edp: dist.ProcessGroup | None  # ranks holding the same experts (their gradients' reduction), None if alone
     sequence: dist.ProcessGroup | None  # ranks holding parts of the same sequences (cp x sp), None if whole
 
@@ -152,17 +154,21 @@ class _Groups:
     def experts(self, ranks: tuple[int, ...], strategy: Strategy, position: int) -> ExpertGroups:
         """The expert groups of `position` in a stage, after building those of every position."""
         degrees = strategy.degrees
-        mesh = None
-        if degrees.ep > 1:
-            key = (ranks, "experts", degrees.ep)
-            if key not in self.meshes:
-                grid = torch.tensor(ranks).view(degrees.edp, degrees.ep)
-                self.meshes[key] = DeviceMesh(self.meshes_device(), grid, mesh_dim_names=EXPERT_MESH_DIMS)
-            mesh = self.meshes[key]
+        mesh = stage = None
+        if len(ranks) > 1:
+            mesh = self.named_mesh(torch.tensor(ranks).view(degrees.edp, degrees.ep), EXPERT_MESH_DIMS)
+            stage = self.named_mesh(torch.tensor(ranks), ("stage",))
         split = degrees.cp * degrees.tp if strategy.sp or degrees.cp > 1 else 1
         edp = [self.group(degrees.expert_group(ranks, "edp", i)) for i in range(degrees.ep)]
         sequence = [self.group(ranks[i: i + split]) for i in range(0, len(ranks), split)]
-        return ExpertGroups(mesh, edp[degrees.expert_coords(position)[1]], sequence[position // split])
+        return ExpertGroups(mesh, stage, edp[degrees.expert_coords(position)[1]], sequence[position // split])
+
+    def named_mesh(self, grid: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
+        """A device mesh of the ranks in `grid` with dimension `names`, built once."""
+        key = (tuple(grid.flatten().tolist()), tuple(grid.shape), names)
+        if key not in self.meshes:
+            self.meshes[key] = DeviceMesh(self.meshes_device(), grid, mesh_dim_names=names)
+        return self.meshes[key]
 
     @staticmethod
     def meshes_device() -> str:
