@@ -47,10 +47,11 @@ def train(tmp: Path, text: Path, strategy: str, nproc: int, model: str = "tiny-l
     return proc
 
 
-def train_together(tmp: Path, text: Path, nproc: int, cases: dict[str, tuple[str, Plan | str]]
-                   ) -> tuple[subprocess.CompletedProcess, dict[str, list[float]]]:
+def train_together(tmp: Path, text: Path, nproc: int, cases: dict[str, tuple[str, Plan | str]],
+                   options: dict[str, dict] | None = None) -> tuple[subprocess.CompletedProcess, dict[str, list[float]]]:
     """Run every case (model, plan or --strategy text) one after the other in ONE torchrun job of `nproc`
-    ranks (launching a job costs more than training a tiny model); the losses of each case that finished."""
+    ranks (launching a job costs more than training a tiny model); the losses of each case that finished.
+    `options` gives some cases other `TrainConfig` fields (steps, checkpoint_dir, ...)."""
     import os
 
     from plait.runtime.train import TrainConfig
@@ -62,8 +63,8 @@ def train_together(tmp: Path, text: Path, nproc: int, cases: dict[str, tuple[str
         if isinstance(plan, str):
             plan = uniform_plan(plan, load_model(model), local_ranks(nproc), SEQ)
         outs[key] = tmp / f"metrics-{i}.jsonl"
-        cfg = TrainConfig(model=model, plan=json.loads(plan.model_dump_json()), steps=STEPS, lr=0.01,
-                          data=str(text), metrics_out=str(outs[key]))
+        cfg = TrainConfig(**{"model": model, "plan": json.loads(plan.model_dump_json()), "steps": STEPS, "lr": 0.01,
+                             "data": str(text), "metrics_out": str(outs[key]), **(options or {}).get(key, {})})
         paths.append(tmp / f"config-{i}.json")
         paths[-1].write_text(cfg.to_json())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",

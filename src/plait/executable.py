@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import re
 
-from plait.plan import Plan, kind_problem
+from plait.plan import Plan, expert_problem, kind_problem
 from plait.spec.model import ModelSpec
 
 
 def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     """Why `plan` cannot run on this version's runtime (one line), or None if it can."""
-    if (reason := unbuildable(model)) is not None or (reason := _kind_problem(plan, model)) is not None:
+    if (reason := unbuildable(model)) is not None or (reason := _kind_problem(plan, model)) is not None or \
+            (reason := _expert_problem(plan, model)) is not None:
         return reason
     if (reason := _unsupported_sharding(plan)) is not None:
         return reason
@@ -77,7 +78,7 @@ def _unsupported_replicas(plan: Plan, model: ModelSpec) -> str | None:
 
 BUILT_STACKS: dict[str, tuple[str, str]] = {
     "gpt": (r"(decoder )+", "decoder layers"),
-    "llama": (r"(decoder )+", "decoder layers"),
+    "llama": (r"((decoder|moe) )+", "decoder and moe layers"),
     "t5": (r"(encoder )+(cross_decoder )+", "encoder layers then cross_decoder layers"),
     "llava": (r"patch_embed (vision )*projector (decoder )+",
               "patch_embed, vision layers, projector, then decoder layers"),
@@ -88,15 +89,18 @@ BUILT_STACKS: dict[str, tuple[str, str]] = {
 def unbuildable(model: ModelSpec) -> str | None:
     """Why the runtime cannot build `model` (one line), or None if it can: GPT and Llama stacks of identical
     decoder layers, T5-style encoder layers then cross-decoder layers, and LLaVA-style patch embedding,
-    vision layers and projector then decoder layers; dense layers with global attention."""
+    vision layers and projector then decoder layers; Llama stacks of decoder and MoE layers; layers with
+    global attention."""
     kinds = ", ".join(f"{n} {k}" for k, n in model.kind_counts().items())
     if model.family not in BUILT_STACKS:
         return (f"model {model.name!r} has family {model.family!r}; the runtime builds "
                 f"{', '.join(BUILT_STACKS)} models")
-    if model.window or any(b.window for b in model.stack) or "moe" in model.kind_counts():
-        return (f"model {model.name!r} has MoE layers or attention windows ({kinds}); the runtime builds dense "
-                "layers with global attention")
-    if model.family in ("gpt", "llama") and not model.uniform:
+    if model.window or any(b.window for b in model.stack):
+        return (f"model {model.name!r} has attention windows ({kinds}); the runtime builds layers with global "
+                "attention")
+    if "moe" in model.kind_counts() and model.family != "llama":
+        return f"model {model.name!r} has MoE layers ({kinds}); the runtime builds MoE layers in llama models"
+    if model.family == "gpt" and not model.uniform:
         return (f"model {model.name!r} mixes layer kinds ({kinds}); the runtime builds {model.family} stacks of "
                 "identical decoder layers")
     pattern, text = BUILT_STACKS[model.family]
@@ -120,4 +124,25 @@ def _kind_problem(plan: Plan, model: ModelSpec) -> str | None:
             for layer in range(*stage.layers):
                 if layer < model.layers and (why := kind_problem(stage.strategy(layer), model.stack[layer])):
                     return f"layer {layer} ({model.stack[layer].kind}): {why}"
+    return None
+
+
+def _expert_problem(plan: Plan, model: ModelSpec) -> str | None:
+    """The first MoE layer whose expert layout the runtime does not run: expert tensor parallelism, several
+    pipelines (their experts' gradients would cross pipelines), or degrees that do not lay out its experts
+    (`plait.plan.expert_problem`)."""
+    if "moe" not in model.kind_counts():
+        return None
+    if len(plan.pipelines) > 1:
+        return "a model with MoE layers runs as one pipeline; use one pipeline (a uniform dp x pp layout)"
+    for stage in plan.pipelines[0].stages:
+        for layer in range(*stage.layers):
+            block, s = model.stack[layer], stage.strategy(layer)
+            if block.kind != "moe":
+                continue
+            where = f"layer {layer} (moe, {s.short()})"
+            if s.etp > 1:
+                return f"{where}: expert tensor parallelism (etp > 1) is not executable yet; use etp=1"
+            if (why := expert_problem(s, block)) is not None:
+                return f"{where}: {why}"
     return None

@@ -124,6 +124,9 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
     if model.spec.family not in HF_FAMILIES:
         raise PlaitError(f"Hugging Face checkpoints load into {' and '.join(HF_FAMILIES)} models, not "
                          f"{model.spec.family} ({model.spec.name}); start it from the seed instead")
+    if "moe" in model.spec.kind_counts():
+        raise PlaitError(f"Hugging Face checkpoints of MoE models do not load yet ({model.spec.name}); start it "
+                         "from the seed instead")
     path = Path(directory)
     if not path.is_dir():
         raise PlaitError(f"checkpoint directory {str(path)!r} does not exist; give a folder with *.safetensors")

@@ -75,6 +75,11 @@ def copy_full_(param: Tensor, full: Tensor) -> None:
             param.copy_(full)
 
 
+RESIDUAL_OUTPUTS = ("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.experts.w2",
+                    "feed_forward.shared.w2.weight")
+"""Weights whose output is added to the residual stream (initialised with a smaller std)."""
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention, causal or bidirectional: x [B, T, H] -> [B, T, H]. Heads are inferred
     from the projection widths (`view(B, T, -1, D)`), so tensor parallelism can hand it a rank's local
@@ -258,7 +263,7 @@ class Transformer(nn.Module):
                 full = torch.ones(param.shape)
             else:
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                std = resid_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else 0.02
+                std = resid_std if name.endswith(RESIDUAL_OUTPUTS) else 0.02
                 full = torch.empty(param.shape).normal_(0.0, std, generator=gen)
             copy_full_(param, full.to(param.dtype))
         if self.freqs_cis is not None:
@@ -266,8 +271,19 @@ class Transformer(nn.Module):
 
 
 class Llama(Transformer):
-    """Llama: RMSNorm, SwiGLU MLP, RoPE, no biases by default, untied head unless the spec ties it."""
+    """Llama: RMSNorm, SwiGLU MLP, RoPE, no biases by default, untied head unless the spec ties it; the `moe`
+    layers of a mixed stack get a mixture of experts (`plait.models.moe.MoE`) as their feed-forward."""
 
     def __init__(self, spec: ModelSpec, dropout: float = 0.0) -> None:
         eps = float(getattr(spec, "norm_eps", None) or 1e-5)
-        super().__init__(spec, lambda: nn.RMSNorm(spec.hidden, eps=eps), lambda: FeedForward(spec), dropout)
+
+        def norm() -> nn.Module:
+            return nn.RMSNorm(spec.hidden, eps=eps)
+
+        def make_layer(i: int, block: Block) -> TransformerBlock:
+            from plait.models.moe import MoE
+
+            ffn = MoE(block) if block.kind == "moe" else FeedForward(block)
+            return TransformerBlock(norm(), Attention(block, dropout), norm(), ffn, dropout)
+
+        super().__init__(spec, norm, lambda: FeedForward(spec), dropout, None if spec.uniform else make_layer)

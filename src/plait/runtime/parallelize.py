@@ -28,6 +28,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from plait.models.moe import MoE
+from plait.runtime.experts import Sync, apply_ep, expert_params
 from plait.runtime.placement import Chunk
 from plait.runtime.relayout import Relayout
 from plait.runtime.ring import RingContext
@@ -76,7 +78,8 @@ def layer_tp_plan(layer: nn.Module, sp: bool) -> dict[str, object]:
     for attn in (a for a in ATTENTIONS if hasattr(layer, a)):
         plan |= {f"{attn}.wq": ColwiseParallel(), f"{attn}.wk": ColwiseParallel(), f"{attn}.wv": ColwiseParallel(),
                  f"{attn}.wo": RowwiseParallel(output_layouts=seq)}
-    if (ffn := getattr(layer, "feed_forward", None)) is not None:
+    routed = isinstance(getattr(layer, "feed_forward", None), MoE)  # experts: plait.runtime.experts
+    if (ffn := getattr(layer, "feed_forward", None)) is not None and not routed:
         plan |= {"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq)}
         if hasattr(ffn, "w3"):
             plan["feed_forward.w3"] = ColwiseParallel()
@@ -86,7 +89,8 @@ def layer_tp_plan(layer: nn.Module, sp: bool) -> dict[str, object]:
         plan |= {
             "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(
+                Shard(1) if routed else Replicate(),), use_local_output=routed),  # MoE: this rank's tokens
         }
         if hasattr(layer, "cross_attention"):
             plan |= {"cross_attention_norm": SequenceParallel(), "cross_attention": PrepareModuleInput(
@@ -187,11 +191,13 @@ def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str], m
                 getattr(model.layers[name], attn).context_parallel = cp
 
 
-def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: bool
-                      ) -> list[tuple[list[nn.Parameter], dist.ProcessGroup]]:
+def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: bool, grad_accumulation: int = 1
+                      ) -> list[Sync]:
     """Apply each segment's strategy to its layers of a model chunk (the embedding goes with the first
     segment, the head with the last), re-layout the hidden state where segments (or the previous stage)
-    split it differently, and return the (parameters, group) whose gradients need `sync_gradients`."""
+    split it differently, and return the (parameters, group, weight) whose gradients need `sync_gradients`.
+    A chunk with MoE layers reduces every gradient by hand (`plait.runtime.experts`; `grad_accumulation`
+    micro-batches are averaged by the caller's backward)."""
     segments = chunk.segments
     names = [[str(i) for i in range(*seg.layers)] for seg in segments]
     relayouts = {}
@@ -205,20 +211,22 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
     first = segments[0]
     if first.strategy.cp > 1 and model.tok_embeddings is not None:
         model.sequence_slice = first.sequence_slice(seq_len)
+    manual: list[Sync] = []
     for k, (seg, layers) in enumerate(zip(segments, names)):
         s = seg.strategy
+        manual += apply_ep(model, seg, layers, chunk.group, grad_accumulation)
         if s.cp > 1:
             apply_cp(model, seg.mesh["cp"].get_group(), layers, s.cp_mode, seq_len)
         if s.tp > 1:
             apply_tp(model, seg.mesh["tp"], s.sp, layers, embedding=k == 0, head=k == len(segments) - 1)
         apply_ac(model, s.recompute, layers)
-    manual = []
+    synced = expert_params(model)  # reduced by the syncs of apply_ep
     if len(segments) == 1:
-        hand_sync = first.strategy.tp > 1 or first.strategy.cp > 1 or pipelined
+        hand_sync = first.strategy.tp > 1 or first.strategy.cp > 1 or pipelined or bool(synced)
         if apply_dp(model, first.weight_mesh, first.strategy.zero, hand_sync):
-            manual.append((list(model.parameters()), first.replica_group))
+            manual.append(([p for p in model.parameters() if id(p) not in synced], first.replica_group, None))
         return manual
-    synced: set[int] = set()  # a tied embedding and head are one parameter: sync it once
+    # a tied embedding and head are one parameter: sync it once
     for k, (seg, layers) in enumerate(zip(segments, names)):
         edges = []
         if k == 0:
@@ -226,8 +234,8 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
         if k == len(segments) - 1:
             edges += [m for m in (model.norm, model.output) if m is not None]
         if apply_dp_segment(model, layers, edges, seg.weight_mesh, seg.strategy.zero):
-            params = [p for name in layers for p in model.layers[name].parameters()]
+            params = [p for name in layers for p in model.layers[name].parameters() if id(p) not in synced]
             params += [p for m in edges for p in m.parameters() if id(p) not in synced]
             synced.update(id(p) for p in params)
-            manual.append((params, seg.replica_group))
+            manual.append((params, seg.replica_group, None))
     return manual

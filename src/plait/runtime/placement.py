@@ -20,7 +20,22 @@ from plait.executable import unsupported
 from plait.layout import Layout
 from plait.plan import Plan, Strategy
 from plait.spec.degrees import MESH_DIMS, Degrees
+
+EXPERT_MESH_DIMS = ("edp", "ep")
+"""Names of the device-mesh dimensions of an MoE layer's experts, slowest first (etp = 1)."""
 from plait.spec.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's groups for the MoE layers of a segment (Megatron's parallel folding over the stage's
+    ranks, `Degrees.expert_group`)."""
+
+    mesh: DeviceMesh | None  # dims ("edp", "ep") over the stage's ranks; None when the stage is one rank
+    stage: DeviceMesh | None  # the stage's ranks as one dimension ("stage"), for ZeRO on the router and
+    # shared experts; None when the stage is one rank
+    edp: dist.ProcessGroup | None  # ranks holding the same experts (their gradients' reduction), None if alone
+    sequence: dist.ProcessGroup | None  # ranks holding parts of the same sequences (cp x sp), None if whole
 
 
 @dataclass(frozen=True)
@@ -32,6 +47,7 @@ class Segment:
     position: int  # this rank's index in the stage's rank list
     mesh: DeviceMesh  # dims ("dp", "cp", "tp") over the stage's ranks
     replica_group: dist.ProcessGroup | None  # ranks sharing this rank's weight shard (dp x cp), None if alone
+    experts: ExpertGroups | None = None  # groups of the segment's MoE layers (None: it has none)
 
     @property
     def layout(self) -> Layout:
@@ -135,12 +151,34 @@ class _Groups:
             self.groups[key] = dist.new_group(list(key)) if len(key) > 1 else None
         return self.groups[key]
 
+    def experts(self, ranks: tuple[int, ...], strategy: Strategy, position: int) -> ExpertGroups:
+        """The expert groups of `position` in a stage, after building those of every position."""
+        degrees = strategy.degrees
+        mesh = stage = None
+        if len(ranks) > 1:
+            mesh = self.named_mesh(torch.tensor(ranks).view(degrees.edp, degrees.ep), EXPERT_MESH_DIMS)
+            stage = self.named_mesh(torch.tensor(ranks), ("stage",))
+        split = degrees.cp * degrees.tp if strategy.sp or degrees.cp > 1 else 1
+        edp = [self.group(degrees.expert_group(ranks, "edp", i)) for i in range(degrees.ep)]
+        sequence = [self.group(ranks[i: i + split]) for i in range(0, len(ranks), split)]
+        return ExpertGroups(mesh, stage, edp[degrees.expert_coords(position)[1]], sequence[position // split])
+
+    def named_mesh(self, grid: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
+        """A device mesh of the ranks in `grid` with dimension `names`, built once."""
+        key = (tuple(grid.flatten().tolist()), tuple(grid.shape), names)
+        if key not in self.meshes:
+            self.meshes[key] = DeviceMesh(self.meshes_device(), grid, mesh_dim_names=names)
+        return self.meshes[key]
+
+    @staticmethod
+    def meshes_device() -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     def mesh(self, ranks: tuple[int, ...], degrees: Degrees) -> DeviceMesh:
         key = (ranks, degrees)
         if key not in self.meshes:
             grid = torch.tensor(ranks).view(*degrees.mesh_shape)
-            self.meshes[key] = DeviceMesh("cuda" if torch.cuda.is_available() else "cpu", grid,
-                                          mesh_dim_names=MESH_DIMS)
+            self.meshes[key] = DeviceMesh(self.meshes_device(), grid, mesh_dim_names=MESH_DIMS)
             for i in range(degrees.tp):  # the dp x cp groups that share a weight shard
                 self.group(degrees.group(ranks, "data", i))
         return self.meshes[key]
@@ -154,15 +192,17 @@ def _segments(stage_layers: tuple[int, int], strategies: list[tuple[Strategy, in
     return out
 
 
-def place(plan: Plan, rank: int, tied_embeddings: bool = False) -> Placement:
+def place(plan: Plan, rank: int, tied_embeddings: bool = False, expert_layers: frozenset[int] = frozenset()
+          ) -> Placement:
     """Build all groups (collectively) and return this rank's placement. With `tied_embeddings` and
     several stages, the first stage's embedding and the last stage's head are copies of one weight whose
     gradients are summed over the tied groups (Megatron's embedding group). With several pipelines, each
-    layer's gradients are also reduced over the ranks that hold its shard in every pipeline (`replicas`)."""
+    layer's gradients are also reduced over the ranks that hold its shard in every pipeline (`replicas`).
+    Segments holding any of `expert_layers` (MoE layers) get their expert groups."""
     groups = _Groups()
     mine: Placement | None = None
     for pi, pipe in enumerate(plan.pipelines):
-        where = _place_in(plan, pi, rank, groups, tied_embeddings)
+        where = _place_in(plan, pi, rank, groups, tied_embeddings, expert_layers)
         if where is not None:
             mine = where
     replicas = _replica_groups(plan, rank, groups) if len(plan.pipelines) > 1 else {}
@@ -171,7 +211,8 @@ def place(plan: Plan, rank: int, tied_embeddings: bool = False) -> Placement:
     return replace(mine, replicas=replicas)
 
 
-def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: bool) -> Placement | None:
+def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: bool,
+              expert_layers: frozenset[int]) -> Placement | None:
     """Build pipeline `pi`'s groups (collectively); this rank's placement in it, or None."""
     pipe = plan.pipelines[pi]
     pp = len(pipe.stages) // plan.chunks
@@ -182,10 +223,12 @@ def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: 
         for layers, strategy in _segments(stage.layers, stage.layer_strategies()):
             degrees = strategy.degrees
             mesh = groups.mesh(stage.ranks, degrees)
+            position = stage.ranks.index(rank) if rank in stage.ranks else 0
+            experts = groups.experts(stage.ranks, strategy, position) if expert_layers.intersection(
+                range(*layers)) else None
             if rank in stage.ranks:
-                position = stage.ranks.index(rank)
                 replica = groups.group(degrees.group(stage.ranks, "data", position))
-                segments.append(Segment(layers, strategy, position, mesh, replica))
+                segments.append(Segment(layers, strategy, position, mesh, replica, experts))
         stage_group = groups.group(stage.ranks)
         if rank in stage.ranks:
             chunks.append(Chunk(j, stage.ranks, stage.ranks.index(rank), tuple(segments), stage_group, previous))

@@ -112,8 +112,10 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
             model.output = None
         if hf_checkpoint:
             load_hf_safetensors(model, hf_checkpoint)
-        synced = parallelize_chunk(model, chunk, plan.seq_len, pipelined=where.pp > 1 or hand_sync)
-        manual_sync += [GradientSync(params, group) for params, group in synced]
+        accumulated = 1 if where.pp > 1 else plan.pipelines[where.pipeline].micro_batches
+        synced = parallelize_chunk(model, chunk, plan.seq_len, pipelined=where.pp > 1 or hand_sync,
+                                   grad_accumulation=accumulated)
+        manual_sync += [GradientSync(params, group, weight) for params, group, weight in synced]
         chunks.append(model)
     if where.replicas:
         manual_sync += _replica_sync(chunks, where, plan, spec.layers)
@@ -122,8 +124,9 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
 
 @dataclass(frozen=True)
 class GradientSync:
-    """Gradients reduced by hand over `group`: averaged, or (several pipelines) summed after scaling by
-    `weight`, the share of the global batch this rank's pipeline trained on."""
+    """Gradients reduced by hand over `group`: averaged, or summed after scaling by `weight` (several
+    pipelines: the share of the global batch this rank's pipeline trained on; MoE weights: see
+    `plait.runtime.experts`), which also applies when the group is this rank alone (None)."""
 
     params: list[torch.nn.Parameter]
     group: dist.ProcessGroup | None
@@ -132,6 +135,10 @@ class GradientSync:
     def __call__(self) -> None:
         if self.group is not None:
             sync_gradients(self.params, self.group, self.weight)
+        elif self.weight is not None and self.weight != 1.0:
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
+                     if p.grad is not None]
+            torch._foreach_mul_(grads, self.weight)
 
 
 def _replica_sync(chunks: list[torch.nn.Module], where: Placement, plan: Plan, layers: int) -> list[GradientSync]:
@@ -283,7 +290,8 @@ class Placed:
 def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeClock | None = None,
                hand_sync: bool = False) -> Placed:
     """Build this rank's share of `plan` (collective: every rank builds every group)."""
-    where = place(plan, dist.get_rank(), spec.tied_embeddings)
+    where = place(plan, dist.get_rank(), spec.tied_embeddings,
+                  frozenset(i for i, block in enumerate(spec.stack) if block.kind == "moe"))
     loss = loss_function(spec, plan.seq_len)
     if where.idle:
         return Placed(plan, where, [], [], [], None, None, loss)
@@ -340,6 +348,9 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
     spec = load_model(cfg.model)
     plan = Plan.model_validate(cfg.plan)
     check_executable(plan, spec, world)
+    if (cfg.adaptive or cfg.inject_slow) and "moe" in spec.kind_counts():
+        raise PlaitError(f"re-planning around stragglers does not move MoE experts yet ({spec.name}); drop "
+                         "--adaptive and --inject-slow")
     if cfg.dtype not in ("fp32", "bf16"):
         raise PlaitError(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
     # bf16: fp32 master weights and optimizer, bf16 autocast for the forward (and so the backward) math.

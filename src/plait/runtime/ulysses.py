@@ -14,8 +14,11 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 
-def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = all_to_all_single_autograd(x.contiguous(), None, None, group)
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, output_splits: list[int] | None = None,
+               input_splits: list[int] | None = None) -> torch.Tensor:
+    """Differentiable all-to-all of x's rows over `group` (the backward is the opposite exchange): equal
+    parts, or `input_splits` rows to each rank and `output_splits` rows from each."""
+    out = all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
     return out.wait() if hasattr(out, "wait") else out
 
 
@@ -24,7 +27,7 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     cp = dist.get_world_size(group)
     b, t, h, d = x.shape
     chunks = x.reshape(b, t, cp, h // cp, d).permute(2, 0, 1, 3, 4)  # [cp (head group), B, t, H/cp, D]
-    got = _all_to_all(chunks, group)  # [cp (sequence chunk), B, t, H/cp, D]
+    got = all_to_all(chunks, group)  # [cp (sequence chunk), B, t, H/cp, D]
     return got.permute(1, 0, 2, 3, 4).reshape(b, cp * t, h // cp, d)
 
 
@@ -34,7 +37,7 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     b, t_full, h, d = x.shape
     t = t_full // cp
     chunks = x.reshape(b, cp, t, h, d).permute(1, 0, 2, 3, 4)  # [cp (sequence chunk), B, t, H/cp, D]
-    got = _all_to_all(chunks, group)  # [cp (head group), B, t, H/cp, D]
+    got = all_to_all(chunks, group)  # [cp (head group), B, t, H/cp, D]
     return got.permute(1, 2, 0, 3, 4).reshape(b, t, cp * h, d)
 
 

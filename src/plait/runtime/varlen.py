@@ -221,6 +221,8 @@ def check_config(cfg, spec: ModelSpec, world: int) -> None:
     if spec.family not in VARLEN_FAMILIES:
         raise PlaitError(f"--varlen packs documents for decoder-only models ({', '.join(VARLEN_FAMILIES)}), not "
                          f"{spec.family} ({spec.name}); drop --varlen")
+    if "moe" in spec.kind_counts():
+        raise PlaitError(f"--varlen does not train MoE layers yet ({spec.name}); drop --varlen")
     if cfg.varlen not in METHODS:
         raise PlaitError(f"--varlen must be one of {', '.join(METHODS)}, got {cfg.varlen!r}")
     if cfg.cp_mode not in ("ulysses", "ring"):

@@ -398,6 +398,8 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny-llama": _llama("tiny-llama", 4, 128, 4, 2, 384, 512, 256),
     "tiny-t5": _t5("tiny-t5", 2, 2, 64, 4, 0, 256, 512, seq=256),
     "tiny-llava": _with_vision("tiny-llava", _llama("tiny-llava", 2, 128, 4, 2, 384, 512, 256), "tiny-vit"),
+    "tiny-moe": _moe("tiny-moe", _llama("tiny-moe", 4, 64, 4, 2, 192, 512, 256), experts=8, top_k=2, expert_ffn=64,
+                     shared_ffn=64, dense_first=1),
 }
 
 _INLINE_KEYS = {

@@ -1,0 +1,158 @@
+"""Mixture-of-experts feed-forward of a `moe` layer (`plait.spec.layers.Block`): a top-k softmax router,
+dropless routing to SwiGLU experts, and optional shared experts that every token goes through.
+
+Shapes: B sequences, T tokens per sequence (this rank's part of them), H hidden, E routed experts, F one
+expert's width, k experts per token, N = B*T tokens, A = N*k (token, expert) assignments.
+
+Routing: probabilities p = softmax(router(x)) in fp32; each token goes to its k most probable experts with
+weights p renormalised over those k (Mixtral, Qwen3-MoE). No token is dropped.
+
+Load balancing: the Switch/GShard auxiliary loss per sequence s, E/k * sum_i f_si * P_si, with f_si = the
+share of s's assignments that went to expert i (times k: 1 when balanced) and P_si = the mean router
+probability of expert i over s's tokens; averaged over the sequences of the batch. Its value does not
+depend on how the batch is cut into micro-batches or ranks. Its gradient enters the backward at the block
+(as Megatron's MoEAuxLossAutoScaler does), so pipeline stages need not carry it to the head; the reported
+loss stays the language-model loss.
+
+Expert parallelism (`plait.runtime.experts`) plugs in as `exchange`: it sends each assignment to the rank
+holding its expert and returns the outputs; `sequence_group` sums the per-sequence expert counts over the
+ranks that split each sequence (sequence or context parallelism).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from plait.models.llama import FeedForward
+from plait.spec.layers import Block
+
+AUX_LOSS_COEF = 0.01
+"""Weight of the load-balancing loss beside the language-model loss (Switch Transformer's alpha)."""
+
+
+class Exchange(Protocol):
+    """Moves assignments sorted by expert to the ranks holding their experts and the outputs back."""
+
+    def scatter(self, tokens: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, object]:
+        """tokens [A, H] sorted by expert, counts [E] -> (this rank's experts' tokens [A', H] sorted by local
+        expert, their counts [E_local], a handle for `gather`)."""
+
+    def gather(self, outputs: Tensor, handle: object) -> Tensor:
+        """The experts' outputs [A', H] -> the outputs of this rank's assignments [A, H], in `scatter`'s order."""
+
+
+def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+    """One expert: w2 (silu(w1 x) * w3 x); x [n, H], w1/w3 [F, H], w2 [H, F] -> [n, H]."""
+    return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
+
+
+def _local(param: Tensor) -> Tensor:
+    """This rank's shard of a parameter (the tensor itself unless it is a DTensor)."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored as stacked weights: w1 (gate) and w3 (up) [E, F, H], w2 (down) [E, H, F].
+    Under expert parallelism they are DTensors sharded along the expert dimension."""
+
+    def __init__(self, experts: int, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, ffn, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, ffn, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn))
+
+    def forward(self, tokens: Tensor, counts: Tensor) -> Tensor:
+        """tokens [n, H] sorted by (local) expert, counts [E_local] -> outputs [n, H] in the same order. Every
+        expert runs, on no rows if it got none, so every rank's backward has the same collectives."""
+        w1, w3, w2 = _local(self.w1), _local(self.w3), _local(self.w2)
+        parts = tokens.split(counts.tolist())
+        return torch.cat([_swiglu(x, w1[e], w3[e], w2[e]) for e, x in enumerate(parts)])
+
+
+class _AuxGradient(torch.autograd.Function):
+    """Identity on the block's output whose backward also starts the auxiliary loss's backward with `scale`."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, aux: Tensor, scale: float) -> Tensor:  # noqa: ANN001
+        ctx.scale = scale
+        ctx.save_for_backward(aux)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # noqa: ANN001
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts): x [B, T, H] -> [B, T, H]. Module names: router,
+    experts (w1, w2, w3), shared (w1, w2, w3; absent when the block's ffn is 0)."""
+
+    exchange: Exchange | None = None
+    """Set by the runtime for expert parallelism (None: every expert is on this rank)."""
+    sequence_group: dist.ProcessGroup | None = None
+    """Set by the runtime: the ranks that hold parts of the same sequences (None: whole sequences here)."""
+    aux_scale: float = AUX_LOSS_COEF
+    """Gradient weight of this rank's auxiliary loss, per sequence it holds (the runtime folds in
+    micro-batches and context-parallel averaging)."""
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.top_k = block.top_k
+        self.router = nn.Linear(block.hidden, block.experts, bias=False)
+        self.experts = Experts(block.experts, block.hidden, block.expert_ffn)
+        self.shared = FeedForward(block) if block.ffn else None
+
+    @property
+    def n_experts(self) -> int:
+        return self.router.out_features
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [N, H] -> (router probabilities fp32 [N, E], chosen experts [N, k], their weights [N, k])."""
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        return probs, chosen, weights / weights.sum(dim=-1, keepdim=True)
+
+    def routed(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
+        """The weighted sum of each token's chosen experts: x [N, H], chosen/weights [N, k] -> [N, H]."""
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # assignments grouped by expert
+        source = order // self.top_k  # the token of each sorted assignment
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        tokens = x.index_select(0, source)
+        if self.exchange is None:
+            out = self.experts(tokens, counts)
+        else:
+            mine, local_counts, handle = self.exchange.scatter(tokens, counts)
+            out = self.exchange.gather(self.experts(mine, local_counts), handle)
+        scaled = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(x).index_add(0, source, scaled)
+
+    def aux_loss(self, probs: Tensor, chosen: Tensor, batch: int) -> Tensor:
+        """This rank's part of the balancing loss summed over its `batch` sequences (probs [N, E], chosen
+        [N, k]; sequences in rows of T tokens). Counts are summed over `sequence_group`, so the parts of a
+        sequence's ranks add up to its loss."""
+        e = self.n_experts
+        counts = F.one_hot(chosen, e).sum(dim=1).view(batch, -1, e).sum(dim=1).float()  # [B, E]
+        seq = probs.shape[0] // batch
+        if self.sequence_group is not None:
+            dist.all_reduce(counts, group=self.sequence_group)
+            seq *= dist.get_world_size(self.sequence_group)
+        prob_sums = probs.view(batch, -1, e).sum(dim=1)  # [B, E]
+        return (counts * prob_sums).sum() * e / (self.top_k * seq * seq)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, h = x.shape
+        flat = x.reshape(b * t, h)
+        probs, chosen, weights = self.route(flat)
+        out = self.routed(flat, chosen, weights)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        if self.training and torch.is_grad_enabled():
+            out = _AuxGradient.apply(out, self.aux_loss(probs, chosen, b), self.aux_scale / b)
+        return out.view(b, t, h)

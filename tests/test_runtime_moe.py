@@ -1,0 +1,184 @@
+"""Mixture-of-experts in the runtime: the MoE block's routing and balancing loss on one process, and expert
+parallelism (with dp, tp+sp, cp, pp, per-layer mixes, and a checkpoint resharded from ep2 to ep4) training
+to the single-process losses (gloo, real torchrun launches, fp32; see tests/test_runtime.py)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_runtime import _losses, assert_same, reference_losses, text, train_together  # noqa: F401 (fixture)
+from helpers import expect_error
+from test_runtime_kinds import _plan
+
+from plait.executable import unbuildable, unsupported
+from plait.models import build_model
+from plait.models.hf_weights import load_hf_safetensors
+from plait.models.moe import MoE
+from plait.plan import Strategy, uniform_plan
+from plait.runtime.train import TrainConfig
+from plait.runtime.varlen import check_config
+from plait.spec.cluster import local_ranks
+from plait.spec.model import PRESETS, parse_inline
+
+S = Strategy
+MODEL = "tiny-moe"
+GBS = 4
+SAVED_STEPS = 6  # the checkpointed run: saved after step 3, resumed from there under ep4
+RESUME_AT = 3
+
+
+def _moe_block(seed: int = 0) -> MoE:
+    """Layer 1's MoE block of tiny-moe, with every weight drawn at random."""
+    torch.manual_seed(seed)
+    moe = MoE(PRESETS[MODEL].stack[1])
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.3)
+    return moe
+
+
+def _dense_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token through its top-k experts one at a time, weighted, plus the shared experts: x [N, H]."""
+    probs = F.softmax(x @ moe.router.weight.t(), dim=-1)
+    weights, chosen = probs.topk(moe.top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    e = moe.experts
+    rows = []
+    for n in range(x.shape[0]):
+        out = moe.shared(x[n])
+        for w, i in zip(weights[n], chosen[n]):
+            out = out + w * (F.silu(e.w1[i] @ x[n]) * (e.w3[i] @ x[n])) @ e.w2[i].t()
+        rows.append(out)
+    return torch.stack(rows)
+
+
+def test_routed_experts_match_a_dense_reference() -> None:
+    """Dispatch (sort by expert), the experts and the weighted combine equal each token's own top-k experts,
+    in the outputs and in every gradient."""
+    moe = _moe_block()
+    moe.eval()  # no auxiliary gradient: compare the routed path alone
+    x = torch.randn(3, 5, moe.router.in_features, requires_grad=True)
+    got = moe(x)
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref_moe = _moe_block()
+    want = _dense_reference(ref_moe, x_ref.reshape(-1, x.shape[-1])).view_as(got)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    upstream = torch.randn_like(got)
+    got.backward(upstream)
+    want.backward(upstream)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(moe.named_parameters(), ref_moe.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_balancing_loss_is_the_switch_loss_per_sequence_and_enters_the_backward() -> None:
+    """E/k * sum_i f_i P_i per sequence (1 when perfectly balanced), summed over the sequences; training
+    adds aux_scale / B times its gradient to the router's."""
+    moe = _moe_block(1)
+    b, t, k, e = 2, 6, moe.top_k, moe.n_experts
+    x = torch.randn(b, t, moe.router.in_features)
+    with torch.no_grad():
+        probs, chosen, _ = moe.route(x.reshape(b * t, -1))
+    want = 0.0
+    for s in range(b):
+        rows = slice(s * t, (s + 1) * t)
+        f = torch.bincount(chosen[rows].flatten(), minlength=e).float() / t  # sums to k
+        want += e / k * float((f * probs[rows].mean(0)).sum())
+    assert float(moe.aux_loss(probs, chosen, b)) == pytest.approx(want, rel=1e-6)
+    uniform = torch.full((t, e), 1.0 / e)
+    balanced = torch.arange(t * k).remainder(e).view(t, k)
+    assert float(moe.aux_loss(uniform, balanced, 1)) == pytest.approx(1.0)
+
+    moe.train()
+    (moe(x) * 0).sum().backward()  # only the balancing loss's gradient reaches the router
+    injected = moe.router.weight.grad.clone()
+    moe.zero_grad()
+    probs, chosen, _ = moe.route(x.reshape(b * t, -1))
+    (moe.aux_loss(probs, chosen, b) * moe.aux_scale / b).backward()
+    torch.testing.assert_close(injected, moe.router.weight.grad)
+
+
+def test_tiny_moe_builds_with_its_spec_parameter_count() -> None:
+    spec = PRESETS[MODEL]
+    assert [b.kind for b in spec.stack] == ["decoder", "moe", "moe", "moe"]
+    assert unbuildable(spec) is None and unbuildable(PRESETS["deepseek-moe-16b"]) is None
+    assert sum(p.numel() for p in build_model(spec).parameters()) == spec.params
+
+
+def test_what_the_runtime_refuses_for_moe_names_the_cause() -> None:
+    """Expert tensor parallelism, MoE in GPT models, tp without sp, varlen and Hugging Face weights."""
+    spec, ranks = PRESETS[MODEL], local_ranks(4)
+    assert unsupported(uniform_plan("dp=2,ep=2,gbs=4", spec, local_ranks(2), 64), spec) is None
+    assert "etp > 1" in unsupported(uniform_plan("dp=4,ep=2,etp=2,gbs=4", spec, ranks, 64), spec)
+    no_sp = _plan(MODEL, [((0, 4), (0, 1), (S(tp=2), S(tp=2, sp=True, ep=2), S(tp=2, ep=2), S(dp=2)))], 1, 4)
+    assert "layer 2 (moe, dp1 tp2 ep2)" in unsupported(no_sp, spec) and "sp=1" in unsupported(no_sp, spec)
+    gpt_moe = parse_inline("gpt:layers=2,hidden=64,heads=4,vocab=512,experts=4,top_k=2,expert_ffn=32")
+    assert "MoE layers in llama models" in unbuildable(gpt_moe)
+    cfg = TrainConfig(model=MODEL, plan={}, varlen="flexsp", capacity=64)
+    expect_error(lambda: check_config(cfg, spec, 2), "--varlen does not train MoE")
+    expect_error(lambda: load_hf_safetensors(build_model(spec), "."), "MoE models do not load")
+
+
+TWO_RANKS = {  # name: plan or --strategy text
+    "ep2": "dp=2,ep=2,gbs=4",
+    "ep2 on tp2+sp attention": "tp=2,sp=1,ep=2,gbs=4",
+    "ep2 on cp2 attention": "cp=2,ep=2,gbs=4",
+    "ep2 full recompute": "dp=2,ep=2,recompute=full,gbs=4",
+    "ep2 zero3": "dp=2,ep=2,zero=3,gbs=4",
+    "layers tp2|dp2-ep2|tp2-sp-ep2|dp2": _plan(MODEL, [((0, 4), (0, 1), (
+        S(tp=2), S(dp=2, ep=2), S(tp=2, sp=True, ep=2), S(dp=2)))], 1, 4),
+}
+FOUR_RANKS = {
+    "ep2 x dp2": "dp=4,ep=2,gbs=4",
+    "ep2 x dp2 zero1": "dp=4,ep=2,zero=1,gbs=4",
+    "ep2 x dp2 on tp2+sp zero3": "dp=2,tp=2,sp=1,ep=2,zero=3,gbs=4",
+    "ep4 over dp2 x tp2+sp": "dp=2,tp=2,sp=1,ep=4,gbs=4",
+    "pp2 x ep2": "pp=2,dp=2,ep=2,mbs=1,gbs=4",
+    "pp2 dp2|tp2-sp-ep2 then dp2-ep2|dp2": _plan(MODEL, [
+        ((0, 2), (0, 1), (S(dp=2), S(tp=2, sp=True, ep=2))),
+        ((2, 4), (2, 3), (S(dp=2, ep=2), S(dp=2)))], 2, 2),
+}
+SAVE, RESUME = "ep2 saved", "ep4 resumed"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, text) -> list[float]:  # noqa: F811
+    return reference_losses(tmp_path_factory.mktemp("reference"), text, [(MODEL, GBS)])[(MODEL, GBS)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, text) -> dict[int, tuple]:  # noqa: F811
+    """Every case in one torchrun job per rank count; the 2-rank job also saves the checkpoint (after steps
+    3 and 6; the second is removed) that the 4-rank job resumes with ep4."""
+    ckpt = tmp_path_factory.mktemp("checkpoint")
+    saved = {"steps": SAVED_STEPS, "checkpoint_dir": str(ckpt), "checkpoint_every": RESUME_AT}
+    two = {name: (MODEL, plan) for name, plan in TWO_RANKS.items()} | {SAVE: (MODEL, "dp=2,ep=2,gbs=4")}
+    out = {2: train_together(tmp_path_factory.mktemp("ranks2"), text, 2, two, {SAVE: saved})}
+    shutil.rmtree(ckpt / f"step-{SAVED_STEPS}", ignore_errors=True)
+    four = {name: (MODEL, plan) for name, plan in FOUR_RANKS.items()} | {RESUME: (MODEL, "dp=4,ep=4,gbs=4")}
+    out[4] = train_together(tmp_path_factory.mktemp("ranks4"), text, 4, four,
+                            {RESUME: {"steps": SAVED_STEPS, "checkpoint_dir": str(ckpt)}})
+    return out
+
+
+@pytest.mark.parametrize("name", [*TWO_RANKS, *FOUR_RANKS])
+def test_expert_parallel_plans_match_single_process(runs, reference, name) -> None:
+    """ep alone, with dp, ZeRO, tp+sp, cp, recompute, pp and per-layer mixes trains to the single-process
+    losses."""
+    nproc = 2 if name in TWO_RANKS else 4
+    plan = {**TWO_RANKS, **FOUR_RANKS}[name]
+    if not isinstance(plan, str):
+        assert unsupported(plan, PRESETS[MODEL]) is None and plan.ranks[-1] == nproc - 1
+    assert_same(_losses(runs[nproc], name), reference)
+
+
+def test_resume_from_ep2_into_ep4(runs) -> None:
+    """A checkpoint written with ep2 (2 ranks) loads with ep4 (4 ranks, experts resharded by DCP): the next
+    losses are those of the uninterrupted run."""
+    saved, resumed = runs[2][1].get(SAVE), runs[4][1].get(RESUME)
+    assert saved is not None and len(saved) == SAVED_STEPS, runs[2][0].stderr[-3000:]
+    assert resumed is not None and len(resumed) == SAVED_STEPS - RESUME_AT, runs[4][0].stderr[-3000:]
+    assert_same(resumed, saved[RESUME_AT:])
