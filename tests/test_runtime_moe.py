@@ -113,8 +113,10 @@ def test_what_the_runtime_refuses_for_moe_names_the_cause() -> None:
     spec, ranks = PRESETS[MODEL], local_ranks(4)
     assert unsupported(uniform_plan("dp=2,ep=2,gbs=4", spec, local_ranks(2), 64), spec) is None
     assert "etp > 1" in unsupported(uniform_plan("dp=4,ep=2,etp=2,gbs=4", spec, ranks, 64), spec)
-    no_sp = _plan(MODEL, [((0, 4), (0, 1), (S(tp=2), S(tp=2, sp=True, ep=2), S(tp=2, ep=2), S(dp=2)))], 1, 4)
-    assert "layer 2 (moe, dp1 tp2 ep2)" in unsupported(no_sp, spec) and "sp=1" in unsupported(no_sp, spec)
+    no_sp = _plan(MODEL, [((0, 4), (0, 1), (S(tp=2), S(tp=2, sp=True, ep=2, etp=1), S(tp=2, ep=2, etp=1), S(dp=2)))],
+                  1, 4)
+    assert "layer 2 (moe, dp1 tp2 ep2 etp1)" in unsupported(no_sp, spec) and "sp=1" in unsupported(no_sp, spec)
+    assert "etp defaults to tp" in unsupported(uniform_plan("dp=2,tp=2,sp=1,ep=2,gbs=4", spec, ranks, 64), spec)
     gpt_moe = parse_inline("gpt:layers=2,hidden=64,heads=4,vocab=512,experts=4,top_k=2,expert_ffn=32")
     assert "MoE layers in llama models" in unbuildable(gpt_moe)
     cfg = TrainConfig(model=MODEL, plan={}, varlen="flexsp", capacity=64)
@@ -124,21 +126,21 @@ def test_what_the_runtime_refuses_for_moe_names_the_cause() -> None:
 
 TWO_RANKS = {  # name: plan or --strategy text
     "ep2": "dp=2,ep=2,gbs=4",
-    "ep2 on tp2+sp attention": "tp=2,sp=1,ep=2,gbs=4",
+    "ep2 on tp2+sp attention": "tp=2,sp=1,ep=2,etp=1,gbs=4",
     "ep2 on cp2 attention": "cp=2,ep=2,gbs=4",
     "ep2 full recompute": "dp=2,ep=2,recompute=full,gbs=4",
     "ep2 zero3": "dp=2,ep=2,zero=3,gbs=4",
     "layers tp2|dp2-ep2|tp2-sp-ep2|dp2": _plan(MODEL, [((0, 4), (0, 1), (
-        S(tp=2), S(dp=2, ep=2), S(tp=2, sp=True, ep=2), S(dp=2)))], 1, 4),
+        S(tp=2), S(dp=2, ep=2), S(tp=2, sp=True, ep=2, etp=1), S(dp=2)))], 1, 4),
 }
 FOUR_RANKS = {
     "ep2 x dp2": "dp=4,ep=2,gbs=4",
     "ep2 x dp2 zero1": "dp=4,ep=2,zero=1,gbs=4",
-    "ep2 x dp2 on tp2+sp zero3": "dp=2,tp=2,sp=1,ep=2,zero=3,gbs=4",
-    "ep4 over dp2 x tp2+sp": "dp=2,tp=2,sp=1,ep=4,gbs=4",
+    "ep2 x dp2 on tp2+sp zero3": "dp=2,tp=2,sp=1,ep=2,etp=1,zero=3,gbs=4",
+    "ep4 over dp2 x tp2+sp": "dp=2,tp=2,sp=1,ep=4,etp=1,gbs=4",
     "pp2 x ep2": "pp=2,dp=2,ep=2,mbs=1,gbs=4",
     "pp2 dp2|tp2-sp-ep2 then dp2-ep2|dp2": _plan(MODEL, [
-        ((0, 2), (0, 1), (S(dp=2), S(tp=2, sp=True, ep=2))),
+        ((0, 2), (0, 1), (S(dp=2), S(tp=2, sp=True, ep=2, etp=1))),
         ((2, 4), (2, 3), (S(dp=2, ep=2), S(dp=2)))], 2, 2),
 }
 SAVE, RESUME = "ep2 saved", "ep4 resumed"

@@ -141,8 +141,9 @@ def _expert_problem(plan: Plan, model: ModelSpec) -> str | None:
             if block.kind != "moe":
                 continue
             where = f"layer {layer} (moe, {s.short()})"
-            if s.etp > 1:
-                return f"{where}: expert tensor parallelism (etp > 1) is not executable yet; use etp=1"
+            if s.expert_tp > 1:
+                return (f"{where}: expert tensor parallelism (etp > 1; etp defaults to tp) is not executable yet; "
+                        "set etp=1")
             if (why := expert_problem(s, block)) is not None:
                 return f"{where}: {why}"
     return None
