@@ -9,6 +9,8 @@ Llama-2-7B (seq 2048, global batch 64) on one 8xA100-80GB node, then Llama-3-405
 seconds per iteration. Targets (wall): Llama-2-7B on 8 GPUs <= 1 s, Llama-3-405B on 16,384 GPUs <= 10 s.
 Gemma-2-9B (local and global attention layers alternating: two layer kinds) is searched beside the same
 model with every layer of one kind; the two-kind search may cost at most 2x the one-kind one (CPU seconds).
+MoE models (expert layouts searched per layer): Mixtral-8x7B on 64 H100 <= 5 s, Qwen3-235B-A22B on 256 H100
+<= 20 s.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ LLAMA3_405B_NODES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 CASES = (Case("llama2-7b", 1, 8, "A100-80GB", 2048, 64, target_s=1.0),
          Case("gemma2-9b", 1, 8, "A100-80GB", 4096, 64),  # two kinds: local and global attention
          Case("gemma2-9b", 1, 8, "A100-80GB", 4096, 64, one_kind=True),
+         Case("mixtral-8x7b", 8, 8, "H100-80GB", 4096, 1024, target_s=5.0),  # MoE: ep and etp per layer
+         Case("qwen3-235b-a22b", 32, 8, "H100-80GB", 4096, 1024, target_s=20.0),
          *(Case("llama3-405b", n, 8, "H100-80GB", 8192, 2048, target_s=10.0 if n == 2048 else None)
            for n in LLAMA3_405B_NODES))
 

@@ -94,22 +94,15 @@ class Degrees:
 
     def coords(self, position: int) -> tuple[int, int, int]:
         """(dp, cp, tp) coordinates of a position in the stage's rank list."""
-        return position // (self.tp * self.cp), (position // self.tp) % self.cp, position % self.tp
+        return _coords(position, (self.dp, self.cp, self.tp))
 
     def group(self, ranks: Sequence[int], dim: Dim, position: int = 0) -> tuple[int, ...]:
         """The ranks of a stage (`ranks`, in Megatron order) that share every coordinate but `dim` with
         `position`: its tensor-, context- or data-parallel group, "data" (dp x cp: the ranks holding the
         same weight shard), or its HSDP "shard" or "replicate" group within "data" (`split_data`)."""
-        d, c, t = self.coords(position)
-        if dim == "tp":
-            start = (d * self.cp + c) * self.tp
-            return tuple(ranks[start: start + self.tp])
-        if dim == "cp":
-            start = d * self.cp * self.tp + t
-            return tuple(ranks[start: start + self.cp * self.tp: self.tp])
-        if dim == "dp":
-            return tuple(ranks[c * self.tp + t:: self.cp * self.tp])
-        data = tuple(ranks[t:: self.tp])
+        if dim in MESH_DIMS:
+            return _fold_group(ranks, (self.dp, self.cp, self.tp), MESH_DIMS.index(dim), position)
+        data = tuple(ranks[position % self.tp:: self.tp])
         if dim == "data":
             return data
         shard, replicate = self.split_data(data, position // self.tp)
@@ -117,17 +110,24 @@ class Degrees:
 
     def expert_coords(self, position: int) -> tuple[int, int, int]:
         """(edp, ep, etp) coordinates of a position in the stage's rank list, for MoE layers' experts."""
-        return position // (self.etp * self.ep), (position // self.etp) % self.ep, position % self.etp
+        return _coords(position, (self.edp, self.ep, self.etp))
 
     def expert_group(self, ranks: Sequence[int], dim: ExpertDim, position: int = 0) -> tuple[int, ...]:
         """The ranks of a stage that share every expert coordinate but `dim` with `position`: its expert
         tensor-parallel group ("etp"), expert-parallel group ("ep", which exchanges tokens all-to-all) or
         expert data-parallel group ("edp", which reduces the experts' gradients)."""
-        e, x, t = self.expert_coords(position)
-        if dim == "etp":
-            start = (e * self.ep + x) * self.etp
-            return tuple(ranks[start: start + self.etp])
-        if dim == "ep":
-            start = e * self.ep * self.etp + t
-            return tuple(ranks[start: start + self.ep * self.etp: self.etp])
-        return tuple(ranks[x * self.etp + t:: self.ep * self.etp])
+        return _fold_group(ranks, (self.edp, self.ep, self.etp), ("edp", "ep", "etp").index(dim), position)
+
+
+def _coords(position: int, sizes: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Coordinates of `position` in a three-dimensional layout of `sizes`, the last dimension fastest."""
+    return position // (sizes[1] * sizes[2]), (position // sizes[2]) % sizes[1], position % sizes[2]
+
+
+def _fold_group(ranks: Sequence[int], sizes: tuple[int, int, int], dim: int, position: int) -> tuple[int, ...]:
+    """The members of `ranks` (laid out in `sizes`, the last dimension fastest) that share every coordinate
+    but dimension `dim` with `position`."""
+    strides = (sizes[1] * sizes[2], sizes[2], 1)
+    coords = _coords(position, sizes)
+    start = sum(c * stride for i, (c, stride) in enumerate(zip(coords, strides, strict=True)) if i != dim)
+    return tuple(ranks[start: start + sizes[dim] * strides[dim]: strides[dim]])
