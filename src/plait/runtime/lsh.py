@@ -33,15 +33,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-LSH_HASHES = 4
-"""Hash functions per bucket key (the paper's ablation spans 2-10)."""
-LSH_DIMS = 4
-"""Rotated coordinates per hash: 2*dims = 8 cross-polytope vertices (buckets) per hash. Chosen on tiny-moe
-(trained 150 steps) over Genesis, 256 tokens per expert: compression rates 0.08-0.17 across its MoE layers,
-inside the paper's 10-20% (Fig. 7), with the experts' output off by at most 0.16 (relative); 2 hashes gave
-0.04-0.07 and up to 0.27."""
-LSH_SEED = 20241113
-"""Seed of the rotations (any fixed value: every rank draws the same ones)."""
+from plait.spec.lsh import LSH_DIMS, LSH_HASHES, LSH_SEED
 
 
 @lru_cache(maxsize=16)
