@@ -36,8 +36,10 @@ from plait.spec.model import ModelSpec, Recompute
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["bf16", "fp16", "fp32"]
 GradReduce = Literal["auto", "fp32", "bf16"]
+MoeComm = Literal["alltoall", "lsh"]
 PLAN_VERSION = 4
-"""Version of the plan file. 4: strategies carry ZeRO's shard group `shard` (HSDP; absent in older files: 0,
+"""Version of the plan file. Since 4 without a new version (absent means what older files meant):
+strategies carry `moe_comm` (absent: "alltoall", every routed token travels; "lsh": LSH-MoE centroids). 4: strategies carry ZeRO's shard group `shard` (HSDP; absent in older files: 0,
 all data-parallel ranks) and the plan the gradient reduce precision `grad_reduce` (absent: "auto"). 3:
 `model_fingerprint` (optional) records the model's architecture; strategies carry the expert degrees `ep` and
 `etp` of MoE layers and the plan their `expert_load` (absent in older files: ep 1, etp as tp, load 1). 2: a
@@ -70,6 +72,9 @@ class Strategy(BaseModel):
     etp: int = Field(0, ge=0, description="expert tensor-parallel degree of an MoE layer's experts (0: tp, "
                                           "as Megatron's default)")
 
+    moe_comm: MoeComm = Field("alltoall", description="how an MoE layer's routed tokens reach its experts: "
+                               "alltoall (every token) or lsh (LSH-MoE: centroids of hashed token buckets)")
+
     @property
     def expert_tp(self) -> int:
         """Expert tensor-parallel degree in effect (etp, or tp when etp is 0)."""
@@ -97,6 +102,8 @@ class Strategy(BaseModel):
             parts.append(f"ep{self.ep}")
         if self.expert_tp != self.tp:
             parts.append(f"etp{self.expert_tp}")
+        if self.moe_comm != "alltoall":
+            parts.append(self.moe_comm)
         if self.zero:
             parts.append(f"zero{self.zero}")
         if self.shard:
@@ -404,7 +411,8 @@ def _validate_strategy(s: Strategy, block: Block, devices: int, mbs: int, plan: 
 # ---- the --strategy shorthand ----------------------------------------------------------------------
 
 _STRATEGY_KEYS = ("tp", "pp", "dp", "cp", "mbs", "gbs", "recompute", "sp", "zero", "vpp", "schedule",
-                  "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce")
+                  "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce",
+                  "moe_comm")
 
 
 def parse_strategy(text: str) -> dict[str, str]:
@@ -467,7 +475,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
 
     Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
     (none|selective|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel and expert
-    tensor parallel degrees of MoE layers; etp defaults to tp), expert_load (see Plan), shard (ZeRO's shard
+    tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
+    of the routed tokens), expert_load (see Plan), shard (ZeRO's shard
     group, HSDP: 0 all of dp*cp), and optionally schedule, cp_mode, precision, grad_reduce (auto|fp32|bf16),
     overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
     """
@@ -502,6 +511,9 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     grad_reduce = d.get("grad_reduce", "auto")
     if grad_reduce not in ("auto", "fp32", "bf16"):
         raise PlaitError(f"--strategy: grad_reduce must be auto, fp32 or bf16, got {grad_reduce!r}")
+    moe_comm = d.get("moe_comm", "alltoall")
+    if moe_comm not in ("alltoall", "lsh"):
+        raise PlaitError(f"--strategy: moe_comm must be alltoall or lsh, got {moe_comm!r}")
     zero = _int(d, "zero", 0)
     if zero > 3:
         raise PlaitError(f"--strategy: zero must be 0..3, got {zero}")
@@ -509,7 +521,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
         raise PlaitError(f"--strategy: pp*vpp = {pp * vpp} chunks but {model.name} has {model.layers} layers")
     strategy = Strategy(dp=dp, tp=tp, cp=cp, sp=_bool(d, "sp", False), cp_mode=cp_mode, zero=zero,
                         recompute=recompute, ep=_int(d, "ep", 1), etp=_int(d, "etp", 0),  # type: ignore[arg-type]
-                        shard=_int(d, "shard", 0))
+                        shard=_int(d, "shard", 0), moe_comm=moe_comm)  # type: ignore[arg-type]
     per_group = tp * cp * dp
     stages = []
     start = 0

@@ -11,6 +11,11 @@ all-to-all back; backward repeats the four collectives. Megatron's all-to-all di
 the GEMMs, so nothing hides them. The busiest rank gets `expert_load` times the mean routed tokens (1 with
 balanced routing, the capacity factor with padded expert inputs). Times are seconds for one micro-batch on
 one device; sizes are bytes.
+
+LSH-MoE (`moe_comm=lsh`, `plait.runtime.lsh`): each rank hashes its routed pairs and sends only bucket
+centroids, `LSH_COMPRESSION_RATE` of them, so the all-to-all bytes, the experts' rows and their saved
+inputs scale by that rate; the hashing (a GEMM of the pairs by the rotations), the centroid means and the
+expansion back to the pairs cost time on the sending rank.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import math
 from typing import TYPE_CHECKING
 
 from plait.cost import comm
-from plait.cost.compute import gemm_time
+from plait.cost.compute import elementwise_time, gemm_time
 from plait.plan import Strategy
 from plait.spec.layers import Block
+from plait.spec.lsh import LSH_COMPRESSION_RATE, LSH_DIMS, LSH_HASHES
 
 if TYPE_CHECKING:
     from plait.cost.layer import BlockContext
@@ -44,10 +50,31 @@ def own_tokens(block: Block, s: Strategy, tokens: float) -> float:
     return tokens / (s.tp if s.sp else 1)
 
 
+def compression(block: Block, s: Strategy) -> float:
+    """Rows that travel to the experts per routed pair: LSH-MoE's compression rate under moe_comm=lsh, else 1."""
+    return LSH_COMPRESSION_RATE if s.moe_comm == "lsh" and block.kind == "moe" else 1.0
+
+
 def routed_pairs(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> float:
-    """(token, expert) pairs the busiest rank's experts process: its etp group's routed tokens spread over
-    the ep ranks, times the load imbalance."""
-    return own_tokens(block, s, tokens) * block.top_k * s.expert_tp * ctx.expert_load
+    """(token, expert) rows the busiest rank's experts process: its etp group's routed tokens spread over
+    the ep ranks, times the load imbalance (LSH-MoE: centroids, the compression rate of them)."""
+    return own_tokens(block, s, tokens) * block.top_k * s.expert_tp * ctx.expert_load * compression(block, s)
+
+
+def lsh_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> tuple[float, float]:
+    """(forward, backward) seconds of LSH-MoE's compression on a rank (0 without moe_comm=lsh). Forward: the
+    hash GEMM [pairs, hidden] x [hidden, hashes*dims], then memory-bound passes that read the pairs to centre
+    and hash them, sum them into centroids and write each pair's expanded output (3 pair-sized tensors, 2
+    centroid-sized); backward: the gradients of the expansion and the means (2 and 2; the hash has none)."""
+    if block.kind != "moe" or s.moe_comm != "lsh":
+        return 0.0, 0.0
+    gpu, cal, eb = ctx.cluster.gpu, ctx.cal, ctx.prec.activation
+    pairs = own_tokens(block, s, tokens) * block.top_k
+    centroids = pairs * compression(block, s)
+    gemm = gemm_time(int(pairs), LSH_HASHES * LSH_DIMS, block.hidden, gpu, cal, ctx.prec.peak_flops(gpu), eb)
+    fwd = gemm + elementwise_time((3 * pairs + 2 * centroids) * block.hidden * eb, gpu, cal, kernels=4)
+    bwd = elementwise_time((2 * pairs + 2 * centroids) * block.hidden * eb, gpu, cal, kernels=2)
+    return fwd, bwd
 
 
 def expert_params(block: Block) -> float:
@@ -92,7 +119,8 @@ def dispatch_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -
     if block.kind != "moe":
         return 0.0
     cluster, cal = ctx.cluster, ctx.cal
-    sent = own_tokens(block, s, tokens) * block.top_k * ctx.expert_load * block.hidden * ctx.prec.activation
+    sent = (own_tokens(block, s, tokens) * block.top_k * ctx.expert_load * compression(block, s) * block.hidden
+            * ctx.prec.activation)
     a2a = token_exchange_time(block, sent, ctx)
     gathered = sent * s.expert_tp
     etp = comm.all_gather(gathered, ctx.etp_group, cluster, cal) + comm.reduce_scatter(gathered, ctx.etp_group,

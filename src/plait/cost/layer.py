@@ -170,6 +170,8 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     tokens = ctx.seqs * seq // s.cp  # tokens this device holds outside attention
     fwd_gemm, bwd_gemm = _gemms_time(block, s, tokens, ctx.seqs * block.memory_seq(ctx.seq_len) // s.cp, ctx)
     expert_f, expert_b = experts.experts_time(block, s, tokens, ctx)
+    lsh_f, lsh_b = experts.lsh_time(block, s, tokens, ctx)
+    expert_f, expert_b = expert_f + lsh_f, expert_b + lsh_b
     attn_f, attn_b = _attention_time(block, s, ctx)
     elem_f = elementwise_time(tokens * _elementwise_bytes_per_token(block, s, eb), ctx.cluster.gpu, cal, kernels=8)
     forward = fwd_gemm + expert_f + attn_f + elem_f

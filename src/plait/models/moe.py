@@ -14,6 +14,9 @@ depend on how the batch is cut into micro-batches or ranks. Its gradient enters 
 (as Megatron's MoEAuxLossAutoScaler does), so pipeline stages need not carry it to the head; the reported
 loss stays the language-model loss.
 
+LSH-MoE (`plait.runtime.lsh`) plugs in as `compressor`: the pairs bound for each expert become bucket
+centroids before the exchange, and each pair takes its centroid's output after it.
+
 Expert parallelism (`plait.runtime.experts`) plugs in as `exchange`: it sends each assignment to the rank
 holding its expert and returns the outputs; `sequence_group` sums the per-sequence expert counts over the
 ranks that split each sequence (sequence or context parallelism).
@@ -44,6 +47,23 @@ class Exchange(Protocol):
 
     def gather(self, outputs: Tensor, handle: object) -> Tensor:
         """The experts' outputs [A', H] -> the outputs of this rank's assignments [A, H], in `scatter`'s order."""
+
+
+class Clustered(Protocol):
+    """Pairs compressed into centroids (`plait.runtime.lsh.Clusters`)."""
+
+    centroids: Tensor  # [C, H] sorted by expert
+    counts: Tensor  # [E] centroids per expert
+
+    def expand(self, outputs: Tensor) -> Tensor:
+        """The experts' outputs of the centroids [C, H] -> those of the pairs [A, H]."""
+
+
+class Compressor(Protocol):
+    """Replaces the pairs bound for the experts by fewer centroids before the exchange (LSH-MoE)."""
+
+    def compress(self, tokens: Tensor, counts: Tensor) -> Clustered:
+        """Pairs [A, H] sorted by expert with `counts` [E] -> their centroids and how to expand outputs."""
 
 
 def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
@@ -95,6 +115,8 @@ class MoE(nn.Module):
 
     exchange: Exchange | None = None
     """Set by the runtime for expert parallelism (None: every expert is on this rank)."""
+    compressor: Compressor | None = None
+    """Set by the runtime for LSH-MoE (`moe_comm=lsh`): only centroids reach the experts (None: every pair)."""
     sequence_group: dist.ProcessGroup | None = None
     """Set by the runtime: the ranks that hold parts of the same sequences (None: whole sequences here)."""
     aux_scale: float = AUX_LOSS_COEF
@@ -125,11 +147,16 @@ class MoE(nn.Module):
         source = order // self.top_k  # the token of each sorted assignment
         counts = torch.bincount(flat, minlength=self.n_experts)
         tokens = x.index_select(0, source)
+        clusters = None if self.compressor is None else self.compressor.compress(tokens, counts)
+        if clusters is not None:
+            tokens, counts = clusters.centroids, clusters.counts
         if self.exchange is None:
             out = self.experts(tokens, counts)
         else:
             mine, local_counts, handle = self.exchange.scatter(tokens, counts)
             out = self.exchange.gather(self.experts(mine, local_counts), handle)
+        if clusters is not None:
+            out = clusters.expand(out)
         scaled = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(x).index_add(0, source, scaled)
 

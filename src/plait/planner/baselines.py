@@ -54,7 +54,8 @@ def _splits_every_layer(model: ModelSpec, tp: int, sp: bool, seq_len: int) -> bo
 
 def _expert_layouts(model: ModelSpec, devices: int, tp: int) -> list[tuple[int, int]]:
     """(ep, etp) pairs valid for every MoE layer of `model` on a stage of `devices` ranks ((1, 0) without)."""
-    pools = [expert_layouts(b, devices, tp) for b in model.distinct_blocks if b.kind == "moe"]
+    pools = [[(ep, etp) for ep, etp, _ in expert_layouts(b, devices, tp)]  # default limits: plain all-to-all
+             for b in model.distinct_blocks if b.kind == "moe"]
     return [x for x in pools[0] if all(x in pool for pool in pools[1:])] if pools else [(1, 0)]
 
 

@@ -31,6 +31,8 @@ class SpaceLimits:
     context_parallel: bool = True
     max_ep: int | None = None  # None: as many as the experts and the stage allow
     expert_tp: tuple[str, ...] = ("tp", "1")  # an MoE layer's expert tensor parallelism: as tp, or none
+    moe_comm: tuple[str, ...] = ("alltoall",)  # add "lsh" to let MoE layers with ep > 1 send LSH-MoE centroids
+    # (opt in: it approximates the experts' outputs, so it changes the model's numerics)
 
 
 def divisors(n: int) -> list[int]:
@@ -59,20 +61,23 @@ def block_strategies(block: Block, cluster: Cluster, devices: int, micro_batch: 
                 if strategy_problem(Strategy(dp=dp, tp=tp, cp=cp, sp=sp), block, devices, micro_batch, seq_len):
                     continue
                 zeros = limits.zero_stages if dp * cp > 1 else (0,)
-                for ep, etp in expert_layouts(block, devices, tp, limits):
+                for ep, etp, comm in expert_layouts(block, devices, tp, limits):
                     for zero in zeros:
                         for rc in modes:
-                            s = Strategy(dp=dp, tp=tp, cp=cp, sp=sp, zero=zero, recompute=rc, ep=ep, etp=etp)  # type: ignore[arg-type]
+                            s = Strategy(dp=dp, tp=tp, cp=cp, sp=sp, zero=zero, recompute=rc, ep=ep, etp=etp,  # type: ignore[arg-type]
+                                         moe_comm=comm)  # type: ignore[arg-type]
                             if ep == 1 and etp == 0 or not strategy_problem(s, block, devices, micro_batch, seq_len):
                                 out.append(s)
     return out
 
 
-def expert_layouts(block: Block, devices: int, tp: int, limits: SpaceLimits = SpaceLimits()) -> list[tuple[int, int]]:
-    """(ep, etp) pairs for an MoE layer on `devices` ranks with attention tensor parallel `tp` (etp 0: as tp);
-    (1, 0) for other layers, which have no experts to lay out."""
+def expert_layouts(block: Block, devices: int, tp: int,
+                   limits: SpaceLimits = SpaceLimits()) -> list[tuple[int, int, str]]:
+    """(ep, etp, moe_comm) for an MoE layer on `devices` ranks with attention tensor parallel `tp` (etp 0: as
+    tp; LSH-MoE only where ep > 1, where there is an all-to-all to compress); (1, 0, "alltoall") for other
+    layers, which have no experts to lay out."""
     if block.kind != "moe":
-        return [(1, 0)]
+        return [(1, 0, "alltoall")]
     out = []
     for etp in dict.fromkeys(0 if e == "tp" else int(e) for e in limits.expert_tp):
         width = etp or tp
@@ -80,7 +85,7 @@ def expert_layouts(block: Block, devices: int, tp: int, limits: SpaceLimits = Sp
             continue
         for ep in divisors(devices // width):
             if block.experts % ep == 0 and ep <= (limits.max_ep or ep) and (etp == 0 or etp != tp):
-                out.append((ep, etp))
+                out += [(ep, etp, comm) for comm in limits.moe_comm if comm == "alltoall" or ep > 1]
     return out
 
 

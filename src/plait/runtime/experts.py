@@ -4,7 +4,9 @@ Megatron's parallel folding: the experts are laid out over the stage's ranks ind
 attention's dp/cp/tp, expert-parallel fastest (etp = 1 here), then expert data parallel. Each rank of an ep
 group holds E/ep consecutive experts (DTensors sharded along the expert dimension over the "ep" dimension
 of an ("edp", "ep") mesh, so checkpoints reshard across ep degrees); assignments travel to their expert's rank and back in two
-differentiable all-to-alls with uneven splits, after the per-expert counts are exchanged.
+differentiable all-to-alls with uneven splits, after the per-expert counts are exchanged. Under
+`moe_comm=lsh` the assignments are first compressed to LSH-MoE centroids (`plait.runtime.lsh`), and only
+those travel.
 
 Gradients, with every rank's loss the mean over its own tokens (as dp and cp ranks have; sp ranks share one
 loss and each holds a part of its tokens): the weights that see only this rank's tokens (router, shared
@@ -23,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from plait.models.moe import AUX_LOSS_COEF, MoE
+from plait.runtime.lsh import LshCompressor
 from plait.runtime.placement import Segment
 from plait.runtime.ulysses import all_to_all
 
@@ -79,7 +82,7 @@ def _zero(module: nn.Module, mesh: DeviceMesh, zero: int, data: int) -> None:
 def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dist.ProcessGroup | None,
              grad_accumulation: int) -> list[Sync]:
     """Expert parallelism on the MoE layers among `layers` (segment `seg`'s strategy): shard their
-    experts, route through all-to-alls, set the auxiliary loss's gradient weight (`grad_accumulation`
+    experts, route through all-to-alls (of LSH-MoE centroids under moe_comm=lsh), set the auxiliary loss's gradient weight (`grad_accumulation`
     micro-batches whose mean loss the caller backpropagates; 1 under a pipeline schedule, which scales
     gradients itself); with ZeRO, shard the router, shared experts and experts with FSDP2. Returns the
     MoE weights whose gradients are reduced by hand (zero=0)."""
@@ -94,6 +97,8 @@ def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dis
         if s.ep > 1:
             shard_experts(moe, groups.mesh["ep"])
             moe.exchange = AllToAll(groups.mesh.get_group("ep"))
+        if s.moe_comm == "lsh":
+            moe.compressor = LshCompressor()
         moe.sequence_group = groups.sequence
         moe.aux_scale = AUX_LOSS_COEF * s.cp / grad_accumulation
         dense = [moe.router] + ([moe.shared] if moe.shared is not None else [])
