@@ -9,6 +9,7 @@ import json
 import math
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -53,6 +54,14 @@ def json_line(obj: object) -> str:
         return x
 
     return json.dumps(finite(obj), allow_nan=False) + "\n"
+
+
+def draw_picture(draw: Callable[[], None], path: str) -> None:
+    """Run `draw`, which writes the picture at `path`; an OS error becomes a one-line PlaitError."""
+    try:
+        draw()
+    except OSError as exc:
+        raise PlaitError(f"cannot write timeline {path!r}: {exc.strerror or exc}; choose a writable path") from None
 
 
 MAX_MEMORY_GIB = 2.0**20
@@ -283,12 +292,9 @@ def simulate_cmd(
 
             memory = [(f"p{d.pipeline}s{d.index}", {k: v for k, v in d.memory.as_dict().items()})
                       for d in report.devices]
-            try:
-                combined(report.pipelines[0], memory, c.gpu.memory_bytes, str(timeline_path),
-                         f"{m.name} on {c.name}: {report.iteration_time_s:.3f} s/iteration, MFU {report.mfu:.1%}")
-            except OSError as exc:
-                raise PlaitError(f"cannot write timeline {str(timeline)!r}: {exc.strerror or exc}; "
-                                 "choose a writable path") from None
+            draw_picture(lambda: combined(
+                report.pipelines[0], memory, c.gpu.memory_bytes, str(timeline_path),
+                f"{m.name} on {c.name}: {report.iteration_time_s:.3f} s/iteration, MFU {report.mfu:.1%}"), timeline)
     except PlaitError as exc:
         fail(str(exc))
         return
@@ -590,6 +596,75 @@ def varlen_cmd(
     out.print(table)
     out.print(f"total planned time {total:.3f} s over {len(rows)} batches; solver {solve:.2f} s "
               f"({solve / len(rows):.2f} s per batch)")
+
+
+@app.command(name="multitask")
+def multitask_cmd(
+    tasks: Annotated[Path, typer.Option("--tasks", help="task file (YAML): modules, tasks, dependencies")],
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="NODESxGPUSxTYPE (e.g. 4x8xA100-80GB) or YAML")],
+    precision: Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32")] = "bf16",
+    timeline: Annotated[str | None, typer.Option("--timeline", help="write a picture of the waves")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object and nothing else")] = False,
+) -> None:
+    """Plan several tasks that share modules in waves of device groups (Spindle), beside running the tasks
+    one after another on all devices and all at once on FLOPs-proportional shares."""
+    from plait.planner.multitask.plan import plan_multitask
+    from plait.spec.tasks import load_tasks
+
+    try:
+        c = load_cluster(cluster)
+        if precision not in ("bf16", "fp16", "fp32"):
+            raise PlaitError(f"--precision must be bf16, fp16 or fp32, got {precision!r}")
+        timeline_path = output_path(timeline, "waves.png", "--timeline") if timeline is not None else None
+        ts = load_tasks(tasks)
+        bar, update = _search_progress("{}")
+        with bar:
+            result = plan_multitask(ts, c, precision, update)
+        s, ops = result.schedule, result.graph.ops
+        if timeline_path is not None:
+            from plait.viz import plot_waves
+
+            boxes = [(ops[p.op].name, p.first, p.devices, st.start_s, p.seconds) for st in s.stages
+                     for p in st.placements]
+            ends = [w.stages[-1].start_s + w.stages[-1].seconds for w in s.waves]
+            draw_picture(lambda: plot_waves(boxes, c.world_size, ends, str(timeline_path), f"{ts.name} on {c.name}: "
+                                            f"{s.makespan_s:.3f} s/step in {len(s.waves)} wave(s)"), timeline)
+    except PlaitError as exc:
+        fail(str(exc))
+        return
+    waves = [{"ops": [ops[i].name for i in w.ops], "bound_s": w.bound_s, "time_s": w.seconds,
+              "stages": [{"start_s": st.start_s, "time_s": st.seconds,
+                          "groups": [{"op": ops[p.op].name, "ranks": [p.first, p.first + p.devices - 1],
+                                      "layers": p.layers, "time_s": p.seconds} for p in st.placements]}
+                         for st in w.stages]} for w in s.waves]
+    if as_json:
+        sys.stdout.write(json_line({"step_time_s": s.makespan_s, "bound_s": s.bound_s, "waves": waves,
+                                    "baselines": result.baselines, "relocations": s.relocations,
+                                    "proportional_devices": list(result.proportional.devices),
+                                    "task_level_devices": list(result.task_level.devices)}))
+        return
+    table = Table(title=f"{ts.name} on {c.name}: {len(ops)} MetaOps in {len(s.waves)} wave(s)", box=box.SIMPLE_HEAD)
+    for col in ("wave", "stage", "start", "time", "groups (op: devices x layers)"):
+        table.add_column(col, justify="left" if col.startswith("groups") else "right")
+    for i, w in enumerate(waves):
+        for j, st in enumerate(w["stages"]):
+            groups = ", ".join(f"{g['op']}: {ranks_text(tuple(range(g['ranks'][0], g['ranks'][1] + 1)))} x "
+                               f"{g['layers']}" for g in st["groups"])
+            table.add_row(str(i) if not j else "", str(j), _fmt_s(st["start_s"]), _fmt_s(st["time_s"]),
+                          escape(groups))
+    out.print(table)
+    summary = Table(box=box.SIMPLE_HEAD)
+    for col in ("plan", "step time", "vs waves"):
+        summary.add_column(col, justify="left" if col == "plan" else "right")
+    rows = {"waves (Spindle)": s.makespan_s, "continuous optimum (sum over waves)": s.bound_s,
+            "tasks one after another, all devices": result.sequential_s,
+            f"tasks at once, FLOPs-proportional {result.proportional.devices}": result.proportional.makespan_s,
+            f"tasks at once, task-level allocator {result.task_level.devices}": result.task_level.makespan_s}
+    for name, seconds in rows.items():
+        summary.add_row(escape(name), _fmt_s(seconds), f"{seconds / s.makespan_s:.2f}x")
+    out.print(summary)
+    if timeline_path is not None:
+        out.print(f"waves picture: {timeline_path}")
 
 
 @app.command(name="kv-eval")

@@ -19,7 +19,7 @@ from matplotlib.patches import Patch
 
 from plait.cost.pipeline import PipelineResult
 
-__all__ = ["combined", "plot_memory", "plot_timeline", "save_figure_atomically"]
+__all__ = ["combined", "plot_memory", "plot_timeline", "plot_waves", "save_figure_atomically"]
 
 GIB = float(1 << 30)
 _FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
@@ -230,4 +230,37 @@ def combined(
     _draw_memory(fig.add_subplot(grid[1]), devices, capacity_bytes, "")
     if title:
         fig.suptitle(title)
+    save_figure_atomically(fig, path)
+
+
+# --------------------------------------------------------------------------- multi-task waves
+
+
+def plot_waves(groups: Sequence[tuple[str, int, int, float, float]], devices: int, boundaries: Sequence[float],
+               path: str | os.PathLike[str], title: str = "") -> None:
+    """Waves of a multi-task plan: one row per device, one box per device group (label, first device,
+    device count, start and length in seconds), coloured by the label's task (the text before "/"),
+    with a dashed line where each wave ends (`boundaries`, seconds)."""
+    fig = Figure(figsize=(12.0, 1.5 + 0.3 * max(devices, 2)), layout="constrained")
+    ax = fig.add_subplot()
+    span = max((start + length for *_, start, length in groups), default=1.0) or 1.0
+    scale, unit = _time_unit(span)
+    tasks = list(dict.fromkeys(label.split("/")[0] for label, *_ in groups))
+    colors = {t: _MEMORY_COLORS[i % len(_MEMORY_COLORS)] for i, t in enumerate(tasks)}
+    for label, first, count, start, length in groups:
+        ax.broken_barh([(start * scale, length * scale)], (first - 0.45, count - 0.1),
+                       facecolors=colors[label.split("/")[0]], edgecolors="white", linewidth=0.5)
+        ax.text((start + length / 2) * scale, first + (count - 1) / 2, label.split("/")[-1], ha="center",
+                va="center", fontsize=6, color="white", clip_on=True)
+    for b in boundaries:
+        ax.axvline(b * scale, color="black", linestyle="--", linewidth=0.6)
+    ax.set_xlim(0.0, span * scale)
+    ax.set_ylim(devices - 0.5, -0.5)
+    step = max(1, devices // 16)
+    ax.set_yticks(range(0, devices, step), [f"dev {d}" for d in range(0, devices, step)])
+    ax.set_xlabel(f"time ({unit})")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(handles=[Patch(color=colors[t], label=t) for t in tasks], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    ax.set_title(title or f"waves: {span * scale:.3g} {unit}")
     save_figure_atomically(fig, path)
