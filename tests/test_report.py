@@ -125,8 +125,9 @@ def chromium() -> str:
 
 def browse(chromium: str, page: Path, tmp: Path, *args: str) -> subprocess.CompletedProcess:
     """Run headless Chromium on `page` (console messages on stderr)."""
-    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
-           f"--user-data-dir={tmp / 'profile'}", "--enable-logging=stderr", "--v=0", *args, page.as_uri()]
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+           "--hide-scrollbars", f"--user-data-dir={tmp / 'profile'}", "--enable-logging=stderr", "--v=0", *args,
+           page.as_uri()]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
 
 
