@@ -105,6 +105,9 @@ def test_report_paths_checked_first(tmp_path) -> None:
     assert_bad_input(runner.invoke(app, [*PLAN, "--report", bad]), "--report")
     assert_bad_input(runner.invoke(app, ["report", *SIMULATE[1:], "--out", bad]), "--out")
     assert_bad_input(runner.invoke(app, ["report", *SIMULATE[1:5], "--from", str(tmp_path / "file")]), "--from")
+    (tmp_path / "sim.json").write_text(run(*SIMULATE, "--json"))
+    assert_bad_input(runner.invoke(app, ["report", *SIMULATE[1:5], "--from", str(tmp_path / "sim.json")]),
+                     "holds no plan")
 
 
 # --- in headless Chromium -------------------------------------------------------------------------------------

@@ -324,6 +324,9 @@ def report_cmd(
         if result is not None and "plan" in result and plan is None and strategy is None:
             p = Plan.model_validate(result["plan"])
             validate_plan(p, m, c)
+        elif result is not None and plan is None and strategy is None:
+            raise PlaitError(f"--from {str(saved)!r} holds no plan (a `plait simulate --json` report); give the "
+                             "plan it simulated with --plan FILE or --strategy too")
         else:
             p = plan_of(plan, strategy, m, c, seq_len)
         report, _, simulated = simulate_result(p, m, c, cal, True, bool(slow))
