@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from plait.errors import PlaitError
-from plait.io import output_path, write_files
+from plait.io import json_line, output_path, write_files
 from plait.plan import Plan, load_plan, uniform_plan, validate_plan
 from plait.simulate import Report, simulate
 from plait.spec.cluster import GIB, GPUS, Cluster, load_cluster
@@ -40,20 +40,6 @@ def fail(message: str) -> None:
     """Print a one-line error and exit with 2."""
     err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
-
-
-def json_line(obj: object) -> str:
-    """`obj` as one line of standard JSON: a non-finite number (inf, NaN) becomes null."""
-    def finite(x: object) -> object:
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: finite(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [finite(v) for v in x]
-        return x
-
-    return json.dumps(finite(obj), allow_nan=False) + "\n"
 
 
 def draw_picture(draw: Callable[[], None], path: str) -> None:
@@ -270,23 +256,21 @@ def simulate_cmd(
     galvatron_profile: Annotated[str | None, typer.Option(
         "--galvatron-profile", help="calibrate from Galvatron profiles: GPU:MODEL_DIR[:HARDWARE_DIR]")] = None,
     profile: Annotated[Path | None, typer.Option("--profile", help="calibrate from a `plait profile` file")] = None,
+    report_out: Annotated[str | None, typer.Option("--report", help="also write an HTML report page")] = None,
 ) -> None:
     """Predict iteration time, throughput, MFU and memory of one plan (a plait plan, a Galvatron
     galvatron_config_*.json, or --strategy)."""
     try:
         timeline_path = output_path(timeline, "timeline.png", "--timeline") if timeline is not None else None
+        page_path = output_path(report_out, "report.html", "--report") if report_out is not None else None
         m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile)
-        if (plan is None) == (strategy is None):
-            raise PlaitError("give exactly one of --plan FILE or --strategy \"tp=..,pp=..,dp=..\"")
-        if seq_len is not None and seq_len <= 0:
-            raise PlaitError(f"--seq-len must be a positive number of tokens, got {seq_len}")
-        if plan is not None:
-            p = read_plan(plan, m, c, seq_len)
-        else:
-            p = uniform_plan(strategy or "", m, c, seq_len or m.max_seq_len)
-        validate_plan(p, m, c)
-        report = simulate(p, m, c, cal=cal, record=timeline is not None)
-        healthy = simulate(p, m, replace(c, speed=()), cal=cal) if slow else None
+        p = plan_of(plan, strategy, m, c, seq_len)
+        report, healthy, result = simulate_result(p, m, c, cal, timeline is not None or page_path is not None,
+                                                  bool(slow))
+        if page_path is not None:
+            from plait.report import Alternative, write_page
+
+            write_page(page_path, "simulate", result, [Alternative("this plan", p, report)], m, c)
         if timeline is not None:
             from plait.viz import combined
 
@@ -299,8 +283,7 @@ def simulate_cmd(
         fail(str(exc))
         return
     if as_json:
-        extra = {"healthy_iteration_time_s": healthy.iteration_time_s} if healthy else {}
-        sys.stdout.write(json_line(report.to_dict() | extra))
+        sys.stdout.write(json_line(result))
         return
     print_report(report, p, m, c)
     if healthy:
@@ -309,6 +292,68 @@ def simulate_cmd(
                   f"{_fmt_s(healthy.iteration_time_s)}; `plait plan --slow` re-plans around them")
     if timeline_path is not None:
         out.print(f"timeline and memory chart: {timeline_path}")
+    if page_path is not None:
+        out.print(f"report page: {page_path}")
+
+
+def simulate_result(p: Plan, m: ModelSpec, c: Cluster, cal, record: bool, slow: bool
+                    ) -> tuple[Report, Report | None, dict]:
+    """(report, the report on the healthy cluster when `--slow` is given, the `--json` object)."""
+    report = simulate(p, m, c, cal=cal, record=record)
+    healthy = simulate(p, m, replace(c, speed=()), cal=cal) if slow else None
+    extra = {"healthy_iteration_time_s": healthy.iteration_time_s} if healthy else {}
+    return report, healthy, report.to_dict() | extra
+
+
+@app.command(name="report")
+def report_cmd(
+    model: Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama: spec")],
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="NODESxGPUSxTYPE (e.g. 2x8xH100-80GB) or YAML")],
+    plan: Annotated[Path | None, typer.Option("--plan", help="plan JSON/YAML")] = None,
+    strategy: Annotated[str | None, typer.Option("--strategy", help='e.g. "tp=8,pp=8,dp=16,mbs=1,gbs=1536"')] = None,
+    saved: Annotated[Path | None, typer.Option(
+        "--from", help="a saved `plait simulate/plan --json` report whose numbers the page shows")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", "-s", help="tokens per sequence")] = None,
+    out_file: Annotated[str, typer.Option("--out", help="the HTML page to write")] = "report.html",
+    slow: Annotated[str | None, typer.Option("--slow", help="straggling devices RANK:FACTOR[,...]")] = None,
+    memory_gib: Annotated[float | None, typer.Option("--memory-gib", help="device memory override, GiB")] = None,
+    profile: Annotated[Path | None, typer.Option("--profile", help="calibrate from a `plait profile` file")] = None,
+) -> None:
+    """Write a self-contained HTML page of one plan: its stages, pipeline timeline, memory per device and time
+    by cause (from a plan file, --strategy, or the plan a saved `plait plan --json` report holds)."""
+    from plait.report import Alternative, read_saved, write_page
+
+    try:
+        page_path = output_path(out_file, "report.html", "--out")
+        m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile)
+        result = read_saved(saved) if saved is not None else None
+        if result is not None and "plan" in result and plan is None and strategy is None:
+            p = Plan.model_validate(result["plan"])
+            validate_plan(p, m, c)
+        elif result is not None and plan is None and strategy is None:
+            raise PlaitError(f"--from {str(saved)!r} holds no plan (a `plait simulate --json` report); give the "
+                             "plan it simulated with --plan FILE or --strategy too")
+        else:
+            p = plan_of(plan, strategy, m, c, seq_len)
+        report, _, simulated = simulate_result(p, m, c, cal, True, bool(slow))
+        shown = result.get("report", result) if result is not None else None
+        write_page(page_path, "report", result or simulated, [Alternative("this plan", p, report, shown)], m, c)
+    except PlaitError as exc:
+        fail(str(exc))
+        return
+    out.print(f"report page: {page_path}")
+
+
+def plan_of(plan: Path | None, strategy: str | None, m: ModelSpec, c: Cluster, seq_len: int | None) -> Plan:
+    """The validated plan that `--plan FILE` or `--strategy` gives (exactly one of them)."""
+    if (plan is None) == (strategy is None):
+        raise PlaitError("give exactly one of --plan FILE or --strategy \"tp=..,pp=..,dp=..\"")
+    if seq_len is not None and seq_len <= 0:
+        raise PlaitError(f"--seq-len must be a positive number of tokens, got {seq_len}")
+    p = read_plan(plan, m, c, seq_len) if plan is not None else uniform_plan(strategy or "", m, c,
+                                                                             seq_len or m.max_seq_len)
+    validate_plan(p, m, c)
+    return p
 
 
 def print_plan(plan: Plan, world: int | None = None) -> None:
@@ -363,10 +408,9 @@ def _search_progress(label: str = "searching ({} plans)"):
 
 
 def _summary_row(name: str, report: Report, plan: Plan, reference: float | None) -> list[str]:
-    pipe = plan.pipelines[0]
-    layouts = sorted({s.short() for st in pipe.stages for s in st.strategies})
-    layout = f"pp{plan.pp}{' x' + str(plan.chunks) if plan.chunks > 1 else ''} m{pipe.micro_batches} " + \
-        ("; ".join(layouts) if len(layouts) <= 2 else f"{len(layouts)} per-layer strategies")
+    from plait.report import layout_text
+
+    layout = layout_text(plan)
     speed = f"{reference / report.iteration_time_s:.2f}x" if reference and report.fits else "-"
     fits = "[green]yes[/]" if report.fits else f"[red]no (+{report.over_memory_gib:.1f} GiB)[/]"
     return [name, layout, _fmt_s(report.iteration_time_s), f"{report.tokens_per_s:,.0f}", f"{report.mfu:.1%}",
@@ -393,13 +437,18 @@ def plan_cmd(
     runnable: Annotated[bool, typer.Option(
         "--runnable", help="only plans `plait train` executes (see plait.executable)")] = False,
     profile: Annotated[Path | None, typer.Option("--profile", help="calibrate from a `plait profile` file")] = None,
+    report_out: Annotated[str | None, typer.Option(
+        "--report", help="also write an HTML report page (with the search's Pareto alternatives)")] = None,
 ) -> None:
     """Search the fastest plan that fits (or run a baseline planner)."""
     from plait.planner.baselines import BASELINES, run_baseline
     from plait.planner.engine import fewest_gpus, search
+    from plait.report import Alternatives
 
     try:
         plan_file = output_path(out_path, "plan.json", "--out") if out_path is not None else None
+        page_path = output_path(report_out, "report.html", "--report") if report_out is not None else None
+        collected = Alternatives() if page_path is not None else None
         galvatron_file = output_path(galvatron_out, "galvatron_config.json", "--galvatron-out") \
             if galvatron_out is not None else None
         m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile)
@@ -428,7 +477,7 @@ def plan_cmd(
             else:
                 healthy = replace(c, speed=()) if slow else c
                 result = search(m, healthy, seq, global_batch, precision=precision, progress=update, cal=cal,
-                                runnable=runnable)
+                                runnable=runnable, record=collected.record if collected else None)
                 chosen = None
                 if result.plan is not None:
                     chosen = min((x for x in (result.best_layerwise, result.best_uniform)
@@ -460,11 +509,6 @@ def plan_cmd(
             files.append((galvatron_file, json.dumps(galvatron_config(chosen.plan, m), indent=4)))
         if plan_file is not None:
             files.append((plan_file, chosen.plan.file_text(plan_file)))
-        write_files(files)
-    except PlaitError as exc:
-        fail(str(exc))
-        return
-    if as_json:
         obj = {"plan": json.loads(chosen.plan.model_dump_json()), "report": chosen.report.to_dict(),
                "search_time_s": elapsed}
         if compare:
@@ -472,6 +516,15 @@ def plan_cmd(
                                 for k, b in baselines.items()}
         if straggler:
             obj["straggler"] = straggler
+        if page_path is not None:
+            from plait.report import plan_page
+
+            files.append((page_path, plan_page(obj, chosen, baselines, collected, m, c, cal)))
+        write_files(files)
+    except PlaitError as exc:
+        fail(str(exc))
+        return
+    if as_json:
         sys.stdout.write(json_line(obj))
         return
     print_plan(chosen.plan, c.world_size)
@@ -483,7 +536,8 @@ def plan_cmd(
     if (reason := unsupported(chosen.plan, m)) is not None:
         out.print(f"[yellow]note:[/] `plait train` cannot run this plan yet ({reason}); --runnable restricts the "
                   "search to plans it runs")
-    out.print(f"searched in {elapsed:.2f} s" + (f"; plan written to {plan_file}" if plan_file else ""))
+    out.print(f"searched in {elapsed:.2f} s" + (f"; plan written to {plan_file}" if plan_file else "")
+              + (f"; report page: {page_path}" if page_path else ""))
     if compare:
         table = Table(title="search vs baselines (speed-up = baseline time / this time)", box=box.SIMPLE_HEAD)
         for col in ("planner", "layout", "iteration", "tokens/s", "MFU", "peak GiB", "fits", "speed-up"):
@@ -547,12 +601,14 @@ def varlen_cmd(
     capacity: Annotated[int, typer.Option("--capacity", help="tokens a device holds at once")] = 32768,
     precision: Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32")] = "bf16",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object and nothing else")] = False,
+    report_out: Annotated[str | None, typer.Option("--report", help="also write an HTML report page")] = None,
 ) -> None:
     """Plan sampled global batches of variable-length sequences: per-step sequence-parallel groups (FlexSP),
     ByteScale-style balance scheduling, or static sequence parallelism."""
     from plait.planner.varlen import SequenceCost, load_lengths, plan_batch, sample_batches
 
     try:
+        page_path = output_path(report_out, "report.html", "--report") if report_out is not None else None
         m, c, _ = load_inputs(model, cluster, None, None)
         if method not in ("flexsp", "bytescale", "static"):
             raise PlaitError(f"--method must be flexsp, bytescale or static, got {method!r}")
@@ -577,13 +633,19 @@ def varlen_cmd(
                              "group_sizes": [sorted(Counter(g.degree for g in mb.groups).items())
                                              for mb in p.micro_batches]})
                 update(method, i + 1, len(sampled))
+        total = sum(r["time_s"] for r in rows)
+        solve = sum(r["solve_time_s"] for r in rows)
+        result = {"total_time_s": total, "solve_time_s": solve, "per_batch": rows}
+        if page_path is not None:
+            from plait.report import write_page
+
+            write_page(page_path, "varlen", result, [], m, c, {"method": method, "global batch": global_batch,
+                                                                 "capacity": capacity, "precision": precision})
     except PlaitError as exc:
         fail(str(exc))
         return
-    total = sum(r["time_s"] for r in rows)
-    solve = sum(r["solve_time_s"] for r in rows)
     if as_json:
-        sys.stdout.write(json_line({"total_time_s": total, "solve_time_s": solve, "per_batch": rows}))
+        sys.stdout.write(json_line(result))
         return
     table = Table(title=f"{m.name} on {c.name}, {method}{f' sp={sp}' if sp else ''}, {capacity} tokens per device",
                   box=box.SIMPLE_HEAD)

@@ -6,6 +6,8 @@ path), and files appear whole or not at all. Errors are PlaitErrors that name th
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import tempfile
@@ -97,3 +99,17 @@ def write_files(files: Sequence[tuple[Path, str | bytes]]) -> None:
 def write_atomically(path: str | os.PathLike[str], data: str | bytes) -> None:
     """Write one file so that readers never see it half-written (PlaitError names `path` on failure)."""
     write_files([(Path(path), data)])
+
+
+def json_line(obj: object) -> str:
+    """`obj` as one line of standard JSON: a non-finite number (inf, NaN) becomes null."""
+    def finite(x: object) -> object:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [finite(v) for v in x]
+        return x
+
+    return json.dumps(finite(obj), allow_nan=False) + "\n"
