@@ -39,3 +39,32 @@ def test_yaml_host_fields(tmp_path: Path) -> None:
     path.write_text("nodes: 1\ngpus_per_node: 8\ngpu: A800-80GB\nhost:\n  memory_gib: -1\n")
     with pytest.raises(PlaitError, match="host.memory_gib"):
         load_cluster(str(path))
+
+
+# ---- plans and the shorthand -----------------------------------------------------------------------
+
+def test_shorthand_and_version_4_files(tmp_path: Path) -> None:
+    import json
+
+    from plait.plan import PLAN_VERSION, load_plan, uniform_plan
+    from plait.spec.model import PRESETS
+
+    model, cluster = PRESETS["llama2-7b"], load_cluster("1x8xA800-80GB")
+    plan = uniform_plan("tp=8,zero=1,swap=0.5,offload=optim", model, cluster, 4096)
+    s = plan.pipelines[0].stages[0].strategies[0]
+    assert (s.swap, s.offload) == (0.5, "optim") and s.short().endswith("swap=0.5 offload=optim")
+    for bad, why in (("swap=1.5", "swap must be a share"), ("swap=x", "swap must be a share"),
+                     ("offload=disk", "offload must be none or optim")):
+        with pytest.raises(PlaitError, match=why):
+            uniform_plan(f"tp=8,{bad}", model, cluster, 4096)
+    raw = json.loads(uniform_plan("tp=8", model, cluster, 4096).to_json())
+    raw["version"] = 4
+    for stage in raw["pipelines"][0]["stages"]:
+        for st in stage["strategies"]:
+            del st["swap"], st["offload"]
+    path = tmp_path / "v4.json"
+    path.write_text(json.dumps(raw))
+    read = load_plan(path)
+    assert read.version == PLAN_VERSION == 5
+    assert (read.pipelines[0].stages[0].strategies[0].swap, read.pipelines[0].stages[0].strategies[0].offload) \
+        == (0.0, "none")

@@ -36,8 +36,10 @@ from plait.spec.model import ModelSpec, Recompute
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["bf16", "fp16", "fp32"]
 GradReduce = Literal["auto", "fp32", "bf16"]
-PLAN_VERSION = 4
-"""Version of the plan file. 4: strategies carry ZeRO's shard group `shard` (HSDP; absent in older files: 0,
+Offload = Literal["none", "optim"]
+PLAN_VERSION = 5
+"""Version of the plan file. 5: strategies carry the share of saved activations swapped to host `swap` and
+the `offload` of optimizer states to the host CPU (absent in older files: 0 and "none"). 4: strategies carry ZeRO's shard group `shard` (HSDP; absent in older files: 0,
 all data-parallel ranks) and the plan the gradient reduce precision `grad_reduce` (absent: "auto"). 3:
 `model_fingerprint` (optional) records the model's architecture; strategies carry the expert degrees `ep` and
 `etp` of MoE layers and the plan their `expert_load` (absent in older files: ep 1, etp as tp, load 1). 2: a
@@ -76,6 +78,12 @@ class Strategy(BaseModel):
         return self.etp or self.tp
     shard: int = Field(0, ge=0, description="ranks ZeRO shards over: 0 all dp*cp ranks holding the weights, else "
                                             "a shard group of that size replicated over the rest (HSDP)")
+    swap: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False,
+                        description="share of the layer's saved activations swapped to host memory token-wise "
+                                    "after its forward and fetched back for its backward (MEMO)")
+    offload: Offload = Field("none", description="optim: fp32 master weights, optimizer states and gradients "
+                                                 "live in host memory and the optimizer steps on the CPU "
+                                                 "(ZeRO-Offload)")
 
     @property
     def degrees(self) -> Degrees:
@@ -103,6 +111,10 @@ class Strategy(BaseModel):
             parts.append(f"shard{self.shard}")
         if self.recompute != "none":
             parts.append(f"rc={self.recompute}")
+        if self.swap:
+            parts.append(f"swap={self.swap:g}")
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
         return " ".join(parts)
 
 
@@ -404,7 +416,8 @@ def _validate_strategy(s: Strategy, block: Block, devices: int, mbs: int, plan: 
 # ---- the --strategy shorthand ----------------------------------------------------------------------
 
 _STRATEGY_KEYS = ("tp", "pp", "dp", "cp", "mbs", "gbs", "recompute", "sp", "zero", "vpp", "schedule",
-                  "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce")
+                  "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce", "swap",
+                  "offload")
 
 
 def parse_strategy(text: str) -> dict[str, str]:
@@ -462,13 +475,26 @@ def _expert_load(d: dict[str, str]) -> float:
     return load
 
 
+def _swap(d: dict[str, str]) -> float:
+    """The shorthand's `swap` (a share from 0 to 1; 0 when absent)."""
+    raw = d.get("swap", "0")
+    try:
+        share = float(raw)
+    except ValueError:
+        share = math.nan
+    if not 0.0 <= share <= 1.0:
+        raise PlaitError(f"--strategy: swap must be a share from 0 to 1 of the saved activations, got {raw!r}")
+    return share
+
+
 def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) -> Plan:
     """Build a uniform Megatron-style plan from the `--strategy` shorthand.
 
     Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
     (none|selective|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel and expert
     tensor parallel degrees of MoE layers; etp defaults to tp), expert_load (see Plan), shard (ZeRO's shard
-    group, HSDP: 0 all of dp*cp), and optionally schedule, cp_mode, precision, grad_reduce (auto|fp32|bf16),
+    group, HSDP: 0 all of dp*cp), swap (share of saved activations swapped to host), offload (none|optim),
+    and optionally schedule, cp_mode, precision, grad_reduce (auto|fp32|bf16),
     overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
     """
     d = parse_strategy(text)
@@ -502,6 +528,9 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     grad_reduce = d.get("grad_reduce", "auto")
     if grad_reduce not in ("auto", "fp32", "bf16"):
         raise PlaitError(f"--strategy: grad_reduce must be auto, fp32 or bf16, got {grad_reduce!r}")
+    offload = d.get("offload", "none")
+    if offload not in ("none", "optim"):
+        raise PlaitError(f"--strategy: offload must be none or optim, got {offload!r}")
     zero = _int(d, "zero", 0)
     if zero > 3:
         raise PlaitError(f"--strategy: zero must be 0..3, got {zero}")
@@ -509,7 +538,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
         raise PlaitError(f"--strategy: pp*vpp = {pp * vpp} chunks but {model.name} has {model.layers} layers")
     strategy = Strategy(dp=dp, tp=tp, cp=cp, sp=_bool(d, "sp", False), cp_mode=cp_mode, zero=zero,
                         recompute=recompute, ep=_int(d, "ep", 1), etp=_int(d, "etp", 0),  # type: ignore[arg-type]
-                        shard=_int(d, "shard", 0))
+                        shard=_int(d, "shard", 0), swap=_swap(d), offload=offload)  # type: ignore[arg-type]
     per_group = tp * cp * dp
     stages = []
     start = 0
