@@ -68,3 +68,71 @@ def test_shorthand_and_version_4_files(tmp_path: Path) -> None:
     assert read.version == PLAN_VERSION == 5
     assert (read.pipelines[0].stages[0].strategies[0].swap, read.pipelines[0].stages[0].strategies[0].offload) \
         == (0.0, "none")
+
+
+# ---- cost model --------------------------------------------------------------------------------------
+
+def _llama_on_a800(text: str, seq: int = 131072, cluster: str = "1x8xA800-80GB"):  # noqa: ANN202
+    from plait.plan import uniform_plan
+    from plait.simulate import price_plan
+    from plait.spec.model import PRESETS
+
+    model, c = PRESETS["llama2-7b"], load_cluster(cluster)
+    return price_plan(uniform_plan(text + ",gbs=1", model, c, seq), model, c)
+
+
+def _layer(priced):  # noqa: ANN001, ANN202
+    return priced.costs[0][0].priced[0][0]  # the first layer's LayerCost
+
+
+def test_swap_moves_saved_activations_to_host() -> None:
+    from plait.cost import offload
+
+    base, half, full = (_layer(_llama_on_a800(f"tp=8,sp=1,zero=1,swap={a}")) for a in (0, 0.5, 1))
+    assert half.activation == pytest.approx(base.activation / 2) and full.activation == 0
+    assert half.swapped == pytest.approx(base.activation / 2) and full.swapped == pytest.approx(base.activation)
+    assert base.time.host_comm == 0 and full.time.host_comm > 0
+    # what the link cannot hide behind the layer's compute is exposed, each way
+    link = load_cluster("1x8xA800-80GB").host_side.link
+    copy = offload.host_copy_time(base.activation, load_cluster("1x8xA800-80GB"))
+    assert copy == pytest.approx(link.latency + base.activation / link.bandwidth)
+    t = full.time
+    assert t.host_comm == pytest.approx(max(0, copy - t.forward) + max(0, copy - t.backward - t.recompute))
+    # half the bytes hide behind a 128K-token layer's compute on A800; over C2C on GH200 all of them do
+    assert half.time.host_comm == 0
+    assert _layer(_llama_on_a800("tp=8,sp=1,zero=1,swap=1", cluster="1x8xGH200-96GB")).time.host_comm == 0
+
+
+def test_swap_and_host_budget_in_the_report() -> None:
+    from dataclasses import replace
+
+    from plait.simulate import finish, price_plan
+    from plait.plan import uniform_plan
+    from plait.spec.model import PRESETS
+
+    none, swapped = _llama_on_a800("tp=8,sp=1,zero=1"), _llama_on_a800("tp=8,sp=1,zero=1,swap=1")
+    assert not none.fits and swapped.fits  # 128K tokens: 87 GiB without swapping, 20 GiB with
+    act = _layer(none).activation
+    assert swapped.host[0][0] == pytest.approx(32 * act)  # one micro-batch in flight, 32 layers
+    assert swapped.host_peak_bytes == pytest.approx(8 * 32 * act)  # eight devices on the node
+    report = finish(swapped)
+    assert report.host_memory_gib == pytest.approx(swapped.host_peak_bytes / GIB) and report.fits
+    assert report.to_dict()["devices"][0]["host_gib_per_device"] == pytest.approx(32 * act / GIB)
+    model = PRESETS["llama2-7b"]
+    small = load_cluster("1x8xA800-80GB")
+    small = replace(small, host=replace(small.host_side, memory_bytes=256 * GIB))
+    tight = price_plan(uniform_plan("tp=8,sp=1,zero=1,swap=1,gbs=1", model, small, 131072), model, small)
+    assert tight.peak_bytes == swapped.peak_bytes and not tight.fits and not finish(tight).fits
+
+
+def test_offloaded_optimizer_lives_and_steps_on_the_host() -> None:
+    from plait.cost import offload
+
+    base, off = _llama_on_a800("tp=8,sp=1,zero=1"), _llama_on_a800("tp=8,sp=1,zero=1,offload=optim")
+    b, o = _layer(base), _layer(off)
+    assert (o.optimizer, o.gradients) == (0, 0) and o.weights == b.weights
+    assert o.host == pytest.approx(b.optimizer * 16 / 12)  # master + moments 12 B, fp32 gradient 4 B
+    local = sum(n * c.params for c, n, _, _ in off.costs[0][0].priced)
+    assert off.syncs[0][0][2] == pytest.approx(local * 8 / offload.HOST_ADAM_PARAMS_PER_S)
+    assert off.syncs[0][0][1] > base.syncs[0][0][1]  # the updated weights come back over the link
+    assert off.peak_bytes < base.peak_bytes - 8 * GIB

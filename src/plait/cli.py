@@ -196,13 +196,16 @@ def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster)
     head = Table(title="prediction", show_header=False)
     head.add_column("metric")
     head.add_column("value", justify="right")
-    fits = "[green]yes[/]" if report.fits else f"[red]no: {report.over_memory_gib:.1f} GiB over[/]"
+    host_over = report.host_memory_gib - report.host_capacity_gib
+    fits = "[green]yes[/]" if report.fits else f"[red]no: {report.over_memory_gib:.1f} GiB over[/]" \
+        if report.over_memory_gib > 0 else f"[red]no: host memory {host_over:.1f} GiB over[/]"
     for name, value in (
         ("iteration time", _fmt_s(report.iteration_time_s)),
         ("throughput", f"{report.tokens_per_s:,.0f} tokens/s"),
         ("model TFLOP/s per GPU", f"{report.model_tflops_per_gpu:.1f} (MFU {report.mfu:.1%})"),
         ("hardware TFLOP/s per GPU", f"{report.hardware_tflops_per_gpu:.1f} (HFU {report.hfu:.1%})"),
         ("peak memory", f"{report.peak_memory_gib:.1f} of {report.memory_capacity_gib:.1f} GiB"),
+        ("host memory per node", f"{report.host_memory_gib:.1f} of {report.host_capacity_gib:.0f} GiB"),
         ("fits", fits),
     ):
         head.add_row(name, value)
@@ -223,7 +226,7 @@ def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster)
     mem = Table(title=f"memory per device ({name})", box=box.SIMPLE_HEAD)
     multi = len(plan.pipelines) > 1
     for col in ("pipe",) * multi + ("stage", "ranks", "layers", "weights", "grads", "optim", "activ", "buf",
-                                    "reserve", "total"):
+                                    "reserve", "total", "host"):
         mem.add_column(col, justify="right", no_wrap=True)
     for d in report.devices[:16]:
         t = d.memory
@@ -231,7 +234,7 @@ def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster)
         mem.add_row(*(str(d.pipeline),) * multi, str(d.index), ranks_text(d.ranks),
                     ",".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in d.layers),
                     *(f"{v / size:.1f}" for v in (t.weights, t.gradients, t.optimizer, t.activations, t.buffers,
-                                                  t.reserve)), total)
+                                                  t.reserve)), total, f"{d.host_bytes / size:.1f}")
     if len(report.devices) > 16:
         mem.caption = f"first 16 of {len(report.devices)} device groups"
     out.print(mem)
