@@ -136,3 +136,41 @@ def test_offloaded_optimizer_lives_and_steps_on_the_host() -> None:
     assert off.syncs[0][0][2] == pytest.approx(local * 8 / offload.HOST_ADAM_PARAMS_PER_S)
     assert off.syncs[0][0][1] > base.syncs[0][0][1]  # the updated weights come back over the link
     assert off.peak_bytes < base.peak_bytes - 8 * GIB
+
+
+# ---- search ------------------------------------------------------------------------------------------
+
+def test_space_with_the_hierarchy() -> None:
+    from dataclasses import replace
+
+    from plait.planner.space import HIERARCHY, SpaceLimits, block_strategies
+    from plait.spec.model import PRESETS
+
+    block, c = PRESETS["llama2-7b"].block, load_cluster("1x8xA800-80GB")
+    plain = block_strategies(block, c, 8, 8, 4096)
+    both = block_strategies(block, c, 8, 8, 4096, replace(SpaceLimits(), **HIERARCHY))
+    assert all(s.swap == 0 and s.offload == "none" for s in plain)
+    assert set(plain) < set(both) and len(both) <= 6 * len(plain)
+    assert {s.swap for s in both} == {0.0, 0.5, 1.0}
+    assert not any(s.offload == "optim" and s.zero == 0 and s.dp * s.cp > 1 for s in both)
+
+
+def test_search_swaps_where_it_pays_and_keeps_to_the_host_budget() -> None:
+    from dataclasses import replace
+
+    from plait.planner.engine import DEFAULT_LIMITS, search
+    from plait.planner.space import HIERARCHY
+    from plait.spec.model import PRESETS
+
+    model, c = PRESETS["llama2-7b"], load_cluster("1x8xA800-80GB")
+    limits = replace(DEFAULT_LIMITS, **HIERARCHY)
+    plain = search(model, c, 131072, 8, include_uniform=False)
+    deep = search(model, c, 131072, 8, include_uniform=False, limits=limits)
+    assert plain.report is not None and deep.report is not None and deep.report.fits
+    chosen = [s for st in deep.plan.pipelines[0].stages for s in st.strategies]
+    assert any(s.swap > 0 for s in chosen)
+    assert deep.report.iteration_time_s < plain.report.iteration_time_s  # swapping replaces recomputation
+    small = replace(c, host=replace(c.host_side, memory_bytes=64 * GIB))
+    tight = search(model, small, 131072, 8, include_uniform=False, limits=limits)
+    assert tight.report is not None and tight.report.fits
+    assert tight.report.host_memory_gib <= 64 and tight.report.iteration_time_s >= deep.report.iteration_time_s

@@ -394,10 +394,14 @@ def plan_cmd(
     runnable: Annotated[bool, typer.Option(
         "--runnable", help="only plans `plait train` executes (see plait.executable)")] = False,
     profile: Annotated[Path | None, typer.Option("--profile", help="calibrate from a `plait profile` file")] = None,
+    host_memory: Annotated[bool, typer.Option(
+        "--host-memory", help="also search swapping activations to host (swap 0.5, 1) and offloading the "
+                              "optimizer to the host CPU, within the nodes' host memory")] = False,
 ) -> None:
     """Search the fastest plan that fits (or run a baseline planner)."""
     from plait.planner.baselines import BASELINES, run_baseline
-    from plait.planner.engine import fewest_gpus, search
+    from plait.planner.engine import DEFAULT_LIMITS, fewest_gpus, search
+    from plait.planner.space import HIERARCHY
 
     try:
         plan_file = output_path(out_path, "plan.json", "--out") if out_path is not None else None
@@ -428,8 +432,9 @@ def plan_cmd(
                 closest = best
             else:
                 healthy = replace(c, speed=()) if slow else c
+                limits = replace(DEFAULT_LIMITS, **HIERARCHY) if host_memory else DEFAULT_LIMITS
                 result = search(m, healthy, seq, global_batch, precision=precision, progress=update, cal=cal,
-                                runnable=runnable)
+                                runnable=runnable, limits=limits)
                 chosen = None
                 if result.plan is not None:
                     chosen = min((x for x in (result.best_layerwise, result.best_uniform)

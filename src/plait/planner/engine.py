@@ -84,6 +84,7 @@ class _Priced:
     states: float  # bytes of weights + gradients + optimizer
     activation: float  # bytes saved per micro-batch in flight
     working: float  # transient bytes while recomputing
+    host: float = 0.0  # host bytes: offloaded states, and swapped activations per micro-batch in flight
 
 
 def _micro_batch_counts(global_batch: int, pp: int) -> list[int]:
@@ -132,7 +133,8 @@ class _Config:
         self.block_index = {b: i for i, b in enumerate(self.blocks)}
         self.kind_of_layer = tuple(self.block_index[b] for b in model.stack)
         self.priced: list[list[_Priced]] = [
-            [self._price(b, s) for s in block_strategies(b, cluster, self.n, self.mb, seq_len, limits)]
+            [p for s in block_strategies(b, cluster, self.n, self.mb, seq_len, limits)
+             if self._host_fits(p := self._price(b, s))]
             for b in self.blocks]
         self.stage_group = GroupShape.of(tuple(range(self.n)), cluster.gpus_per_node)
         self.hidden_bytes = carried_bytes(model.layers - 1, self.mb, self._context(Strategy()))  # one micro-batch
@@ -173,7 +175,16 @@ class _Config:
     def _price(self, block: Block, s: Strategy) -> _Priced:
         c = price(block, s, self._context(s))
         return _Priced(s, c.micro_batch_s, c.exposed_sync(self.cal.overlap_efficiency), c.states, c.activation,
-                       c.working)
+                       c.working, c.host + c.swapped * max(self.in_flight) / self.chunks)
+
+    def _host_fits(self, p: _Priced) -> bool:
+        """Whether a node's host memory holds `p`'s host bytes for the most layers a device may get (its
+        even share plus one) on every device of the node: the search's host budget (the simulator
+        checks the assembled plan's own)."""
+        if p.host == 0:
+            return True
+        layers = -(-self.model.layers // self.pp) + 1
+        return layers * self.cluster.gpus_per_node * p.host <= self.cluster.host_side.memory_bytes
 
     def lower_bound_s(self) -> float:
         """Seconds every plan of this configuration takes at least: its layers at their fastest strategies
