@@ -174,3 +174,94 @@ def test_search_swaps_where_it_pays_and_keeps_to_the_host_budget() -> None:
     tight = search(model, small, 131072, 8, include_uniform=False, limits=limits)
     assert tight.report is not None and tight.report.fits
     assert tight.report.host_memory_gib <= 64 and tight.report.iteration_time_s >= deep.report.iteration_time_s
+
+
+# ---- runtime -----------------------------------------------------------------------------------------
+
+TINY_LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=97,max_seq_len=48"
+
+
+def _swapped_run(share: float, dtype: str = "fp32"):  # noqa: ANN202
+    import torch
+
+    from plait.models import build_model
+    from plait.runtime import swap
+    from plait.spec.model import load_model
+
+    torch.manual_seed(0)
+    model = build_model(load_model(TINY_LLAMA))
+    swap.apply_swap(model, share, list(model.layers))
+    meter = getattr(model, "swap_meter", None) or swap.SwapMeter.of(model)
+    if share == 0:  # count the unswapped saved bytes the same way
+        for block in model.layers.values():
+            swap.attach(block, 0.0, meter)
+    tokens = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        loss = model(tokens).float().logsumexp(-1).mean()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, meter.as_dict()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_token_swap_keeps_gradients_and_moves_the_bytes(dtype: str) -> None:
+    base, counted = _swapped_run(0.0, dtype)
+    assert counted["resident_peak_bytes"] > 0 and counted["host_peak_bytes"] == 0
+    for share in (0.5, 1.0):
+        grads, m = _swapped_run(share, dtype)
+        assert max((grads[n] - base[n]).abs().max().item() for n in base) <= 1e-6
+        ratio = m["resident_peak_bytes"] / counted["resident_peak_bytes"]
+        assert ratio == pytest.approx(1 - share, abs=0.05)
+        assert m["host_peak_bytes"] == pytest.approx(share * counted["resident_peak_bytes"], rel=0.05)
+
+
+def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
+    from plait.executable import unsupported
+    from plait.plan import uniform_plan
+    from plait.spec.cluster import local_ranks
+    from plait.spec.model import load_model
+
+    model = load_model("tiny-llama")
+    ok = uniform_plan("dp=2,zero=1,swap=0.5", model, local_ranks(2), 64)
+    assert unsupported(ok, model) is None
+    for text, needle in (("dp=2,zero=1,offload=optim", "offload=optim is priced but not executed"),
+                         ("tp=2,swap=0.5", "swap=0 there"), ("dp=2,recompute=full,swap=1", "swap=0 there")):
+        reason = unsupported(uniform_plan(text, model, local_ranks(2), 64), model)
+        assert reason is not None and needle in reason and "\n" not in reason
+
+
+def test_train_swaps_on_two_ranks_with_the_same_losses(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from plait.plan import uniform_plan
+    from plait.runtime.train import TrainConfig
+    from plait.spec.cluster import local_ranks
+    from plait.spec.model import load_model
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"plait swaps tokens to the host and back {i}." for i in range(200)))
+    model = load_model("tiny-llama")
+    paths, outs = [], {}
+    for share in (0.0, 0.5, 1.0):
+        plan = uniform_plan(f"dp=2,zero=1,swap={share}", model, local_ranks(2), 64)
+        outs[share] = tmp_path / f"metrics-{share}.jsonl"
+        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=3, lr=0.01,
+                          data=str(text), metrics_out=str(outs[share]))
+        paths.append(tmp_path / f"config-{share}.json")
+        paths[-1].write_text(cfg.to_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "plait.runtime.worker", *map(str, paths)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {a: [json.loads(line) for line in out.read_text().splitlines()] for a, out in outs.items()}
+    base = [r["loss"] for r in records[0.0]]
+    assert len(base) == 3 and all("swap" not in r for r in records[0.0])
+    for share in (0.5, 1.0):
+        assert [r["loss"] for r in records[share]] == pytest.approx(base, abs=1e-6)
+        for r in records[share]:
+            m = r["swap"]
+            resident = m["resident_peak_bytes"] / (m["resident_peak_bytes"] + m["host_peak_bytes"])
+            assert resident == pytest.approx(1 - share, abs=0.05) and m["swapped_bytes"] > 0

@@ -14,7 +14,7 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     if (reason := unbuildable(model)) is not None or (reason := _kind_problem(plan, model)) is not None or \
             (reason := _expert_problem(plan, model)) is not None:
         return reason
-    if (reason := _unsupported_sharding(plan)) is not None:
+    if (reason := _unsupported_sharding(plan)) is not None or (reason := _unsupported_hierarchy(plan)) is not None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
@@ -53,6 +53,19 @@ def _unsupported_sharding(plan: Plan) -> str | None:
     if hsdp is not None:
         return (f"{hsdp.short()} is hybrid sharded data parallelism (HSDP), which the runtime does not execute "
                 "yet; use shard=0 (ZeRO over all data-parallel ranks)")
+    return None
+
+
+def _unsupported_hierarchy(plan: Plan) -> str | None:
+    """Token-wise swapping runs on layers without recomputation (checkpointing brings its own saved-tensor
+    hooks) and without tensor or context parallelism (their saved activations are DTensors or sequence
+    shards); the optimizer offload is priced but not executed yet."""
+    for s in (s for p in plan.pipelines for st in p.stages for s in st.strategies):
+        if s.offload != "none":
+            return (f"{s.short()}: offload={s.offload} is priced but not executed yet; use offload=none")
+        if s.swap and (s.recompute != "none" or s.tp > 1 or s.cp > 1):
+            return (f"{s.short()}: the runtime swaps activations of layers without recompute, tensor or context "
+                    "parallelism; use swap=0 there")
     return None
 
 
