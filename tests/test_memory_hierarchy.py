@@ -220,16 +220,28 @@ def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
     from plait.spec.cluster import local_ranks
     from plait.spec.model import load_model
 
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from plait.runtime.parallelize import _offload_policy
+
+    policy = _offload_policy("optim")["offload_policy"]
+    assert isinstance(policy, CPUOffloadPolicy) and not policy.pin_memory and _offload_policy("none") == {}
     model = load_model("tiny-llama")
-    ok = uniform_plan("dp=2,zero=1,swap=0.5", model, local_ranks(2), 64)
-    assert unsupported(ok, model) is None
-    for text, needle in (("dp=2,zero=1,offload=optim", "offload=optim is priced but not executed"),
+    for text in ("dp=2,zero=1,swap=0.5", "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim"):
+        assert unsupported(uniform_plan(text, model, local_ranks(4 if "dp=4" in text else 2), 64), model) is None
+    for text, needle in (("dp=2,offload=optim", "offloads the optimizer with FSDP2"),
+                         ("dp=2,tp=2,zero=1,offload=optim", "offloads the optimizer with FSDP2"),
+                         ("dp=2,pp=2,zero=1,offload=optim", "offloads the optimizer with FSDP2"),
                          ("tp=2,swap=0.5", "swap=0 there"), ("dp=2,recompute=full,swap=1", "swap=0 there")):
-        reason = unsupported(uniform_plan(text, model, local_ranks(2), 64), model)
-        assert reason is not None and needle in reason and "\n" not in reason
+        world = 4 if ("tp=2" in text or "pp=2" in text) and "dp=2" in text else 2
+        reason = unsupported(uniform_plan(text, model, local_ranks(world), 64), model)
+        assert reason is not None and needle in reason and "\n" not in reason, (text, reason)
 
 
-def test_train_swaps_on_two_ranks_with_the_same_losses(tmp_path: Path) -> None:
+STEPS = 20
+
+
+def test_train_swaps_and_offloads_on_two_ranks_with_the_same_losses(tmp_path: Path) -> None:
     import json
     import os
     import subprocess
@@ -244,12 +256,14 @@ def test_train_swaps_on_two_ranks_with_the_same_losses(tmp_path: Path) -> None:
     text.write_text("\n".join(f"plait swaps tokens to the host and back {i}." for i in range(200)))
     model = load_model("tiny-llama")
     paths, outs = [], {}
-    for share in (0.0, 0.5, 1.0):
-        plan = uniform_plan(f"dp=2,zero=1,swap={share}", model, local_ranks(2), 64)
-        outs[share] = tmp_path / f"metrics-{share}.jsonl"
-        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=3, lr=0.01,
-                          data=str(text), metrics_out=str(outs[share]))
-        paths.append(tmp_path / f"config-{share}.json")
+    cases = {0.0: "dp=2,zero=1", 0.5: "dp=2,zero=1,swap=0.5", 1.0: "dp=2,zero=1,swap=1",
+             "offload": "dp=2,zero=1,offload=optim"}
+    for key, strategy in cases.items():
+        plan = uniform_plan(strategy, model, local_ranks(2), 64)
+        outs[key] = tmp_path / f"metrics-{key}.jsonl"
+        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=STEPS, lr=0.01,
+                          data=str(text), metrics_out=str(outs[key]))
+        paths.append(tmp_path / f"config-{key}.json")
         paths[-1].write_text(cfg.to_json())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
            "plait.runtime.worker", *map(str, paths)]
@@ -258,7 +272,8 @@ def test_train_swaps_on_two_ranks_with_the_same_losses(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = {a: [json.loads(line) for line in out.read_text().splitlines()] for a, out in outs.items()}
     base = [r["loss"] for r in records[0.0]]
-    assert len(base) == 3 and all("swap" not in r for r in records[0.0])
+    assert len(base) == STEPS and all("swap" not in r for r in records[0.0])
+    assert [r["loss"] for r in records["offload"]] == pytest.approx(base, abs=1e-5)  # FSDP2's CPUOffloadPolicy
     for share in (0.5, 1.0):
         assert [r["loss"] for r in records[share]] == pytest.approx(base, abs=1e-6)
         for r in records[share]:

@@ -14,7 +14,7 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     if (reason := unbuildable(model)) is not None or (reason := _kind_problem(plan, model)) is not None or \
             (reason := _expert_problem(plan, model)) is not None:
         return reason
-    if (reason := _unsupported_sharding(plan)) is not None or (reason := _unsupported_hierarchy(plan)) is not None:
+    if (reason := _unsupported_sharding(plan)) is not None or (reason := _unsupported_hierarchy(plan, model)) is not None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
@@ -56,13 +56,21 @@ def _unsupported_sharding(plan: Plan) -> str | None:
     return None
 
 
-def _unsupported_hierarchy(plan: Plan) -> str | None:
+def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
     """Token-wise swapping runs on layers without recomputation (checkpointing brings its own saved-tensor
     hooks) and without tensor or context parallelism (their saved activations are DTensors or sequence
-    shards); the optimizer offload is priced but not executed yet."""
-    for s in (s for p in plan.pipelines for st in p.stages for s in st.strategies):
-        if s.offload != "none":
-            return (f"{s.short()}: offload={s.offload} is priced but not executed yet; use offload=none")
+    shards). The optimizer offload runs as FSDP2's CPUOffloadPolicy: ZeRO over more than one data-parallel
+    rank, one stage, no tensor or context parallelism, every layer offloaded alike, no MoE layers (their
+    experts are sharded apart)."""
+    strategies = [s for p in plan.pipelines for st in p.stages for s in st.strategies]
+    offloads = {s.offload for s in strategies}
+    if offloads != {"none"} and "moe" in model.kind_counts():
+        return f"{model.name} has MoE layers, whose optimizer the runtime does not offload yet; use offload=none"
+    for s in strategies:
+        if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.tp > 1 or s.cp > 1 or plan.pp > 1
+                                    or len(plan.pipelines) > 1 or len(offloads) > 1):
+            return (f"{s.short()}: the runtime offloads the optimizer with FSDP2 (zero >= 1 over dp > 1, one stage, "
+                    "no tensor or context parallelism, every layer alike); use offload=none")
         if s.swap and (s.recompute != "none" or s.tp > 1 or s.cp > 1):
             return (f"{s.short()}: the runtime swaps activations of layers without recompute, tensor or context "
                     "parallelism; use swap=0 there")
