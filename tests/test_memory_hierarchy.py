@@ -280,3 +280,58 @@ def test_train_swaps_and_offloads_on_two_ranks_with_the_same_losses(tmp_path: Pa
             m = r["swap"]
             resident = m["resident_peak_bytes"] / (m["resident_peak_bytes"] + m["host_peak_bytes"])
             assert resident == pytest.approx(1 - share, abs=0.05) and m["swapped_bytes"] > 0
+
+
+def memo_gpt():  # noqa: ANN201
+    """MEMO's 7B GPT (32 layers, hidden 4096, ffn 16384, 32 heads, vocab 50257) with rotary positions (a learned
+    table of a million positions would add 4.3B parameters)."""
+    from dataclasses import replace
+
+    from plait.spec.model import load_model
+
+    return replace(load_model("gpt:layers=32,hidden=4096,heads=32,ffn=16384,vocab=50257,max_seq_len=1048576"),
+                   learned_positions=False)
+
+
+def test_memo_setting_fits_only_with_the_hierarchy() -> None:
+    from dataclasses import replace
+
+    from plait.planner.engine import DEFAULT_LIMITS, search
+    from plait.planner.space import HIERARCHY
+
+    model, c = memo_gpt(), load_cluster("1x8xA800-80GB")
+    plain = search(model, c, 1048576, 1)
+    assert plain.report is None  # no plan of recomputation and sharding fits a million tokens on 8 A800
+    deep = search(model, c, 1048576, 1, limits=replace(DEFAULT_LIMITS, **HIERARCHY))
+    assert deep.report is not None and deep.report.fits and deep.report.host_memory_gib <= 931
+    chosen = [s for st in deep.plan.pipelines[0].stages for s in st.strategies]
+    assert any(s.swap > 0 for s in chosen)
+
+
+# ---- MEMO's memory plan ------------------------------------------------------------------------------
+
+def test_memory_plan_beats_greedy_where_it_can() -> None:
+    from plait.runtime.memplan import Alloc, check_plan, greedy_offsets, max_live, plan_offsets
+
+    log = [Alloc(2, 4, 6), Alloc(4, 6, 7), Alloc(3, 0, 2), Alloc(1, 4, 8), Alloc(3, 2, 7), Alloc(3, 5, 6)]
+    assert greedy_offsets(log)[1] == 10 and max_live(log) == 9
+    offsets, peak = plan_offsets(log, time_limit_s=10)
+    assert peak == 9 and check_plan(log, offsets)
+
+
+def test_memory_plan_of_a_traced_layer() -> None:
+    import torch
+
+    from plait.models import build_model
+    from plait.runtime.memplan import caching_peak, check_plan, max_live, plan_offsets, trace
+    from plait.spec.model import load_model
+
+    torch.manual_seed(0)
+    model = build_model(load_model("llama:layers=1,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=97,max_seq_len=256"))
+    block, x = model.layers["0"], torch.randn(2, 256, 64, requires_grad=True)
+    log = trace(lambda: block(x, model.freqs_cis[:256]).sum().backward())
+    assert len(log) > 50
+    offsets, peak = plan_offsets(log, time_limit_s=10)
+    live, cached = max_live(log), caching_peak(log)
+    assert check_plan(log, offsets) and live <= peak <= 1.05 * live
+    assert cached >= live  # the caching allocator's reserved bytes, reported beside

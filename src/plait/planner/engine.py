@@ -26,7 +26,7 @@ from plait.cost.comm import GroupShape
 from plait.cost.layer import BlockContext
 from plait.cost.pipeline import StageTimes, simulate_pipeline
 from plait.cost.precision import PRECISIONS
-from plait.cost.price import carried_bytes, price, price_edge, relayout_time, usable_memory
+from plait.cost.price import LayerCost, carried_bytes, price, price_edge, relayout_time, usable_memory
 from plait.errors import PlaitError
 from plait.executable import unsupported
 from plait.layout import Layout
@@ -216,9 +216,14 @@ class _Config:
         if device == 0:
             extra += price_edge("embedding", cheapest, ctx).states
         if device == self.pp - 1:
-            head = price_edge("head", cheapest, ctx, self.pp > 1)
+            head = self.head()
             extra += head.states + head.working
         return usable_memory(capacity, self.cal) - extra
+
+    def head(self) -> LayerCost:
+        """The head with its loss, priced with the cheapest-memory strategy (as in budgets)."""
+        cheapest = self.cheapest().strategy
+        return price_edge("head", cheapest, self._context(cheapest), self.pp > 1)
 
     def device_layers(self, counts: list[int]) -> list[list[int]]:
         """The model layers of each device group, chunk by chunk (`counts` layers per group; chunks
@@ -249,7 +254,10 @@ class _Config:
             pools = {k: self.priced[k] for k in present}
             plain = {k: [p for p in pool if p.strategy.recompute == "none"] for k, pool in pools.items()}
             working = max((p.working for pool in pools.values() for p in pool), default=0.0)
-            for pool, room in ((plain, budget), (pools, budget - working)):
+            # the budget keeps room for the loss's logits; a recomputed layer's transient comes at another
+            # moment, so only what it needs beyond them is taken off (the simulator counts the larger)
+            logits = self.head().working if device == self.pp - 1 else 0.0
+            for pool, room in ((plain, budget), (pools, budget + logits - max(working, logits))):
                 sol = self._solve(pool, kinds, room, act_mult)
                 if sol is not None and (result is None or sol[0] < result[0]):
                     result = sol
