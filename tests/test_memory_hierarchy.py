@@ -335,3 +335,23 @@ def test_memory_plan_of_a_traced_layer() -> None:
     live, cached = max_live(log), caching_peak(log)
     assert check_plan(log, offsets) and live <= peak <= 1.05 * live
     assert cached >= live  # the caching allocator's reserved bytes, reported beside
+
+
+# ---- command line ------------------------------------------------------------------------------------
+
+def test_simulate_and_plan_show_swap_offload_and_host_memory() -> None:
+    from typer.testing import CliRunner
+
+    from plait.cli import app
+
+    runner = CliRunner()
+    sim = runner.invoke(app, ["simulate", "-m", "llama2-7b", "-c", "1x8xA800-80GB", "-s", "131072", "--strategy",
+                              "tp=8,sp=1,zero=1,swap=1,offload=optim,gbs=1"])
+    assert sim.exit_code == 0, sim.output
+    text = " ".join(sim.output.split())  # rich wraps long lines
+    assert "swap=1 offload=optim" in text and "host memory per node" in text
+    assert "host_comm" in text and "of 931 GiB" in text
+    plan = runner.invoke(app, ["plan", "-m", "llama2-7b", "-c", "1x8xA800-80GB", "-s", "131072", "-b", "8",
+                               "--host-memory", "--json"])
+    assert plan.exit_code == 0, plan.output
+    assert "swap" in plan.output and "host_memory_gib" in plan.output

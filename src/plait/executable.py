@@ -14,7 +14,8 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     if (reason := unbuildable(model)) is not None or (reason := _kind_problem(plan, model)) is not None or \
             (reason := _expert_problem(plan, model)) is not None:
         return reason
-    if (reason := _unsupported_sharding(plan)) is not None or (reason := _unsupported_hierarchy(plan, model)) is not None:
+    if (reason := _unsupported_sharding(plan)) is not None or \
+            (reason := _unsupported_hierarchy(plan, model)) is not None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
@@ -69,8 +70,8 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
     for s in strategies:
         if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.tp > 1 or s.cp > 1 or plan.pp > 1
                                     or len(plan.pipelines) > 1 or len(offloads) > 1):
-            return (f"{s.short()}: the runtime offloads the optimizer with FSDP2 (zero >= 1 over dp > 1, one stage, "
-                    "no tensor or context parallelism, every layer alike); use offload=none")
+            return (f"{s.short()}: the runtime offloads the optimizer with FSDP2 (zero >= 1 over dp > 1, one "
+                    "stage, no tensor or context parallelism, every layer alike); use offload=none")
         if s.swap and (s.recompute != "none" or s.tp > 1 or s.cp > 1):
             return (f"{s.short()}: the runtime swaps activations of layers without recompute, tensor or context "
                     "parallelism; use swap=0 there")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Literal
@@ -39,8 +40,9 @@ GradReduce = Literal["auto", "fp32", "bf16"]
 Offload = Literal["none", "optim"]
 PLAN_VERSION = 5
 """Version of the plan file. 5: strategies carry the share of saved activations swapped to host `swap` and
-the `offload` of optimizer states to the host CPU (absent in older files: 0 and "none"). 4: strategies carry ZeRO's shard group `shard` (HSDP; absent in older files: 0,
-all data-parallel ranks) and the plan the gradient reduce precision `grad_reduce` (absent: "auto"). 3:
+the `offload` of optimizer states to the host CPU (absent in older files: 0 and "none"). 4: strategies carry
+ZeRO's shard group `shard` (HSDP; absent in older files: 0, all data-parallel ranks) and the plan the
+gradient reduce precision `grad_reduce` (absent: "auto"). 3:
 `model_fingerprint` (optional) records the model's architecture; strategies carry the expert degrees `ep` and
 `etp` of MoE layers and the plan their `expert_load` (absent in older files: ep 1, etp as tp, load 1). 2: a
 pipeline's micro-batch is `micro_batch_sequences` (version 1 called it `micro_batch_size`, which the
@@ -462,29 +464,27 @@ def split_layers(layers: int, parts: int) -> list[int]:
     return [base + (1 if i >= parts - extra else 0) for i in range(parts)]
 
 
+def _number(d: dict[str, str], key: str, default: str, ok: Callable[[float], bool], what: str) -> float:
+    """The shorthand's number `key` (`default` when absent), refused unless `ok` (it must be `what`)."""
+    raw = d.get(key, default)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not ok(value):
+        raise PlaitError(f"--strategy: {key} must be {what}, got {raw!r}")
+    return value
+
+
 def _expert_load(d: dict[str, str]) -> float:
     """The shorthand's `expert_load` (>= 1; 1 when absent)."""
-    raw = d.get("expert_load", "1")
-    try:
-        load = float(raw)
-    except ValueError:
-        load = math.nan
-    if not 1.0 <= load < math.inf:
-        raise PlaitError(f"--strategy: expert_load must be a number >= 1 (the busiest expert rank's routed tokens "
-                         f"over the mean), got {raw!r}")
-    return load
+    return _number(d, "expert_load", "1", lambda v: 1.0 <= v < math.inf,
+                   "a number >= 1 (the busiest expert rank's routed tokens over the mean)")
 
 
 def _swap(d: dict[str, str]) -> float:
     """The shorthand's `swap` (a share from 0 to 1; 0 when absent)."""
-    raw = d.get("swap", "0")
-    try:
-        share = float(raw)
-    except ValueError:
-        share = math.nan
-    if not 0.0 <= share <= 1.0:
-        raise PlaitError(f"--strategy: swap must be a share from 0 to 1 of the saved activations, got {raw!r}")
-    return share
+    return _number(d, "swap", "0", lambda v: 0.0 <= v <= 1.0, "a share from 0 to 1 of the saved activations")
 
 
 def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) -> Plan:

@@ -82,7 +82,8 @@ def link_time(swapped: float, gradients: float, forward_s: float, backward_s: fl
     return fwd, bwd
 
 
-def weights_back_time(params: float, s: Strategy, cluster: Cluster, prec: PrecisionBytes, shards: int) -> float:
+def weights_back_time(params: float, s: Strategy, cluster: Cluster, prec: PrecisionBytes, shards: int
+                      ) -> float:
     """Seconds per step copying the updated 16-bit weights of an offloaded optimizer shard (`params`
     parameters over `shards` devices) from host to device, exposed after the CPU's step."""
     if s.offload == "none":

@@ -49,7 +49,7 @@ class LayerCost:
     working: float  # transient bytes: a recomputed layer's full activations, the loss's logits
     buffers: float  # ZeRO-3 keeps the current and the prefetched layer unsharded
     grad_reduce: float  # seconds per step reducing gradients before the optimizer (whole, not overlapped)
-    param_gather: float  # seconds per step gathering ZeRO-1/2 parameters (and offloaded weights) after the optimizer
+    param_gather: float  # seconds per step gathering ZeRO-1/2 parameters (and offloaded weights) after the step
     host: float = 0.0  # bytes in host memory: offloaded optimizer state and fp32 gradients (cost/offload.py)
     swapped: float = 0.0  # bytes of saved activations swapped to host per micro-batch in flight
 
