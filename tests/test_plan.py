@@ -623,11 +623,11 @@ def test_version_3_plans_read_without_hsdp_and_with_the_default_reduce(tmp_path:
     del raw["grad_reduce"]
     for stage in raw["pipelines"][0]["stages"]:
         for s in stage["strategies"]:
-            del s["shard"]
+            del s["shard"], s["swap"], s["offload"]
     path = tmp_path / "v3.json"
     path.write_text(json.dumps(raw))
     read = load_plan(path)
-    assert read == plan and read.version == PLAN_VERSION == 4
+    assert read == plan and read.version == PLAN_VERSION
     assert read.grad_reduce == "auto" and read.pipelines[0].stages[0].strategies[0].shard == 0
 
 

@@ -159,15 +159,19 @@ def models() -> None:
 @app.command()
 def clusters() -> None:
     """List GPU types (use NODESxGPUSxTYPE, e.g. 2x8xH100-80GB, or a YAML file)."""
-    from plait.spec.cluster import DGX_LINKS
+    from plait.spec.cluster import DGX_GPUS_PER_NODE, DGX_LINKS, default_host
 
     table = Table(title="GPU types (clusters: NODESxGPUSxTYPE such as 192x8xA100-80GB, or a YAML file)")
-    for col in ("type", "bf16 TFLOP/s", "memory GiB", "HBM GB/s", "NVLink GB/s", "network GB/s per GPU"):
+    for col in ("type", "bf16 TFLOP/s", "memory GiB", "HBM GB/s", "NVLink GB/s", "network GB/s per GPU",
+                "host GB per 8 GPUs", "host link GB/s per GPU", "NVMe TB / GB/s per 8 GPUs"):
         table.add_column(col, justify="left" if col == "type" else "right")
     for name, g in GPUS.items():
         intra, inter = DGX_LINKS[name]
+        host = default_host(name, DGX_GPUS_PER_NODE)
         table.add_row(name, f"{g.peak_flops / 1e12:.0f}", f"{g.memory_bytes / GIB:.1f}",
-                      f"{g.hbm_bandwidth / 1e9:.0f}", f"{intra.bandwidth / 1e9:.0f}", f"{inter.bandwidth / 1e9:.0f}")
+                      f"{g.hbm_bandwidth / 1e9:.0f}", f"{intra.bandwidth / 1e9:.0f}", f"{inter.bandwidth / 1e9:.0f}",
+                      f"{host.memory_bytes / 1e9:.0f}", f"{host.link.bandwidth / 1e9:.1f}",
+                      f"{host.nvme_bytes / 1e12:.1f} / {host.nvme_bandwidth / 1e9:.0f}")
     out.print(table)
 
 
@@ -187,13 +191,16 @@ def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster)
     head = Table(title="prediction", show_header=False)
     head.add_column("metric")
     head.add_column("value", justify="right")
-    fits = "[green]yes[/]" if report.fits else f"[red]no: {report.over_memory_gib:.1f} GiB over[/]"
+    host_over = report.host_memory_gib - report.host_capacity_gib
+    fits = "[green]yes[/]" if report.fits else f"[red]no: {report.over_memory_gib:.1f} GiB over[/]" \
+        if report.over_memory_gib > 0 else f"[red]no: host memory {host_over:.1f} GiB over[/]"
     for name, value in (
         ("iteration time", _fmt_s(report.iteration_time_s)),
         ("throughput", f"{report.tokens_per_s:,.0f} tokens/s"),
         ("model TFLOP/s per GPU", f"{report.model_tflops_per_gpu:.1f} (MFU {report.mfu:.1%})"),
         ("hardware TFLOP/s per GPU", f"{report.hardware_tflops_per_gpu:.1f} (HFU {report.hfu:.1%})"),
         ("peak memory", f"{report.peak_memory_gib:.1f} of {report.memory_capacity_gib:.1f} GiB"),
+        ("host memory per node", f"{report.host_memory_gib:.1f} of {report.host_capacity_gib:.0f} GiB"),
         ("fits", fits),
     ):
         head.add_row(name, value)
@@ -214,7 +221,7 @@ def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster)
     mem = Table(title=f"memory per device ({name})", box=box.SIMPLE_HEAD)
     multi = len(plan.pipelines) > 1
     for col in ("pipe",) * multi + ("stage", "ranks", "layers", "weights", "grads", "optim", "activ", "buf",
-                                    "reserve", "total"):
+                                    "reserve", "total", "host"):
         mem.add_column(col, justify="right", no_wrap=True)
     for d in report.devices[:16]:
         t = d.memory
@@ -222,7 +229,7 @@ def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster)
         mem.add_row(*(str(d.pipeline),) * multi, str(d.index), ranks_text(d.ranks),
                     ",".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in d.layers),
                     *(f"{v / size:.1f}" for v in (t.weights, t.gradients, t.optimizer, t.activations, t.buffers,
-                                                  t.reserve)), total)
+                                                  t.reserve)), total, f"{d.host_bytes / size:.1f}")
     if len(report.devices) > 16:
         mem.caption = f"first 16 of {len(report.devices)} device groups"
     out.print(mem)
@@ -439,10 +446,14 @@ def plan_cmd(
     profile: Annotated[Path | None, typer.Option("--profile", help="calibrate from a `plait profile` file")] = None,
     report_out: Annotated[str | None, typer.Option(
         "--report", help="also write an HTML report page (with the search's Pareto alternatives)")] = None,
+    host_memory: Annotated[bool, typer.Option(
+        "--host-memory", help="also search swapping activations to host (swap 0.5, 1) and offloading the "
+                              "optimizer to the host CPU, within the nodes' host memory")] = False,
 ) -> None:
     """Search the fastest plan that fits (or run a baseline planner)."""
     from plait.planner.baselines import BASELINES, run_baseline
-    from plait.planner.engine import fewest_gpus, search
+    from plait.planner.engine import DEFAULT_LIMITS, fewest_gpus, search
+    from plait.planner.space import HIERARCHY
     from plait.report import Alternatives
 
     try:
@@ -476,8 +487,10 @@ def plan_cmd(
                 closest = best
             else:
                 healthy = replace(c, speed=()) if slow else c
+                limits = replace(DEFAULT_LIMITS, **HIERARCHY) if host_memory else DEFAULT_LIMITS
                 result = search(m, healthy, seq, global_batch, precision=precision, progress=update, cal=cal,
-                                runnable=runnable, record=collected.record if collected else None)
+                                runnable=runnable, record=collected.record if collected else None,
+                                limits=limits)
                 chosen = None
                 if result.plan is not None:
                     chosen = min((x for x in (result.best_layerwise, result.best_uniform)

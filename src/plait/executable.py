@@ -14,7 +14,8 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     if (reason := unbuildable(model)) is not None or (reason := _kind_problem(plan, model)) is not None or \
             (reason := _expert_problem(plan, model)) is not None:
         return reason
-    if (reason := _unsupported_sharding(plan)) is not None:
+    if (reason := _unsupported_sharding(plan)) is not None or \
+            (reason := _unsupported_hierarchy(plan, model)) is not None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
@@ -53,6 +54,27 @@ def _unsupported_sharding(plan: Plan) -> str | None:
     if hsdp is not None:
         return (f"{hsdp.short()} is hybrid sharded data parallelism (HSDP), which the runtime does not execute "
                 "yet; use shard=0 (ZeRO over all data-parallel ranks)")
+    return None
+
+
+def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
+    """Token-wise swapping runs on layers without recomputation (checkpointing brings its own saved-tensor
+    hooks) and without tensor or context parallelism (their saved activations are DTensors or sequence
+    shards). The optimizer offload runs as FSDP2's CPUOffloadPolicy: ZeRO over more than one data-parallel
+    rank, one stage, no tensor or context parallelism, every layer offloaded alike, no MoE layers (their
+    experts are sharded apart)."""
+    strategies = [s for p in plan.pipelines for st in p.stages for s in st.strategies]
+    offloads = {s.offload for s in strategies}
+    if offloads != {"none"} and "moe" in model.kind_counts():
+        return f"{model.name} has MoE layers, whose optimizer the runtime does not offload yet; use offload=none"
+    for s in strategies:
+        if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.tp > 1 or s.cp > 1 or plan.pp > 1
+                                    or len(plan.pipelines) > 1 or len(offloads) > 1):
+            return (f"{s.short()}: the runtime offloads the optimizer with FSDP2 (zero >= 1 over dp > 1, one "
+                    "stage, no tensor or context parallelism, every layer alike); use offload=none")
+        if s.swap and (s.recompute != "none" or s.tp > 1 or s.cp > 1):
+            return (f"{s.short()}: the runtime swaps activations of layers without recompute, tensor or context "
+                    "parallelism; use swap=0 there")
     return None
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Literal
@@ -37,10 +38,13 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["bf16", "fp16", "fp32"]
 GradReduce = Literal["auto", "fp32", "bf16"]
 MoeComm = Literal["alltoall", "lsh"]
-PLAN_VERSION = 4
-"""Version of the plan file. Since 4 without a new version (absent means what older files meant):
-strategies carry `moe_comm` (absent: "alltoall", every routed token travels; "lsh": LSH-MoE centroids). 4: strategies carry ZeRO's shard group `shard` (HSDP; absent in older files: 0,
-all data-parallel ranks) and the plan the gradient reduce precision `grad_reduce` (absent: "auto"). 3:
+Offload = Literal["none", "optim"]
+PLAN_VERSION = 5
+"""Version of the plan file. 5: strategies carry the share of saved activations swapped to host `swap`, the
+`offload` of optimizer states to the host CPU and the MoE token exchange `moe_comm` (absent in older files: 0,
+"none" and "alltoall", every routed token travels; "lsh": LSH-MoE centroids). 4: strategies carry ZeRO's
+shard group `shard` (HSDP; absent in older files: 0, all data-parallel ranks) and the plan the gradient
+reduce precision `grad_reduce` (absent: "auto"). 3:
 `model_fingerprint` (optional) records the model's architecture; strategies carry the expert degrees `ep` and
 `etp` of MoE layers and the plan their `expert_load` (absent in older files: ep 1, etp as tp, load 1). 2: a
 pipeline's micro-batch is `micro_batch_sequences` (version 1 called it `micro_batch_size`, which the
@@ -81,6 +85,12 @@ class Strategy(BaseModel):
         return self.etp or self.tp
     shard: int = Field(0, ge=0, description="ranks ZeRO shards over: 0 all dp*cp ranks holding the weights, else "
                                             "a shard group of that size replicated over the rest (HSDP)")
+    swap: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False,
+                        description="share of the layer's saved activations swapped to host memory token-wise "
+                                    "after its forward and fetched back for its backward (MEMO)")
+    offload: Offload = Field("none", description="optim: fp32 master weights, optimizer states and gradients "
+                                                 "live in host memory and the optimizer steps on the CPU "
+                                                 "(ZeRO-Offload)")
 
     @property
     def degrees(self) -> Degrees:
@@ -110,6 +120,10 @@ class Strategy(BaseModel):
             parts.append(f"shard{self.shard}")
         if self.recompute != "none":
             parts.append(f"rc={self.recompute}")
+        if self.swap:
+            parts.append(f"swap={self.swap:g}")
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
         return " ".join(parts)
 
 
@@ -412,7 +426,7 @@ def _validate_strategy(s: Strategy, block: Block, devices: int, mbs: int, plan: 
 
 _STRATEGY_KEYS = ("tp", "pp", "dp", "cp", "mbs", "gbs", "recompute", "sp", "zero", "vpp", "schedule",
                   "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce",
-                  "moe_comm")
+                  "moe_comm", "swap", "offload")
 
 
 def parse_strategy(text: str) -> dict[str, str]:
@@ -457,17 +471,27 @@ def split_layers(layers: int, parts: int) -> list[int]:
     return [base + (1 if i >= parts - extra else 0) for i in range(parts)]
 
 
+def _number(d: dict[str, str], key: str, default: str, ok: Callable[[float], bool], what: str) -> float:
+    """The shorthand's number `key` (`default` when absent), refused unless `ok` (it must be `what`)."""
+    raw = d.get(key, default)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not ok(value):
+        raise PlaitError(f"--strategy: {key} must be {what}, got {raw!r}")
+    return value
+
+
 def _expert_load(d: dict[str, str]) -> float:
     """The shorthand's `expert_load` (>= 1; 1 when absent)."""
-    raw = d.get("expert_load", "1")
-    try:
-        load = float(raw)
-    except ValueError:
-        load = math.nan
-    if not 1.0 <= load < math.inf:
-        raise PlaitError(f"--strategy: expert_load must be a number >= 1 (the busiest expert rank's routed tokens "
-                         f"over the mean), got {raw!r}")
-    return load
+    return _number(d, "expert_load", "1", lambda v: 1.0 <= v < math.inf,
+                   "a number >= 1 (the busiest expert rank's routed tokens over the mean)")
+
+
+def _swap(d: dict[str, str]) -> float:
+    """The shorthand's `swap` (a share from 0 to 1; 0 when absent)."""
+    return _number(d, "swap", "0", lambda v: 0.0 <= v <= 1.0, "a share from 0 to 1 of the saved activations")
 
 
 def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) -> Plan:
@@ -476,8 +500,9 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
     (none|selective|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel and expert
     tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
-    of the routed tokens), expert_load (see Plan), shard (ZeRO's shard
-    group, HSDP: 0 all of dp*cp), and optionally schedule, cp_mode, precision, grad_reduce (auto|fp32|bf16),
+    of the routed tokens), expert_load (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), swap
+    (share of saved activations swapped to host), offload (none|optim), and optionally schedule, cp_mode,
+    precision, grad_reduce (auto|fp32|bf16),
     overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
     """
     d = parse_strategy(text)
@@ -514,6 +539,9 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     moe_comm = d.get("moe_comm", "alltoall")
     if moe_comm not in ("alltoall", "lsh"):
         raise PlaitError(f"--strategy: moe_comm must be alltoall or lsh, got {moe_comm!r}")
+    offload = d.get("offload", "none")
+    if offload not in ("none", "optim"):
+        raise PlaitError(f"--strategy: offload must be none or optim, got {offload!r}")
     zero = _int(d, "zero", 0)
     if zero > 3:
         raise PlaitError(f"--strategy: zero must be 0..3, got {zero}")
@@ -521,7 +549,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
         raise PlaitError(f"--strategy: pp*vpp = {pp * vpp} chunks but {model.name} has {model.layers} layers")
     strategy = Strategy(dp=dp, tp=tp, cp=cp, sp=_bool(d, "sp", False), cp_mode=cp_mode, zero=zero,
                         recompute=recompute, ep=_int(d, "ep", 1), etp=_int(d, "etp", 0),  # type: ignore[arg-type]
-                        shard=_int(d, "shard", 0), moe_comm=moe_comm)  # type: ignore[arg-type]
+                        shard=_int(d, "shard", 0), moe_comm=moe_comm, swap=_swap(d),  # type: ignore[arg-type]
+                        offload=offload)
     per_group = tp * cp * dp
     stages = []
     start = 0

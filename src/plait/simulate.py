@@ -36,10 +36,10 @@ from plait.spec.cluster import GIB, Cluster
 from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
-BUSY_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "zero_comm", "ep_comm", "relayout")
+BUSY_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "zero_comm", "ep_comm", "relayout", "host_comm")
 """Parts of a stage's time per micro-batch that keep its devices busy."""
-BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "zero_comm", "ep_comm", "relayout", "pp_bubble",
-                  "p2p", "dp_comm_exposed", "optimizer")
+BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "zero_comm", "ep_comm", "relayout", "host_comm",
+                  "pp_bubble", "p2p", "dp_comm_exposed", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class StageCost:
     kinds: list[str]  # the layer kind (or "embedding", "head") of each entry of `priced`
     buffer_bytes: float
     recompute_flops_per_token: float  # FLOPs recomputation repeats per token of the micro-batch
+    swapped_bytes: float = 0.0  # saved activations swapped to host memory by one micro-batch
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class DeviceGroup:
     memory: MemoryTerms
     end_s: float  # when this group finishes the iteration
     parts: dict[str, float]  # breakdown of end_s
+    host_bytes: float = 0.0  # host memory one device of the group uses (offloaded states, swapped activations)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,8 @@ class Report:
     devices: tuple[DeviceGroup, ...] = field(repr=False)
     pipelines: tuple[PipelineResult, ...] = field(repr=False)
     by_kind: dict[str, KindSummary] = field(default_factory=dict, repr=False)
+    host_memory_gib: float = 0.0  # the fullest node's host memory used by its devices
+    host_capacity_gib: float = 0.0  # host memory per node
 
     @property
     def over_memory_gib(self) -> float:
@@ -121,12 +125,15 @@ class Report:
             "memory_capacity_gib": self.memory_capacity_gib,
             "fits": self.fits,
             "over_memory_gib": self.over_memory_gib,
+            "host_memory_gib": self.host_memory_gib,
+            "host_capacity_gib": self.host_capacity_gib,
             "breakdown": self.breakdown,
             "by_kind": {k: asdict(v) for k, v in self.by_kind.items()},
             "devices": [
                 {"pipeline": d.pipeline, "stage": d.index, "ranks": [d.ranks[0], d.ranks[-1]],
                  "layers": [list(r) for r in d.layers], "end_s": d.end_s,
-                 "memory_gib": {k: v / GIB for k, v in d.memory.as_dict().items()} | {"total": d.memory.total / GIB}}
+                 "memory_gib": {k: v / GIB for k, v in d.memory.as_dict().items()} | {"total": d.memory.total / GIB},
+                 "host_gib_per_device": d.host_bytes / GIB}
                 for d in self.devices
             ],
         }
@@ -170,7 +177,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     act = working = 0.0
     priced: list[tuple[LayerCost, int, Strategy, int]] = []
     kinds: list[str] = []
-    buffers = recompute_flops = 0.0
+    buffers = recompute_flops = swapped = 0.0
     before = pipe.stages[stage_index - 1] if stage_index > 0 else None
     # What arrives, when a stage of as many ranks sends it rank by rank; between stages of different sizes
     # the send itself moves the pieces.
@@ -216,7 +223,9 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         parts["cp_comm"] += count * bt.cp_comm
         parts["zero_comm"] += count * bt.zero_comm
         parts["ep_comm"] += count * bt.ep_comm
+        parts["host_comm"] += count * bt.host_comm
         act += count * c.activation
+        swapped += count * c.swapped
         working = max(working, c.working)
         priced.append((c, count, s, layer))
         kinds.append(block.kind)
@@ -250,7 +259,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     if speed != 1.0:
         fwd, bwd = fwd * speed, bwd * speed
         parts = {k: v * speed for k, v in parts.items()}
-    return StageCost(parts, fwd, bwd, send, act, working, priced, kinds, buffers, recompute_flops)
+    return StageCost(parts, fwd, bwd, send, act, working, priced, kinds, buffers, recompute_flops, swapped)
 
 
 def _simulate_pipelines(plan: Plan, all_costs: list[list[StageCost]], record: bool, detail: bool = True
@@ -323,6 +332,7 @@ class PricedPlan:
     costs: list[list[StageCost]]  # per pipeline, per stage (model chunk)
     memory: list[list[MemoryTerms]]  # per pipeline, per device group
     syncs: list[list[tuple[float, float, float]]]  # per device group: (reduce, gather, optimizer) seconds
+    host: list[list[float]] = field(default_factory=list)  # per pipeline, per device group: host bytes per device
 
     @property
     def peak_bytes(self) -> float:
@@ -330,9 +340,22 @@ class PricedPlan:
         return max(m.total for mems in self.memory for m in mems)
 
     @property
+    def host_peak_bytes(self) -> float:
+        """The fullest node's host memory used by the devices on it, bytes."""
+        per_node: dict[int, float] = {}
+        for pipe, hosts in zip(self.plan.pipelines, self.host, strict=True):
+            pp = len(pipe.stages) // self.plan.chunks
+            for d in range(pp):
+                for rank in pipe.stages[d].ranks:
+                    node = self.cluster.node_of(rank)
+                    per_node[node] = per_node.get(node, 0.0) + hosts[d]
+        return max(per_node.values(), default=0.0)
+
+    @property
     def fits(self) -> bool:
-        """Whether every device's memory fits the GPU."""
-        return self.peak_bytes <= self.cluster.gpu.memory_bytes
+        """Whether every device's memory fits the GPU and every node's host memory its host."""
+        return self.peak_bytes <= self.cluster.gpu.memory_bytes and \
+            self.host_peak_bytes <= self.cluster.host_side.memory_bytes
 
     def lower_bound_s(self) -> float:
         """Seconds the iteration takes at least: `finish` never predicts less. A device's last backward
@@ -386,11 +409,12 @@ def price_plan(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration 
     prec = plan_precision(plan.precision, plan.grad_reduce)
     costs = [[_stage_cost(plan, pi, j, model, cluster, cal) for j in range(len(pipe.stages))]
              for pi, pipe in enumerate(plan.pipelines)]
-    memory, syncs = [], []
+    memory, syncs, host = [], [], []
     for pipe, pipe_costs in zip(plan.pipelines, costs, strict=True):
         pp = len(pipe.stages) // plan.chunks
         weights = [[pipe_costs[j].activation_bytes for j in range(d, len(pipe_costs), pp)] for d in range(pp)]
         alive = peak_weighted_in_flight(plan.schedule, pp, pipe.micro_batches, plan.chunks, weights)
+        host.append(_host_bytes(plan, pipe_costs, pipe.micro_batches, pp))
         mems, sync = [], []
         for d in range(pp):
             chunk_costs = pipe_costs[d::pp]
@@ -401,7 +425,17 @@ def price_plan(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration 
             mems.append(_memory(chunk_costs, alive[d], stage, plan, prec, cal))
         memory.append(mems)
         syncs.append(sync)
-    return PricedPlan(plan, model, cluster, cal, costs, memory, syncs)
+    return PricedPlan(plan, model, cluster, cal, costs, memory, syncs, host)
+
+
+def _host_bytes(plan: Plan, costs: list[StageCost], micro_batches: int, pp: int) -> list[float]:
+    """Host memory of one device of each of a pipeline's `pp` device groups, bytes: its offloaded model states
+    and its swapped activations of the micro-batches in flight (weighted like the device's own)."""
+    swapped = [[costs[j].swapped_bytes for j in range(d, len(costs), pp)] for d in range(pp)]
+    alive = peak_weighted_in_flight(plan.schedule, pp, micro_batches, plan.chunks, swapped) \
+        if any(any(w) for w in swapped) else [0.0] * pp
+    return [alive[d] + sum(count * c.host for cost in costs[d::pp] for c, count, _, _ in cost.priced)
+            for d in range(pp)]
 
 
 def finish(priced: PricedPlan, record: bool = False, detail: bool = True) -> Report:
@@ -442,7 +476,8 @@ def finish(priced: PricedPlan, record: bool = False, detail: bool = True) -> Rep
             parts["optimizer"] = optimizer
             end = ends + exposed + gather_t + optimizer
             layers = tuple(pipe.stages[j].layers for j in range(d, len(costs), pp))
-            groups.append(DeviceGroup(pi, d, stage.ranks, layers, priced.memory[pi][d], end, parts))
+            groups.append(DeviceGroup(pi, d, stage.ranks, layers, priced.memory[pi][d], end, parts,
+                                      priced.host[pi][d]))
     by_kind = _by_kind(plan, all_costs[0], model)
     critical = max(groups, key=lambda g: g.end_s)
     iteration = critical.end_s
@@ -462,11 +497,13 @@ def finish(priced: PricedPlan, record: bool = False, detail: bool = True) -> Rep
         hfu=hw_flops / iteration / gpus / prec_peak,
         peak_memory_gib=peak / GIB,
         memory_capacity_gib=capacity / GIB,
-        fits=peak <= capacity,
+        fits=priced.fits,
         breakdown={k: critical.parts.get(k, 0.0) for k in BREAKDOWN_KEYS},
         devices=tuple(groups),
         pipelines=tuple(results),
         by_kind=by_kind,
+        host_memory_gib=priced.host_peak_bytes / GIB,
+        host_capacity_gib=cluster.host_side.memory_bytes / GIB,
     )
 
 

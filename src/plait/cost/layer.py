@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plait.cost import comm, experts
+from plait.cost import comm, experts, offload
 from plait.cost.calibration import Calibration
 from plait.cost.comm import GroupShape
 from plait.cost.compute import eager_attention_time, elementwise_time, flash_attention_time, gemm_time
+from plait.cost.memory import model_state_bytes
 from plait.cost.precision import PrecisionBytes
 from plait.plan import Strategy
 from plait.spec.cluster import Cluster
@@ -39,6 +40,7 @@ class BlockTime:
     zero_comm: float  # exposed ZeRO-2/3 parameter gathers and gradient reduce-scatters
     forward_comm: float  # the part of tp/cp/zero/ep communication that lies in the forward pass
     ep_comm: float = 0.0  # an MoE layer's token dispatch and combine (expert parallel), all passes
+    host_comm: float = 0.0  # exposed host-link copies (swapped activations, offloaded gradients), all passes
 
     @property
     def forward_total(self) -> float:
@@ -47,7 +49,7 @@ class BlockTime:
     @property
     def backward_total(self) -> float:
         return (self.backward + self.recompute + self.tp_comm + self.cp_comm + self.zero_comm + self.ep_comm
-                - self.forward_comm)
+                + self.host_comm - self.forward_comm)
 
     @property
     def flops_time(self) -> float:
@@ -233,12 +235,26 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
                 zero_fwd, zero_bwd = zero_fwd + f, zero_bwd + b
 
     tp_recompute = tp_fwd if s.recompute == "full" else 0.0
+    host_fwd, host_bwd = _host_link_time(block, s, ctx, forward, backward + recompute)
     return BlockTime(
         forward=forward, backward=backward, recompute=recompute,
         tp_comm=tp_fwd + tp_bwd + tp_recompute, cp_comm=cp_fwd + cp_bwd + cp_recompute,
-        zero_comm=zero_fwd + zero_bwd, forward_comm=tp_fwd + cp_fwd + zero_fwd + ep_pass,
-        ep_comm=2 * ep_pass + ep_recompute,
+        zero_comm=zero_fwd + zero_bwd, forward_comm=tp_fwd + cp_fwd + zero_fwd + ep_pass + host_fwd,
+        ep_comm=2 * ep_pass + ep_recompute, host_comm=host_fwd + host_bwd,
     )
+
+
+def _host_link_time(block: Block, s: Strategy, ctx: BlockContext, forward: float, backward: float
+                    ) -> tuple[float, float]:
+    """(forward, backward) seconds of `block`'s exposed host-link copies under `s` (cost/offload.py)."""
+    if s.swap == 0 and s.offload == "none":
+        return 0.0, 0.0
+    routed = experts.expert_params_per_rank(block, s)
+    params = (block.params - experts.expert_params(block)) / s.tp
+    grads = sum(model_state_bytes(held, group.size, s.zero, ctx.prec)[1]
+                for held, group in ((params, ctx.dp_group), (routed, ctx.edp_group)))
+    swapped = offload.swapped_activation(block_activation_bytes(block, s, ctx), s)
+    return offload.link_time(swapped, grads, forward, backward, s, ctx.cluster, ctx.prec)
 
 
 def zero_sync_time(params: float, zero: int, forward: float, backward: float, ctx: BlockContext,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from plait.cost import comm, experts
+from plait.cost import comm, experts, offload
 from plait.cost.calibration import Calibration
 from plait.cost.compute import elementwise_time
 from plait.cost.head import EdgeTime, embedding_time, head_activation_bytes, head_time
@@ -49,7 +49,9 @@ class LayerCost:
     working: float  # transient bytes: a recomputed layer's full activations, the loss's logits
     buffers: float  # ZeRO-3 keeps the current and the prefetched layer unsharded
     grad_reduce: float  # seconds per step reducing gradients before the optimizer (whole, not overlapped)
-    param_gather: float  # seconds per step gathering ZeRO-1/2 parameters after the optimizer
+    param_gather: float  # seconds per step gathering ZeRO-1/2 parameters (and offloaded weights) after the step
+    host: float = 0.0  # bytes in host memory: offloaded optimizer state and fp32 gradients (cost/offload.py)
+    swapped: float = 0.0  # bytes of saved activations swapped to host per micro-batch in flight
 
     @property
     def states(self) -> float:
@@ -95,9 +97,18 @@ def price(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
         if s.zero == 3 and group.size > 1:  # ZeRO-3 keeps the current and the prefetched layer unsharded
             gathered += 2 * held * (ctx.prec.param + ctx.prec.grad)
     working = block_activation_bytes(block, s, ctx, "none") if s.recompute != "none" else 0.0
+    activation = block_activation_bytes(block, s, ctx)
+    g, o, host = offload.offloaded_states(g, o, s, ctx.prec)
+    gather_t += offload.weights_back_time(params + routed, s, ctx.cluster, ctx.prec, _shards(s, ctx))
     return LayerCost(time=block_time(block, s, ctx), params=params + routed, weights=w, gradients=g, optimizer=o,
-                     activation=block_activation_bytes(block, s, ctx), working=working, buffers=gathered,
-                     grad_reduce=reduce_t, param_gather=gather_t)
+                     activation=offload.resident_activation(activation, s), working=working, buffers=gathered,
+                     grad_reduce=reduce_t, param_gather=gather_t, host=host,
+                     swapped=offload.swapped_activation(activation, s))
+
+
+def _shards(s: Strategy, ctx: BlockContext) -> int:
+    """Devices the optimizer state of a layer is sharded over under `s` (ZeRO-1 and up: the data group)."""
+    return ctx.dp_group.size if s.zero >= 1 else 1
 
 
 def edge_params(edge: Edge, ctx: BlockContext, pipelined: bool) -> float:
@@ -119,8 +130,10 @@ def price_edge(edge: Edge, s: Strategy, ctx: BlockContext, pipelined: bool = Fal
                      zero_comm=zero_fwd + zero_bwd, forward_comm=et.tp_comm / 2 + zero_fwd)
     w, g, o, reduce_t, gather_t = _states_and_sync(params, s, ctx)
     working = head_activation_bytes(s, ctx) if edge == "head" else 0.0
+    g, o, host = offload.offloaded_states(g, o, s, ctx.prec)
+    gather_t += offload.weights_back_time(params, s, ctx.cluster, ctx.prec, _shards(s, ctx))
     return LayerCost(time=time, params=params, weights=w, gradients=g, optimizer=o, activation=0.0,
-                     working=working, buffers=0.0, grad_reduce=reduce_t, param_gather=gather_t)
+                     working=working, buffers=0.0, grad_reduce=reduce_t, param_gather=gather_t, host=host)
 
 
 def _edge_zero_sync(edge: Edge, params: float, s: Strategy, et: EdgeTime, ctx: BlockContext
@@ -174,6 +187,16 @@ class Held:
 
 
 def optimizer_time(held: list[Held], ctx: BlockContext) -> float:
+    """Seconds of one optimizer step over a device's parameters: the device's step over those it keeps
+    (`device_optimizer_time`) beside the host CPU's over those it offloads (cost/offload.py); the two run
+    at once."""
+    on_host = [h for h in held if h.strategy.offload != "none"]
+    on_device = [h for h in held if h.strategy.offload == "none"]
+    host = offload.host_optimizer_time(sum(h.local_params for h in on_host), ctx.cluster)
+    return max(host, device_optimizer_time(on_device, ctx) if on_device else 0.0)
+
+
+def device_optimizer_time(held: list[Held], ctx: BlockContext) -> float:
     """Seconds of one optimizer step over a device's parameters: AdamW's memory traffic, or the profiled step
     (clipping, AdamW, zeroing) at the per-parameter rate of each layout (DTensor shards cost more per
     parameter than plain tensors) plus the largest fixed part."""

@@ -26,7 +26,7 @@ from plait.cost.comm import GroupShape
 from plait.cost.layer import BlockContext
 from plait.cost.pipeline import StageTimes, simulate_pipeline
 from plait.cost.precision import PRECISIONS
-from plait.cost.price import carried_bytes, price, price_edge, relayout_time, usable_memory
+from plait.cost.price import LayerCost, carried_bytes, price, price_edge, relayout_time, usable_memory
 from plait.errors import PlaitError
 from plait.executable import unsupported
 from plait.layout import Layout
@@ -84,6 +84,7 @@ class _Priced:
     states: float  # bytes of weights + gradients + optimizer
     activation: float  # bytes saved per micro-batch in flight
     working: float  # transient bytes while recomputing
+    host: float = 0.0  # host bytes: offloaded states, and swapped activations per micro-batch in flight
 
 
 def _micro_batch_counts(global_batch: int, pp: int) -> list[int]:
@@ -132,7 +133,8 @@ class _Config:
         self.block_index = {b: i for i, b in enumerate(self.blocks)}
         self.kind_of_layer = tuple(self.block_index[b] for b in model.stack)
         self.priced: list[list[_Priced]] = [
-            [self._price(b, s) for s in block_strategies(b, cluster, self.n, self.mb, seq_len, limits)]
+            [p for s in block_strategies(b, cluster, self.n, self.mb, seq_len, limits)
+             if self._host_fits(p := self._price(b, s))]
             for b in self.blocks]
         self.stage_group = GroupShape.of(tuple(range(self.n)), cluster.gpus_per_node)
         self.hidden_bytes = carried_bytes(model.layers - 1, self.mb, self._context(Strategy()))  # one micro-batch
@@ -173,7 +175,16 @@ class _Config:
     def _price(self, block: Block, s: Strategy) -> _Priced:
         c = price(block, s, self._context(s))
         return _Priced(s, c.micro_batch_s, c.exposed_sync(self.cal.overlap_efficiency), c.states, c.activation,
-                       c.working)
+                       c.working, c.host + c.swapped * max(self.in_flight) / self.chunks)
+
+    def _host_fits(self, p: _Priced) -> bool:
+        """Whether a node's host memory holds `p`'s host bytes for the most layers a device may get (its
+        even share plus one) on every device of the node: the search's host budget (the simulator
+        checks the assembled plan's own)."""
+        if p.host == 0:
+            return True
+        layers = -(-self.model.layers // self.pp) + 1
+        return layers * self.cluster.gpus_per_node * p.host <= self.cluster.host_side.memory_bytes
 
     def lower_bound_s(self) -> float:
         """Seconds every plan of this configuration takes at least: its layers at their fastest strategies
@@ -205,9 +216,14 @@ class _Config:
         if device == 0:
             extra += price_edge("embedding", cheapest, ctx).states
         if device == self.pp - 1:
-            head = price_edge("head", cheapest, ctx, self.pp > 1)
+            head = self.head()
             extra += head.states + head.working
         return usable_memory(capacity, self.cal) - extra
+
+    def head(self) -> LayerCost:
+        """The head with its loss, priced with the cheapest-memory strategy (as in budgets)."""
+        cheapest = self.cheapest().strategy
+        return price_edge("head", cheapest, self._context(cheapest), self.pp > 1)
 
     def device_layers(self, counts: list[int]) -> list[list[int]]:
         """The model layers of each device group, chunk by chunk (`counts` layers per group; chunks
@@ -238,7 +254,10 @@ class _Config:
             pools = {k: self.priced[k] for k in present}
             plain = {k: [p for p in pool if p.strategy.recompute == "none"] for k, pool in pools.items()}
             working = max((p.working for pool in pools.values() for p in pool), default=0.0)
-            for pool, room in ((plain, budget), (pools, budget - working)):
+            # the budget keeps room for the loss's logits; a recomputed layer's transient comes at another
+            # moment, so only what it needs beyond them is taken off (the simulator counts the larger)
+            logits = self.head().working if device == self.pp - 1 else 0.0
+            for pool, room in ((plain, budget), (pools, budget + logits - max(working, logits))):
                 sol = self._solve(pool, kinds, room, act_mult)
                 if sol is not None and (result is None or sol[0] < result[0]):
                     result = sol

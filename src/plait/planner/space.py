@@ -5,6 +5,8 @@ parallelism, a ZeRO stage and a recompute mode; an MoE layer also lays its exper
 devices (expert parallel ep x expert tensor parallel etp, the rest expert data parallel). Only what the plan validator accepts is generated:
 tp divides the heads and kv heads and stays inside a node, Ulysses cp divides the heads per tp rank, the
 micro-batch splits evenly over dp, sequence parallelism needs tp > 1, ZeRO needs more than one replica.
+Below device memory (when the limits allow it): a share of the saved activations swapped to host, and the
+optimizer offloaded to the host CPU (where ZeRO shards it, or on a single replica).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+SWAP_SHARES = (0.0, 0.5, 1.0)
+"""Shares of saved activations the search may swap to host with the memory hierarchy on (none, half the
+tokens, all of them: three points keep the space small; MEMO's per-layer share is continuous)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,12 @@ class SpaceLimits:
     expert_tp: tuple[str, ...] = ("tp", "1")  # an MoE layer's expert tensor parallelism: as tp, or none
     moe_comm: tuple[str, ...] = ("alltoall",)  # add "lsh" to let MoE layers with ep > 1 send LSH-MoE centroids
     # (opt in: it approximates the experts' outputs, so it changes the model's numerics)
+    swap: tuple[float, ...] = (0.0,)  # shares of saved activations swapped to host (HIERARCHY: SWAP_SHARES)
+    offload: tuple[str, ...] = ("none",)  # optimizer offload choices ("none", "optim")
+
+
+HIERARCHY = {"swap": SWAP_SHARES, "offload": ("none", "optim")}
+"""SpaceLimits fields that let the search use host memory: `replace(limits, **HIERARCHY)`."""
 
 
 def divisors(n: int) -> list[int]:
@@ -67,8 +78,16 @@ def block_strategies(block: Block, cluster: Cluster, devices: int, micro_batch: 
                             s = Strategy(dp=dp, tp=tp, cp=cp, sp=sp, zero=zero, recompute=rc, ep=ep, etp=etp,  # type: ignore[arg-type]
                                          moe_comm=comm)  # type: ignore[arg-type]
                             if ep == 1 and etp == 0 or not strategy_problem(s, block, devices, micro_batch, seq_len):
-                                out.append(s)
+                                out += below_device(s, limits)
     return out
+
+
+def below_device(s: Strategy, limits: SpaceLimits) -> list[Strategy]:
+    """`s` with each swap share and offload choice the limits allow; offload only where each device steps
+    its own shard (ZeRO over the replicas, or one replica), not a copy every replica repeats."""
+    offloads = [o for o in limits.offload if o == "none" or s.zero >= 1 or s.dp * s.cp == 1]
+    return [s.model_copy(update={"swap": a, "offload": o}) if (a, o) != (0.0, "none") else s
+            for o in offloads for a in limits.swap]
 
 
 def expert_layouts(block: Block, devices: int, tp: int,

@@ -17,7 +17,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -33,6 +33,7 @@ from plait.runtime.experts import Sync, apply_ep, expert_params
 from plait.runtime.placement import Chunk
 from plait.runtime.relayout import Relayout
 from plait.runtime.ring import RingContext
+from plait.runtime.swap import apply_swap
 from plait.runtime.ulysses import Ulysses
 
 
@@ -121,7 +122,13 @@ def apply_ac(model: nn.Module, mode: str, layers: list[str]) -> None:
                                                 **context)
 
 
-def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, hand_sync: bool) -> bool:
+def _offload_policy(offload: str) -> dict:
+    """fully_shard's keyword for a strategy's `offload`: FSDP2 keeps the sharded parameters, gradients and
+    optimizer states in host memory and the optimizer steps there (pinned only with an accelerator)."""
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload != "none" else {}
+
+
+def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, hand_sync: bool, offload: str = "none") -> bool:
     """Data parallelism of a whole chunk over `dp_mesh`: gradients all-reduced (ZeRO-0) or sharded with
     FSDP2 (ZeRO-1/2/3; only ZeRO-3 frees the gathered parameters after forward). Returns True when the
     caller must all-reduce gradients itself (`sync_gradients`), which ZeRO-0 asks for with `hand_sync`:
@@ -134,15 +141,15 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, hand_sync: bool) 
             return True
         replicate(model, device_mesh=dp_mesh)
         return False
-    reshard = zero == 3
+    reshard, policy = zero == 3, _offload_policy(offload)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, **policy)
     return False
 
 
 def apply_dp_segment(model: nn.Module, layers: list[str], edges: list[nn.Module], dp_mesh: DeviceMesh,
-                     zero: int) -> bool:
+                     zero: int, offload: str = "none") -> bool:
     """Data parallelism of some blocks (and the embedding or head modules `edges`) of a chunk whose layers
     use different strategies: FSDP2 per block and per edge module (ZeRO-1/2/3), or, for ZeRO-0,
     True: the caller all-reduces their gradients (`sync_gradients`)."""
@@ -150,11 +157,11 @@ def apply_dp_segment(model: nn.Module, layers: list[str], edges: list[nn.Module]
         return False
     if zero == 0:
         return True
-    reshard = zero == 3
+    reshard, policy = zero == 3, _offload_policy(offload)
     for name in layers:
-        fully_shard(model.layers[name], mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(model.layers[name], mesh=dp_mesh, reshard_after_forward=reshard, **policy)
     for edge in edges:
-        fully_shard(edge, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(edge, mesh=dp_mesh, reshard_after_forward=reshard, **policy)
     return False
 
 
@@ -220,10 +227,11 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
         if s.tp > 1:
             apply_tp(model, seg.mesh["tp"], s.sp, layers, embedding=k == 0, head=k == len(segments) - 1)
         apply_ac(model, s.recompute, layers)
+        apply_swap(model, s.swap, layers)
     synced = expert_params(model)  # reduced by the syncs of apply_ep
     if len(segments) == 1:
         hand_sync = first.strategy.tp > 1 or first.strategy.cp > 1 or pipelined or bool(synced)
-        if apply_dp(model, first.weight_mesh, first.strategy.zero, hand_sync):
+        if apply_dp(model, first.weight_mesh, first.strategy.zero, hand_sync, first.strategy.offload):
             manual.append(([p for p in model.parameters() if id(p) not in synced], first.replica_group, None))
         return manual
     # a tied embedding and head are one parameter: sync it once
@@ -233,7 +241,7 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
             edges += [m for m in (model.tok_embeddings, model.pos_embeddings) if m is not None]
         if k == len(segments) - 1:
             edges += [m for m in (model.norm, model.output) if m is not None]
-        if apply_dp_segment(model, layers, edges, seg.weight_mesh, seg.strategy.zero):
+        if apply_dp_segment(model, layers, edges, seg.weight_mesh, seg.strategy.zero, seg.strategy.offload):
             params = [p for name in layers for p in model.layers[name].parameters() if id(p) not in synced]
             params += [p for m in edges for p in m.parameters() if id(p) not in synced]
             synced.update(id(p) for p in params)

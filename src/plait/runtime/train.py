@@ -30,7 +30,7 @@ from plait.models import build_model
 from plait.models.hf_weights import load_hf_safetensors
 from plait.models.vision import IGNORE_INDEX, image_targets
 from plait.plan import Plan
-from plait.runtime import checkpoint, memory
+from plait.runtime import checkpoint, memory, swap
 from plait.runtime.data import Batch, TokenSource, shard
 from plait.runtime.parallelize import parallelize_chunk, sync_gradients
 from plait.runtime.placement import Placement, check_executable, place
@@ -381,6 +381,9 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
             batch = Batch(batch.inputs, image_targets(batch.targets, spec))
             loss_sum = torch.zeros(2, dtype=torch.float64)
             meter = memory.SavedActivations(params) if step == start else contextlib.nullcontext()
+            for chunk in placed.chunks:  # token-wise swapping's byte counts, per step
+                if getattr(chunk, "swap_meter", None) is not None:
+                    chunk.swap_meter.reset()
             grads = 0.0
             grad_norm = 0.0
             if not where.idle:
@@ -416,6 +419,8 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
                       "grad_norm": grad_norm, "peak_memory_bytes": memory.peak_bytes(),
                       "phases_s": {"forward_backward": t1 - t0, "gradient_sync": t2 - t1, "clip": t3 - t2,
                                    "optimizer": t4 - t3}}
+            if (swapped := swap.step_metrics(placed.chunks)) is not None:
+                record["swap"] = swapped
             if step == start:  # the peak's terms on every rank, as `plait simulate` predicts them
                 mine = memory.terms(memory.tensor_bytes(params), grads,
                                     memory.optimizer_state_bytes(placed.optimizers), getattr(meter, "peak", 0.0),

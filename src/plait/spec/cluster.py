@@ -2,7 +2,8 @@
 
 A cluster is `nodes` x `gpus_per_node` devices of one GPU type. Inside a node devices talk over NVLink
 (`intra`), between nodes over the network (`inter`); bandwidths are per GPU and per direction, the way
-NCCL's "bus bandwidth" is quoted. Rank r lives on node r // gpus_per_node. Each device has a speed factor
+NCCL's "bus bandwidth" is quoted. Each node has host memory and each GPU a link to it (`host`: PCIe, or
+NVLink-C2C on GH200), optionally with NVMe behind it, for swapping activations and offloading model states. Rank r lives on node r // gpus_per_node. Each device has a speed factor
 (its time relative to a healthy device: 1.0 healthy, 2.0 twice as slow) for straggler planning.
 
 Sources: `NODESxGPUSxTYPE` shorthand (e.g. `192x8xA100-80GB`), a YAML file, or a Cluster built in Python.
@@ -56,6 +57,10 @@ GPUS: dict[str, GPU] = {
     "A100-80GB": GPU("A100-80GB", 312 * TFLOPS, 156 * TFLOPS, 81920 * 2**20, 2039 * GB, 108),
     "H100-80GB": GPU("H100-80GB", 989 * TFLOPS, 494 * TFLOPS, 81559 * 2**20, 3350 * GB, 132),
     "H200-141GB": GPU("H200-141GB", 989 * TFLOPS, 494 * TFLOPS, 143771 * 2**20, 4800 * GB, 132),
+    # A800: the export A100 (same SMs, clocks and HBM2e as the A100 80GB SXM), NVLink cut to 400 GB/s.
+    "A800-80GB": GPU("A800-80GB", 312 * TFLOPS, 156 * TFLOPS, 81920 * 2**20, 2039 * GB, 108),
+    # GH200 superchip's Hopper GPU (GH200 datasheet: 96 GB HBM3 at 4 TB/s, H100 SXM's tensor cores).
+    "GH200-96GB": GPU("GH200-96GB", 989 * TFLOPS, 494 * TFLOPS, 96 * GIB, 4000 * GB, 132),
 }
 
 NVLINK_LATENCY_S = 3e-6
@@ -72,7 +77,64 @@ DGX_LINKS: dict[str, tuple[Link, Link]] = {
     "A100-80GB": (Link(300 * GB, NVLINK_LATENCY_S), Link(25 * GB, IB_LATENCY_S)),
     "H100-80GB": (Link(450 * GB, NVLINK_LATENCY_S), Link(50 * GB, IB_LATENCY_S)),
     "H200-141GB": (Link(450 * GB, NVLINK_LATENCY_S), Link(50 * GB, IB_LATENCY_S)),
+    # A800 SXM: NVLink 400 GB/s bidirectional = 200 GB/s per direction; HDR 200 Gb/s per GPU as DGX A100.
+    "A800-80GB": (Link(200 * GB, NVLINK_LATENCY_S), Link(25 * GB, IB_LATENCY_S)),
+    # DGX GH200: every superchip on the NVLink switch system (18 NVLink4 links, 450 GB/s per direction) and
+    # one NDR 400 Gb/s NIC per superchip.
+    "GH200-96GB": (Link(450 * GB, NVLINK_LATENCY_S), Link(50 * GB, IB_LATENCY_S)),
 }
+
+PCIE_LATENCY_S = 10e-6
+"""Latency of one host<->device copy over PCIe or C2C (cudaMemcpyAsync launch and DMA setup, ~ 5-10 us)."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """A node's host side: memory per node (bytes), the link between each GPU and host memory (bytes/s
+    per GPU per direction when every GPU of the node copies at once), and optional NVMe behind it (bytes per
+    node, bytes/s per node; 0 when absent)."""
+
+    memory_bytes: float
+    link: Link
+    nvme_bytes: float = 0.0
+    nvme_bandwidth: float = 0.0
+
+
+PCIE4_X16 = 25 * GB
+"""Host<->device copy rate of one PCIe Gen4 x16 link (32 GB/s raw per direction; ~ 25 GB/s measured by
+CUDA's bandwidthTest with pinned memory)."""
+PCIE5_X16 = 50 * GB
+"""Host<->device copy rate of one PCIe Gen5 x16 link (64 GB/s raw per direction; ~ 50 GB/s pinned)."""
+C2C = 450 * GB
+"""NVLink-C2C between Grace and Hopper on GH200 (900 GB/s bidirectional, GH200 datasheet)."""
+NVME_GEN4_DRIVE = 6.5 * GB
+"""Sequential read of one PCIe Gen4 U.2 data-centre NVMe drive (3.84 TB class, ~ 6.5-7 GB/s datasheet)."""
+
+# Host side per GPU type, as the DGX of that GPU ships it (per node of 8 GPUs; GH200 per superchip):
+# DGX A100 user guide: 1 TB DDR4, four PCIe Gen4 switches each joining two GPUs (and their NICs) to the CPU
+# over one x16 uplink (so two GPUs share 25 GB/s), 15 TB of NVMe cache (4 x 3.84 TB Gen4 U.2).
+# A800 servers (HGX A800 8-GPU boards): built as DGX A100. DGX H100/H200 user guide: 2 TB DDR5, PCIe Gen5
+# x16 per GPU, 30 TB NVMe cache (8 x 3.84 TB). GH200 datasheet: 480 GB LPDDR5X per superchip over C2C, no
+# local NVMe assumed.
+DGX_HOSTS: dict[str, Host] = {
+    "A100-40GB": Host(1000 * GB, Link(PCIE4_X16 / 2, PCIE_LATENCY_S), 4 * 3.84e12, 4 * NVME_GEN4_DRIVE),
+    "A100-80GB": Host(1000 * GB, Link(PCIE4_X16 / 2, PCIE_LATENCY_S), 4 * 3.84e12, 4 * NVME_GEN4_DRIVE),
+    "A800-80GB": Host(1000 * GB, Link(PCIE4_X16 / 2, PCIE_LATENCY_S), 4 * 3.84e12, 4 * NVME_GEN4_DRIVE),
+    "H100-80GB": Host(2000 * GB, Link(PCIE5_X16, PCIE_LATENCY_S), 8 * 3.84e12, 8 * NVME_GEN4_DRIVE),
+    "H200-141GB": Host(2000 * GB, Link(PCIE5_X16, PCIE_LATENCY_S), 8 * 3.84e12, 8 * NVME_GEN4_DRIVE),
+    "GH200-96GB": Host(480 * GB, Link(C2C, PCIE_LATENCY_S)),
+}
+DGX_GPUS_PER_NODE = 8
+"""GPUs of the DGX node whose host memory and NVMe DGX_HOSTS quote (GH200: 1 per superchip, scaled below)."""
+
+
+def default_host(gpu_type: str, gpus_per_node: int) -> Host:
+    """The host side of a node of `gpus_per_node` GPUs of `gpu_type`: DGX_HOSTS scaled by GPUs per node
+    (host memory and NVMe per GPU as in the DGX; link per GPU unchanged). Unknown types: the A100's."""
+    base = DGX_HOSTS.get(gpu_type, DGX_HOSTS["A100-80GB"])
+    per = gpus_per_node if gpu_type.startswith("GH200") else gpus_per_node / DGX_GPUS_PER_NODE
+    return replace(base, memory_bytes=base.memory_bytes * per, nvme_bytes=base.nvme_bytes * per,
+                   nvme_bandwidth=base.nvme_bandwidth * per)
 
 
 @dataclass(frozen=True)
@@ -86,6 +148,12 @@ class Cluster:
     intra: Link
     inter: Link
     speed: tuple[float, ...] = field(default=())  # per rank, time relative to a healthy device; () = all 1.0
+    host: Host | None = None  # None: default_host of the GPU type
+
+    @property
+    def host_side(self) -> Host:
+        """The node's host memory, host link and NVMe (given, or the GPU type's DGX default)."""
+        return self.host or default_host(self.gpu.name, self.gpus_per_node)
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -168,6 +236,14 @@ class _GpuFile(BaseModel):
     sm_count: int = Field(default=108, gt=0)
 
 
+class _HostFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    memory_gib: float | None = Field(default=None, gt=0, description="host memory per node")
+    link_gbps: float | None = Field(default=None, gt=0, description="GB/s per GPU per direction to host memory")
+    nvme_tb: float | None = Field(default=None, ge=0, description="NVMe capacity per node, TB")
+    nvme_gbps: float | None = Field(default=None, ge=0, description="NVMe bandwidth per node, GB/s")
+
+
 class _ClusterFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = "cluster"
@@ -177,6 +253,17 @@ class _ClusterFile(BaseModel):
     intra: _LinkFile | None = None
     inter: _LinkFile | None = None
     speed: dict[int, float] | None = None
+    host: _HostFile | None = None
+
+
+def _host(spec: _HostFile | None, default: Host) -> Host | None:
+    """The host side a cluster file gives (its fields over `default`), or None when it gives none."""
+    if spec is None:
+        return None
+    return Host(default.memory_bytes if spec.memory_gib is None else spec.memory_gib * GIB,
+                default.link if spec.link_gbps is None else Link(spec.link_gbps * GB, default.link.latency),
+                default.nvme_bytes if spec.nvme_tb is None else spec.nvme_tb * 1e12,
+                default.nvme_bandwidth if spec.nvme_gbps is None else spec.nvme_gbps * GB)
 
 
 def _link(spec: _LinkFile | None, default: Link) -> Link:
@@ -185,7 +272,8 @@ def _link(spec: _LinkFile | None, default: Link) -> Link:
 
 def from_yaml(path: Path) -> Cluster:
     """A Cluster from YAML: nodes, gpus_per_node, gpu (a type name or a table), optional intra/inter links
-    (`bandwidth_gbps`, `latency_us`) and per-rank `speed` factors."""
+    (`bandwidth_gbps`, `latency_us`), per-rank `speed` factors and the `host` side (`memory_gib` per node,
+    `link_gbps` per GPU, `nvme_tb` and `nvme_gbps` per node; each defaults to the GPU type's DGX value)."""
     try:
         raw = yaml.safe_load(path.read_text())
         spec = _ClusterFile.model_validate(raw)
@@ -215,7 +303,8 @@ def from_yaml(path: Path) -> Cluster:
             raise PlaitError(f"cluster file {str(path)!r}: a custom gpu needs intra and inter links "
                              "(bandwidth_gbps, latency_us)")
     cluster = Cluster(spec.name, spec.nodes, spec.gpus_per_node, gpu,
-                      _link(spec.intra, intra_default), _link(spec.inter, inter_default))
+                      _link(spec.intra, intra_default), _link(spec.inter, inter_default),
+                      host=_host(spec.host, default_host(gpu.name, spec.gpus_per_node)))
     return cluster.with_slow(spec.speed) if spec.speed else cluster
 
 

@@ -1,0 +1,97 @@
+"""Memory below the GPU: activations swapped to host memory token-wise (MEMO) and model states offloaded to
+the host CPU, which runs the optimizer step (ZeRO-Offload, Angel-PTM). Seconds and bytes, per device.
+
+Swapping: a share `swap` of a layer's saved activations (a slice of its tokens) is copied to host memory
+during the layer's forward and back during its backward; the copies run on the GPU's copy engines beside
+the layer's compute, so only what outlasts that compute is exposed (MEMO, Sec. 4). Device memory keeps the
+rest; host memory holds the swapped bytes of every micro-batch in flight.
+
+Offload (`offload="optim"`): the fp32 master weights, Adam moments and fp32 gradients of the device's
+optimizer shard live in host memory; each micro-batch's 16-bit gradients stream to the host during backward,
+the CPU runs Adam, and the updated 16-bit weights are copied back before the next step.
+
+The host link: swap-out (device to host, forward), swap-in (host to device, backward), gradients (device to
+host, backward) and weights (host to device, after the step) share each GPU's host link. PCIe and C2C are full
+duplex, so only traffic in one direction at the same time contends: in backward the swap-in runs against
+nothing else in its direction and the gradients against nothing in theirs; each direction is priced alone.
+Collectives do not use the link (NVLink inside the node; the NICs reach the GPU through its PCIe switch,
+not the host uplink).
+"""
+
+from __future__ import annotations
+
+from plait.cost import comm
+from plait.cost.precision import PrecisionBytes
+from plait.plan import Strategy
+from plait.spec.cluster import Cluster
+
+HOST_ADAM_PARAMS_PER_S = 4e9
+"""Parameters per second that one node's CPUs update with Adam (fp32 master weights, moments and gradient in
+host memory): DeepSpeed's vectorised CPU-Adam, about 0.25 s per billion parameters on a two-socket server
+(ZeRO-Offload, Ren et al. USENIX ATC 2021, Sec. 5; DeepSpeed's tutorial: 5-7x torch.optim.Adam on CPU).
+Shared by the node's GPUs."""
+HOST_GRAD_BYTES = 4
+"""Bytes per parameter of the fp32 gradient that offload keeps in host memory (ZeRO-Offload accumulates
+gradients on the CPU in fp32)."""
+SWAP_COMPUTE_CONTENTION = 0.0
+"""Share of compute throughput lost while a host copy runs beside it: the copy engines move the bytes
+without SMs (MEMO hides swapping completely when the link is fast enough)."""
+
+
+def host_copy_time(nbytes: float, cluster: Cluster) -> float:
+    """Seconds to copy `nbytes` one way between one GPU and host memory, every GPU of the node copying."""
+    if nbytes <= 0:
+        return 0.0
+    link = cluster.host_side.link
+    return link.latency + nbytes / link.bandwidth
+
+
+def resident_activation(activation: float, s: Strategy) -> float:
+    """Bytes of a layer's `activation` saved bytes that stay on the device under `s` (the rest is swapped)."""
+    return activation * (1.0 - s.swap)
+
+
+def swapped_activation(activation: float, s: Strategy) -> float:
+    """Bytes of a layer's `activation` saved bytes that `s` swaps to host memory per micro-batch."""
+    return activation * s.swap
+
+
+def offloaded_states(gradients: float, optimizer: float, s: Strategy, prec: PrecisionBytes
+                     ) -> tuple[float, float, float]:
+    """(device gradient bytes, device optimizer bytes, host bytes) of a device whose model states would be
+    `gradients` and `optimizer` bytes: under offload the optimizer state and an fp32 gradient of the same
+    shard move to host memory (the device keeps only the gradient bucket in flight, counted elsewhere)."""
+    if s.offload == "none":
+        return gradients, optimizer, 0.0
+    return 0.0, 0.0, optimizer * (1.0 + HOST_GRAD_BYTES / prec.optimizer)
+
+
+def link_time(swapped: float, gradients: float, forward_s: float, backward_s: float, s: Strategy,
+              cluster: Cluster, prec: PrecisionBytes) -> tuple[float, float]:
+    """(forward, backward) seconds that a layer's host traffic adds to passes computing for `forward_s` and
+    `backward_s`: `swapped` bytes out in forward and back in backward, and under offload its 16-bit gradient
+    (`gradients` bytes as the device would hold them, fp32-sized) out in backward; each beside the pass's
+    compute (`comm.overlapped`), the two backward directions apart (full duplex)."""
+    if s.swap == 0 and s.offload == "none":
+        return 0.0, 0.0
+    out_f = host_copy_time(swapped, cluster)
+    back_in = host_copy_time(swapped, cluster)
+    grads_out = host_copy_time(gradients * prec.param / prec.grad, cluster) if s.offload != "none" else 0.0
+    fwd = comm.overlapped(out_f, forward_s, SWAP_COMPUTE_CONTENTION)
+    bwd = comm.overlapped(max(back_in, grads_out), backward_s, SWAP_COMPUTE_CONTENTION)
+    return fwd, bwd
+
+
+def weights_back_time(params: float, s: Strategy, cluster: Cluster, prec: PrecisionBytes, shards: int
+                      ) -> float:
+    """Seconds per step copying the updated 16-bit weights of an offloaded optimizer shard (`params`
+    parameters over `shards` devices) from host to device, exposed after the CPU's step."""
+    if s.offload == "none":
+        return 0.0
+    return host_copy_time(params / shards * prec.param, cluster)
+
+
+def host_optimizer_time(local_params: float, cluster: Cluster) -> float:
+    """Seconds of the CPU's Adam step over one device's `local_params` offloaded parameters, the node's CPUs
+    shared by its GPUs (HOST_ADAM_PARAMS_PER_S)."""
+    return local_params * cluster.gpus_per_node / HOST_ADAM_PARAMS_PER_S

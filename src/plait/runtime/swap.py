@@ -1,0 +1,194 @@
+"""Token-wise activation swapping (MEMO): a share of the tokens of every tensor a layer saves for backward goes
+to host memory during the layer's forward and comes back when its backward unpacks it.
+
+`attach(block, share, meter)` brackets the block's forward with `torch.autograd.graph.saved_tensors_hooks`:
+each saved activation (parameters stay) is cut along its token dimension (the first dimension as long as the
+block input's sequence), the first `round(share * tokens)` tokens are copied to a host buffer (pinned host
+memory on CUDA, copied on the current stream without blocking; on a CPU-only machine a separate CPU tensor,
+so the code path and the byte counts are the same) and the rest is kept as a tensor of its own, so the
+original can be freed. Backward concatenates the two parts again: the values, and so the gradients, are
+exactly the unswapped ones. A `SwapMeter` counts the resident (kept) and host bytes of the saved activations
+(saved tensors with a token dimension; weights and their autocast copies stay and are not counted); bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+
+@dataclass
+class SwapMeter:
+    """Bytes of saved activations alive at once (each storage once while alive): kept on the device
+    (`resident_peak`) and in host memory (`host_peak`); `swapped` in all, over every pack."""
+
+    resident_peak: float = 0.0
+    host_peak: float = 0.0
+    swapped: float = 0.0
+    exclude: set[int] = field(default_factory=set)  # storages not to count (parameters)
+    _resident: dict[int, tuple[StorageWeakRef, int]] = field(default_factory=dict)
+    _host: dict[int, tuple[StorageWeakRef, int]] = field(default_factory=dict)
+
+    @staticmethod
+    def of(model: nn.Module) -> SwapMeter:
+        """A meter that leaves out (and a swap that keeps) the storages of `model`'s parameters and buffers."""
+        return SwapMeter(exclude={t.untyped_storage().data_ptr()
+                                  for t in (*model.parameters(), *model.buffers()) if t is not None})
+
+    def count(self, t: Tensor, host: bool) -> None:
+        """Count `t`'s storage as alive (on the host when `host`) and update the peaks."""
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if not ptr or ptr in self.exclude:
+            return
+        live = self._host if host else self._resident
+        for key in [k for k, (ref, _) in live.items() if ref.expired()]:
+            del live[key]
+        if ptr not in live:
+            live[ptr] = (StorageWeakRef(storage), storage.nbytes())
+            if host:
+                self.swapped += storage.nbytes()
+        alive = float(sum(n for _, n in live.values()))
+        if host:
+            self.host_peak = max(self.host_peak, alive)
+        else:
+            self.resident_peak = max(self.resident_peak, alive)
+
+    def reset(self) -> None:
+        """Start counting afresh (one step's peaks)."""
+        self.resident_peak = self.host_peak = self.swapped = 0.0
+        self._resident.clear()
+        self._host.clear()
+
+    def as_dict(self) -> dict[str, float]:
+        """The metrics record's `swap` entry."""
+        return {"resident_peak_bytes": self.resident_peak, "host_peak_bytes": self.host_peak,
+                "swapped_bytes": self.swapped}
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A saved tensor cut in two along `dim`: `host` (its first tokens) and `kept` (the rest, or None); a view
+    of a tensor that fills its storage is cut as the storage's elements and rebuilt by `view` (shape,
+    strides and offset into them)."""
+
+    host: Tensor
+    kept: Tensor | None
+    dim: int
+    device: torch.device
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
+
+
+def token_dim(t: Tensor, tokens: int, rows: int) -> int | None:
+    """The first dimension of `t` as long as the sequence (`tokens`), or as its `rows` tokens of every sequence
+    flattened together (a GEMM's [B*T, H] input), or None."""
+    return next((d for d, n in enumerate(t.shape) if n in (tokens, rows)), None)
+
+
+def to_host(t: Tensor) -> Tensor:
+    """A host copy of `t`: pinned and not blocking from an accelerator, a separate tensor on the CPU."""
+    if t.device.type == "cpu":
+        return t.clone()
+    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return buf.copy_(t, non_blocking=True)
+
+
+class _LayerSwap:
+    """The saved-tensor hooks of one block: swap `share` of each saved activation's tokens."""
+
+    def __init__(self, share: float, meter: SwapMeter) -> None:
+        self.share, self.meter = share, meter
+        self.tokens = self.rows = 0
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._seen: dict[tuple, tuple[Tensor, _Packed | None]] = {}  # one cut per saved storage in a forward
+
+    def pre(self, _module: nn.Module, args: tuple) -> None:
+        x = args[0] if args else None
+        self.tokens = x.shape[1] if isinstance(x, Tensor) and x.dim() >= 2 else 0
+        self.rows = x.shape[0] * self.tokens if self.tokens else 0
+        self._seen = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
+
+    def post(self, _module: nn.Module, _args: tuple, _out: object) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        self._seen = {}
+
+    def pack(self, t: Tensor) -> object:
+        dim = token_dim(t, self.tokens, self.rows) if self.tokens else None
+        if (t.requires_grad and t.grad_fn is None) or dim is None or \
+                t.untyped_storage().data_ptr() in self.meter.exclude:
+            return t  # a parameter, a buffer or a tensor without tokens (autocast's weight copies)
+        base = t._base if t._base is not None else t
+        storage = t.untyped_storage()
+        flat = base.numel() * base.element_size() == storage.nbytes()  # base covers its storage densely
+        if flat:  # views of one storage (x, x.view(B*T, H), an expanded k, a transposed output) share one cut
+            key: tuple = (storage.data_ptr(), base.dtype)
+            base_dim = token_dim(base, self.tokens, self.rows)
+            unit = base.stride(base_dim) if base_dim is not None else 1  # elements per token in storage order
+        else:
+            key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key not in self._seen:  # the original stays referenced until the forward ends: no address reuse
+            self._seen[key] = (base, self._cut(base.as_strided((base.numel(),), (1,), 0), 0, unit) if flat
+                                      else self._cut(t, dim, 1))
+        packed = self._seen[key][1]
+        if packed is None:
+            return t
+        if flat:
+            return replace(packed, view=(tuple(t.shape), tuple(t.stride()), t.storage_offset()))
+        return packed
+
+    def _cut(self, t: Tensor, dim: int, unit: int) -> _Packed | None:
+        """`t` cut along `dim` after `share` of its tokens (`unit` elements each), the first part on the host;
+        None when no token moves."""
+        k = round(self.share * t.shape[dim] / unit) * unit
+        if k == 0:
+            self.meter.count(t, host=False)
+            return None
+        host = to_host(t.narrow(dim, 0, k))
+        kept = t.narrow(dim, k, t.shape[dim] - k).clone() if k < t.shape[dim] else None
+        self.meter.count(host, host=True)
+        if kept is not None:
+            self.meter.count(kept, host=False)
+        return _Packed(host, kept, dim, t.device)
+
+    @staticmethod
+    def unpack(packed: object) -> Tensor:
+        if not isinstance(packed, _Packed):
+            return packed  # type: ignore[return-value]
+        head = packed.host.to(packed.device, non_blocking=True)
+        whole = head if packed.kept is None else torch.cat([head, packed.kept], dim=packed.dim)
+        return whole if packed.view is None else whole.as_strided(*packed.view)
+
+
+def attach(block: nn.Module, share: float, meter: SwapMeter) -> list[torch.utils.hooks.RemovableHandle]:
+    """Swap `share` of the tokens of `block`'s saved activations while it runs forward (0: only count them in
+    `meter`); the hook handles."""
+    swap = _LayerSwap(share, meter)
+    return [block.register_forward_pre_hook(swap.pre), block.register_forward_hook(swap.post, always_call=True)]
+
+
+def apply_swap(model: nn.Module, share: float, layers: list[str]) -> None:
+    """Swap `share` of the named blocks' saved activations token-wise, counted by `model.swap_meter` (made on
+    first use, leaving out the model's parameters and buffers)."""
+    if share <= 0:
+        return
+    if getattr(model, "swap_meter", None) is None:
+        model.swap_meter = SwapMeter.of(model)
+    for name in layers:
+        attach(model.layers[name], share, model.swap_meter)
+
+
+def step_metrics(chunks: Iterable[nn.Module]) -> dict[str, float] | None:
+    """The `swap` entry of a step's metrics over a rank's model chunks (bytes; None without swapping)."""
+    meters = [m.swap_meter for m in chunks if getattr(m, "swap_meter", None) is not None]
+    if not meters:
+        return None
+    return {k: sum(m.as_dict()[k] for m in meters) for k in meters[0].as_dict()}

@@ -1,0 +1,357 @@
+"""The memory hierarchy below the GPU: host memory, host links and NVMe (cluster), activation swapping and
+optimizer offload (cost model, plans, search, runtime)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from plait.errors import PlaitError
+from plait.spec.cluster import GB, GIB, DGX_HOSTS, GPUS, load_cluster
+
+
+# ---- cluster ---------------------------------------------------------------------------------------
+
+def test_dgx_host_defaults() -> None:
+    a800 = load_cluster("1x8xA800-80GB")
+    assert a800.gpu.peak_flops == GPUS["A100-80GB"].peak_flops
+    assert a800.intra.bandwidth == 200 * GB  # NVLink 400 GB/s bidirectional
+    host = a800.host_side
+    assert host.memory_bytes == 1000 * GB and host.link.bandwidth == 12.5 * GB  # two GPUs per Gen4 uplink
+    h100 = load_cluster("2x8xH100-80GB").host_side
+    assert h100.memory_bytes == 2000 * GB and h100.link.bandwidth == 50 * GB and h100.nvme_bytes > 0
+    gh = load_cluster("4x4xGH200-96GB").host_side  # four superchips per node
+    assert gh.memory_bytes == 4 * 480 * GB and gh.link.bandwidth == 450 * GB and gh.nvme_bytes == 0
+    half = load_cluster("1x4xH100-80GB").host_side  # half a DGX: half its host memory, the same link
+    assert half.memory_bytes == 1000 * GB and half.link.bandwidth == 50 * GB
+    assert set(DGX_HOSTS) == set(GPUS)
+
+
+def test_yaml_host_fields(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("nodes: 2\ngpus_per_node: 8\ngpu: A800-80GB\nhost:\n  memory_gib: 512\n  link_gbps: 20\n")
+    host = load_cluster(str(path)).host_side
+    assert host.memory_bytes == 512 * GIB and host.link.bandwidth == 20 * GB
+    assert host.nvme_bytes == DGX_HOSTS["A800-80GB"].nvme_bytes  # not given: the DGX default
+    path.write_text("nodes: 1\ngpus_per_node: 8\ngpu: A800-80GB\n")
+    assert load_cluster(str(path)).host is None and load_cluster(str(path)).host_side.memory_bytes == 1000 * GB
+    path.write_text("nodes: 1\ngpus_per_node: 8\ngpu: A800-80GB\nhost:\n  memory_gib: -1\n")
+    with pytest.raises(PlaitError, match="host.memory_gib"):
+        load_cluster(str(path))
+
+
+# ---- plans and the shorthand -----------------------------------------------------------------------
+
+def test_shorthand_and_version_4_files(tmp_path: Path) -> None:
+    import json
+
+    from plait.plan import PLAN_VERSION, load_plan, uniform_plan
+    from plait.spec.model import PRESETS
+
+    model, cluster = PRESETS["llama2-7b"], load_cluster("1x8xA800-80GB")
+    plan = uniform_plan("tp=8,zero=1,swap=0.5,offload=optim", model, cluster, 4096)
+    s = plan.pipelines[0].stages[0].strategies[0]
+    assert (s.swap, s.offload) == (0.5, "optim") and s.short().endswith("swap=0.5 offload=optim")
+    for bad, why in (("swap=1.5", "swap must be a share"), ("swap=x", "swap must be a share"),
+                     ("offload=disk", "offload must be none or optim")):
+        with pytest.raises(PlaitError, match=why):
+            uniform_plan(f"tp=8,{bad}", model, cluster, 4096)
+    raw = json.loads(uniform_plan("tp=8", model, cluster, 4096).to_json())
+    raw["version"] = 4
+    for stage in raw["pipelines"][0]["stages"]:
+        for st in stage["strategies"]:
+            del st["swap"], st["offload"]
+    path = tmp_path / "v4.json"
+    path.write_text(json.dumps(raw))
+    read = load_plan(path)
+    assert read.version == PLAN_VERSION == 5
+    assert (read.pipelines[0].stages[0].strategies[0].swap, read.pipelines[0].stages[0].strategies[0].offload) \
+        == (0.0, "none")
+
+
+# ---- cost model --------------------------------------------------------------------------------------
+
+def _llama_on_a800(text: str, seq: int = 131072, cluster: str = "1x8xA800-80GB"):  # noqa: ANN202
+    from plait.plan import uniform_plan
+    from plait.simulate import price_plan
+    from plait.spec.model import PRESETS
+
+    model, c = PRESETS["llama2-7b"], load_cluster(cluster)
+    return price_plan(uniform_plan(text + ",gbs=1", model, c, seq), model, c)
+
+
+def _layer(priced):  # noqa: ANN001, ANN202
+    return priced.costs[0][0].priced[0][0]  # the first layer's LayerCost
+
+
+def test_swap_moves_saved_activations_to_host() -> None:
+    from plait.cost import offload
+
+    base, half, full = (_layer(_llama_on_a800(f"tp=8,sp=1,zero=1,swap={a}")) for a in (0, 0.5, 1))
+    assert half.activation == pytest.approx(base.activation / 2) and full.activation == 0
+    assert half.swapped == pytest.approx(base.activation / 2) and full.swapped == pytest.approx(base.activation)
+    assert base.time.host_comm == 0 and full.time.host_comm > 0
+    # what the link cannot hide behind the layer's compute is exposed, each way
+    link = load_cluster("1x8xA800-80GB").host_side.link
+    copy = offload.host_copy_time(base.activation, load_cluster("1x8xA800-80GB"))
+    assert copy == pytest.approx(link.latency + base.activation / link.bandwidth)
+    t = full.time
+    assert t.host_comm == pytest.approx(max(0, copy - t.forward) + max(0, copy - t.backward - t.recompute))
+    # half the bytes hide behind a 128K-token layer's compute on A800; over C2C on GH200 all of them do
+    assert half.time.host_comm == 0
+    assert _layer(_llama_on_a800("tp=8,sp=1,zero=1,swap=1", cluster="1x8xGH200-96GB")).time.host_comm == 0
+
+
+def test_swap_and_host_budget_in_the_report() -> None:
+    from dataclasses import replace
+
+    from plait.simulate import finish, price_plan
+    from plait.plan import uniform_plan
+    from plait.spec.model import PRESETS
+
+    none, swapped = _llama_on_a800("tp=8,sp=1,zero=1"), _llama_on_a800("tp=8,sp=1,zero=1,swap=1")
+    assert not none.fits and swapped.fits  # 128K tokens: 87 GiB without swapping, 20 GiB with
+    act = _layer(none).activation
+    assert swapped.host[0][0] == pytest.approx(32 * act)  # one micro-batch in flight, 32 layers
+    assert swapped.host_peak_bytes == pytest.approx(8 * 32 * act)  # eight devices on the node
+    report = finish(swapped)
+    assert report.host_memory_gib == pytest.approx(swapped.host_peak_bytes / GIB) and report.fits
+    assert report.to_dict()["devices"][0]["host_gib_per_device"] == pytest.approx(32 * act / GIB)
+    model = PRESETS["llama2-7b"]
+    small = load_cluster("1x8xA800-80GB")
+    small = replace(small, host=replace(small.host_side, memory_bytes=256 * GIB))
+    tight = price_plan(uniform_plan("tp=8,sp=1,zero=1,swap=1,gbs=1", model, small, 131072), model, small)
+    assert tight.peak_bytes == swapped.peak_bytes and not tight.fits and not finish(tight).fits
+
+
+def test_offloaded_optimizer_lives_and_steps_on_the_host() -> None:
+    from plait.cost import offload
+
+    base, off = _llama_on_a800("tp=8,sp=1,zero=1"), _llama_on_a800("tp=8,sp=1,zero=1,offload=optim")
+    b, o = _layer(base), _layer(off)
+    assert (o.optimizer, o.gradients) == (0, 0) and o.weights == b.weights
+    assert o.host == pytest.approx(b.optimizer * 16 / 12)  # master + moments 12 B, fp32 gradient 4 B
+    local = sum(n * c.params for c, n, _, _ in off.costs[0][0].priced)
+    assert off.syncs[0][0][2] == pytest.approx(local * 8 / offload.HOST_ADAM_PARAMS_PER_S)
+    assert off.syncs[0][0][1] > base.syncs[0][0][1]  # the updated weights come back over the link
+    assert off.peak_bytes < base.peak_bytes - 8 * GIB
+
+
+# ---- search ------------------------------------------------------------------------------------------
+
+def test_space_with_the_hierarchy() -> None:
+    from dataclasses import replace
+
+    from plait.planner.space import HIERARCHY, SpaceLimits, block_strategies
+    from plait.spec.model import PRESETS
+
+    block, c = PRESETS["llama2-7b"].block, load_cluster("1x8xA800-80GB")
+    plain = block_strategies(block, c, 8, 8, 4096)
+    both = block_strategies(block, c, 8, 8, 4096, replace(SpaceLimits(), **HIERARCHY))
+    assert all(s.swap == 0 and s.offload == "none" for s in plain)
+    assert set(plain) < set(both) and len(both) <= 6 * len(plain)
+    assert {s.swap for s in both} == {0.0, 0.5, 1.0}
+    assert not any(s.offload == "optim" and s.zero == 0 and s.dp * s.cp > 1 for s in both)
+
+
+def test_search_swaps_where_it_pays_and_keeps_to_the_host_budget() -> None:
+    from dataclasses import replace
+
+    from plait.planner.engine import DEFAULT_LIMITS, search
+    from plait.planner.space import HIERARCHY
+    from plait.spec.model import PRESETS
+
+    model, c = PRESETS["llama2-7b"], load_cluster("1x8xA800-80GB")
+    limits = replace(DEFAULT_LIMITS, **HIERARCHY)
+    plain = search(model, c, 131072, 8, include_uniform=False)
+    deep = search(model, c, 131072, 8, include_uniform=False, limits=limits)
+    assert plain.report is not None and deep.report is not None and deep.report.fits
+    chosen = [s for st in deep.plan.pipelines[0].stages for s in st.strategies]
+    assert any(s.swap > 0 for s in chosen)
+    assert deep.report.iteration_time_s < plain.report.iteration_time_s  # swapping replaces recomputation
+    small = replace(c, host=replace(c.host_side, memory_bytes=64 * GIB))
+    tight = search(model, small, 131072, 8, include_uniform=False, limits=limits)
+    assert tight.report is not None and tight.report.fits
+    assert tight.report.host_memory_gib <= 64 and tight.report.iteration_time_s >= deep.report.iteration_time_s
+
+
+# ---- runtime -----------------------------------------------------------------------------------------
+
+TINY_LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=97,max_seq_len=48"
+
+
+def _swapped_run(share: float, dtype: str = "fp32"):  # noqa: ANN202
+    import torch
+
+    from plait.models import build_model
+    from plait.runtime import swap
+    from plait.spec.model import load_model
+
+    torch.manual_seed(0)
+    model = build_model(load_model(TINY_LLAMA))
+    swap.apply_swap(model, share, list(model.layers))
+    meter = getattr(model, "swap_meter", None) or swap.SwapMeter.of(model)
+    if share == 0:  # count the unswapped saved bytes the same way
+        for block in model.layers.values():
+            swap.attach(block, 0.0, meter)
+    tokens = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        loss = model(tokens).float().logsumexp(-1).mean()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, meter.as_dict()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_token_swap_keeps_gradients_and_moves_the_bytes(dtype: str) -> None:
+    base, counted = _swapped_run(0.0, dtype)
+    assert counted["resident_peak_bytes"] > 0 and counted["host_peak_bytes"] == 0
+    for share in (0.5, 1.0):
+        grads, m = _swapped_run(share, dtype)
+        assert max((grads[n] - base[n]).abs().max().item() for n in base) <= 1e-6
+        ratio = m["resident_peak_bytes"] / counted["resident_peak_bytes"]
+        assert ratio == pytest.approx(1 - share, abs=0.05)
+        assert m["host_peak_bytes"] == pytest.approx(share * counted["resident_peak_bytes"], rel=0.05)
+
+
+def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
+    from plait.executable import unsupported
+    from plait.plan import uniform_plan
+    from plait.spec.cluster import local_ranks
+    from plait.spec.model import load_model
+
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from plait.runtime.parallelize import _offload_policy
+
+    policy = _offload_policy("optim")["offload_policy"]
+    assert isinstance(policy, CPUOffloadPolicy) and not policy.pin_memory and _offload_policy("none") == {}
+    model = load_model("tiny-llama")
+    for text in ("dp=2,zero=1,swap=0.5", "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim"):
+        assert unsupported(uniform_plan(text, model, local_ranks(4 if "dp=4" in text else 2), 64), model) is None
+    for text, needle in (("dp=2,offload=optim", "offloads the optimizer with FSDP2"),
+                         ("dp=2,tp=2,zero=1,offload=optim", "offloads the optimizer with FSDP2"),
+                         ("dp=2,pp=2,zero=1,offload=optim", "offloads the optimizer with FSDP2"),
+                         ("tp=2,swap=0.5", "swap=0 there"), ("dp=2,recompute=full,swap=1", "swap=0 there")):
+        world = 4 if ("tp=2" in text or "pp=2" in text) and "dp=2" in text else 2
+        reason = unsupported(uniform_plan(text, model, local_ranks(world), 64), model)
+        assert reason is not None and needle in reason and "\n" not in reason, (text, reason)
+
+
+STEPS = 20
+
+
+def test_train_swaps_and_offloads_on_two_ranks_with_the_same_losses(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from plait.plan import uniform_plan
+    from plait.runtime.train import TrainConfig
+    from plait.spec.cluster import local_ranks
+    from plait.spec.model import load_model
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"plait swaps tokens to the host and back {i}." for i in range(200)))
+    model = load_model("tiny-llama")
+    paths, outs = [], {}
+    cases = {0.0: "dp=2,zero=1", 0.5: "dp=2,zero=1,swap=0.5", 1.0: "dp=2,zero=1,swap=1",
+             "offload": "dp=2,zero=1,offload=optim"}
+    for key, strategy in cases.items():
+        plan = uniform_plan(strategy, model, local_ranks(2), 64)
+        outs[key] = tmp_path / f"metrics-{key}.jsonl"
+        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=STEPS, lr=0.01,
+                          data=str(text), metrics_out=str(outs[key]))
+        paths.append(tmp_path / f"config-{key}.json")
+        paths[-1].write_text(cfg.to_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "plait.runtime.worker", *map(str, paths)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {a: [json.loads(line) for line in out.read_text().splitlines()] for a, out in outs.items()}
+    base = [r["loss"] for r in records[0.0]]
+    assert len(base) == STEPS and all("swap" not in r for r in records[0.0])
+    assert [r["loss"] for r in records["offload"]] == pytest.approx(base, abs=1e-5)  # FSDP2's CPUOffloadPolicy
+    for share in (0.5, 1.0):
+        assert [r["loss"] for r in records[share]] == pytest.approx(base, abs=1e-6)
+        for r in records[share]:
+            m = r["swap"]
+            resident = m["resident_peak_bytes"] / (m["resident_peak_bytes"] + m["host_peak_bytes"])
+            assert resident == pytest.approx(1 - share, abs=0.05) and m["swapped_bytes"] > 0
+
+
+def memo_gpt():  # noqa: ANN201
+    """MEMO's 7B GPT (32 layers, hidden 4096, ffn 16384, 32 heads, vocab 50257) with rotary positions (a learned
+    table of a million positions would add 4.3B parameters)."""
+    from dataclasses import replace
+
+    from plait.spec.model import load_model
+
+    return replace(load_model("gpt:layers=32,hidden=4096,heads=32,ffn=16384,vocab=50257,max_seq_len=1048576"),
+                   learned_positions=False)
+
+
+def test_memo_setting_fits_only_with_the_hierarchy() -> None:
+    from dataclasses import replace
+
+    from plait.planner.engine import DEFAULT_LIMITS, search
+    from plait.planner.space import HIERARCHY
+
+    model, c = memo_gpt(), load_cluster("1x8xA800-80GB")
+    plain = search(model, c, 1048576, 1)
+    assert plain.report is None  # no plan of recomputation and sharding fits a million tokens on 8 A800
+    deep = search(model, c, 1048576, 1, limits=replace(DEFAULT_LIMITS, **HIERARCHY))
+    assert deep.report is not None and deep.report.fits and deep.report.host_memory_gib <= 931
+    chosen = [s for st in deep.plan.pipelines[0].stages for s in st.strategies]
+    assert any(s.swap > 0 for s in chosen)
+
+
+# ---- MEMO's memory plan ------------------------------------------------------------------------------
+
+def test_memory_plan_beats_greedy_where_it_can() -> None:
+    from plait.runtime.memplan import Alloc, check_plan, greedy_offsets, max_live, plan_offsets
+
+    log = [Alloc(2, 4, 6), Alloc(4, 6, 7), Alloc(3, 0, 2), Alloc(1, 4, 8), Alloc(3, 2, 7), Alloc(3, 5, 6)]
+    assert greedy_offsets(log)[1] == 10 and max_live(log) == 9
+    offsets, peak = plan_offsets(log, time_limit_s=10)
+    assert peak == 9 and check_plan(log, offsets)
+
+
+def test_memory_plan_of_a_traced_layer() -> None:
+    import torch
+
+    from plait.models import build_model
+    from plait.runtime.memplan import caching_peak, check_plan, max_live, plan_offsets, trace
+    from plait.spec.model import load_model
+
+    torch.manual_seed(0)
+    model = build_model(load_model("llama:layers=1,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=97,max_seq_len=256"))
+    block, x = model.layers["0"], torch.randn(2, 256, 64, requires_grad=True)
+    log = trace(lambda: block(x, model.freqs_cis[:256]).sum().backward())
+    assert len(log) > 50
+    offsets, peak = plan_offsets(log, time_limit_s=10)
+    live, cached = max_live(log), caching_peak(log)
+    assert check_plan(log, offsets) and live <= peak <= 1.05 * live
+    assert cached >= live  # the caching allocator's reserved bytes, reported beside
+
+
+# ---- command line ------------------------------------------------------------------------------------
+
+def test_simulate_and_plan_show_swap_offload_and_host_memory() -> None:
+    from typer.testing import CliRunner
+
+    from plait.cli import app
+
+    runner = CliRunner()
+    sim = runner.invoke(app, ["simulate", "-m", "llama2-7b", "-c", "1x8xA800-80GB", "-s", "131072", "--strategy",
+                              "tp=8,sp=1,zero=1,swap=1,offload=optim,gbs=1"])
+    assert sim.exit_code == 0, sim.output
+    text = " ".join(sim.output.split())  # rich wraps long lines
+    assert "swap=1 offload=optim" in text and "host memory per node" in text
+    assert "host_comm" in text and "of 931 GiB" in text
+    plan = runner.invoke(app, ["plan", "-m", "llama2-7b", "-c", "1x8xA800-80GB", "-s", "131072", "-b", "8",
+                               "--host-memory", "--json"])
+    assert plan.exit_code == 0, plan.output
+    assert "swap" in plan.output and "host_memory_gib" in plan.output
