@@ -52,21 +52,27 @@ def main(argv: list[str]) -> int:
             dist.barrier()
         return 0
     except PlaitError as exc:
-        report_failure(Failure(rank, str(exc)))
-        return 2
+        _exit_reported(Failure(rank, str(exc)))
     except MemoryError:
-        report_failure(Failure(rank, f"rank {rank} ran out of host memory; use a smaller model, fewer ranks or a "
+        _exit_reported(Failure(rank, f"rank {rank} ran out of host memory; use a smaller model, fewer ranks or a "
                                      "smaller --global-batch"))
-        return 2
     except Exception as exc:
         if not is_timeout(exc):
             raise
-        report_failure(Failure(rank, f"rank {rank} timed out in a collective", "timeout", timeout_s))
-        sys.stderr.flush()
-        os._exit(2)  # the process group is broken: tearing it down could wait again
+        _exit_reported(Failure(rank, f"rank {rank} timed out in a collective", "timeout", timeout_s))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_reported(failure: Failure) -> None:
+    """Report `failure` and end the rank with exit code 2 at once: the other ranks may be stuck in a
+    collective with this one, so tearing the process group down could wait, and the communication threads
+    would abort the interpreter's exit with a message of their own."""
+    report_failure(failure)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
 
 
 if __name__ == "__main__":
