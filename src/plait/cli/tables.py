@@ -32,7 +32,8 @@ def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster)
     """Rich tables: headline numbers, time breakdown, memory per device group."""
     pipes = plan.pipelines
     strategies = sorted({s.short() for p in pipes for st in p.stages for s in st.strategies})
-    micro = ", ".join(f"{p.micro_batches} x {p.micro_batch_sequences}" for p in pipes[:8]) + (", ..." if len(pipes) > 8 else "")
+    micro = ", ".join(f"{p.micro_batches} x {p.micro_batch_sequences}" for p in pipes[:8]) \
+        + (", ..." if len(pipes) > 8 else "")
     out.print(f"[bold]{model.name}[/] ({model.params / 1e9:.2f}B params) on [bold]{cluster.name}[/], "
               f"seq {plan.seq_len}, global batch {plan.global_batch}, {plan.precision}")
     out.print(f"plan: {len(pipes)} pipeline(s), pp={plan.pp}, chunks={plan.chunks}, "
@@ -119,7 +120,8 @@ def print_plan(plan: Plan, world: int | None = None) -> None:
             layer = stage.layers[0]
             for ri, (strategy, count) in enumerate(stage.layer_strategies()):
                 first = ri == 0
-                lead = (str(pi), f"{pipe.micro_batches} x {pipe.micro_batch_sequences}") if first and si == 0 else ("", "")
+                lead = (str(pi), f"{pipe.micro_batches} x {pipe.micro_batch_sequences}") if first and si == 0 \
+                    else ("", "")
                 table.add_row(*lead * multi, str(si) if first else "", ranks_text(stage.ranks) if first else "",
                               f"{layer}-{layer + count - 1}" if count > 1 else str(layer), strategy.short())
                 layer += count

@@ -15,6 +15,7 @@ from plait.errors import PlaitError
 from plait.plan import Plan, uniform_plan, validate_plan
 from plait.spec.model import ModelSpec, load_model
 
+DataOpt = Annotated[Path | None, typer.Option("--data", help="text file (byte-level tokens); default synthetic")]
 CheckpointDirOpt = Annotated[Path | None, typer.Option(
     "--checkpoint-dir", help="save (DCP) here and resume from the newest readable checkpoint in it")]
 ResumeFromOpt = Annotated[Path | None, typer.Option(
@@ -49,7 +50,7 @@ def train_cmd(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     lr: Annotated[float, typer.Option("--lr", help="peak learning rate")] = 3e-4,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32 | bf16")] = "fp32",
-    data: Annotated[Path | None, typer.Option("--data", help="text file (byte-level tokens); default synthetic")] = None,
+    data: DataOpt = None,
     metrics_out: Annotated[str | None, typer.Option("--metrics-out", help="JSON lines, one per step")] = None,
     checkpoint_dir: CheckpointDirOpt = None,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="steps between checkpoints")] = 0,
@@ -232,8 +233,8 @@ def _varlen_config(m, model: str, method: str, world: int, steps: int, global_ba
                       sp=sp, cp_mode=cp_mode)
     check_config(cfg, m, world)
     if other:
-        raise PlaitError("--checkpoint-dir, --resume-from, --hf-checkpoint, --adaptive and --inject-slow do not combine with "
-                         "--varlen yet; drop them")
+        raise PlaitError("--checkpoint-dir, --resume-from, --hf-checkpoint, --adaptive and --inject-slow do not "
+                         "combine with --varlen yet; drop them")
     return cfg, world
 
 
