@@ -1,0 +1,5 @@
+"""`python -m plait.cli`: the `plait` command."""
+
+from plait.cli import main
+
+main()

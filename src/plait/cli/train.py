@@ -1,0 +1,261 @@
+"""`plait train`: train with a plan on this machine's ranks (through torchrun), or inside a torchrun job."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from plait.cli.common import PlanOpt, SeqLenOpt, app, one_line_errors, optional_output, read_plan
+from plait.errors import PlaitError
+from plait.plan import Plan, uniform_plan, validate_plan
+from plait.spec.model import ModelSpec, load_model
+
+DataOpt = Annotated[Path | None, typer.Option("--data", help="text file (byte-level tokens); default synthetic")]
+CheckpointDirOpt = Annotated[Path | None, typer.Option(
+    "--checkpoint-dir", help="save (DCP) here and resume from the newest readable checkpoint in it")]
+ResumeFromOpt = Annotated[Path | None, typer.Option(
+    "--resume-from", help="start from this checkpoint (a step-N directory) instead of the newest")]
+TimeoutOpt = Annotated[float, typer.Option(
+    "--timeout", help="seconds a rank waits in a collective before the job fails")]
+HfCheckpointOpt = Annotated[Path | None, typer.Option(
+    "--hf-checkpoint", help="start from Hugging Face safetensors weights in this directory")]
+AdaptiveOpt = Annotated[bool, typer.Option(
+    "--adaptive", help="detect straggling ranks and re-plan around them while training")]
+InjectSlowOpt = Annotated[str | None, typer.Option(
+    "--inject-slow", help="simulated stragglers RANK:FACTOR@STEP[,...] (FACTOR 1: recovered)")]
+ReplanProfileOpt = Annotated[Path | None, typer.Option(
+    "--profile", help="a `plait profile` file the re-planner prices plans with")]
+VarlenOpt = Annotated[str | None, typer.Option(
+    "--varlen", help="variable-length documents, layout per step: flexsp | bytescale | static")]
+LengthsOpt = Annotated[Path | None, typer.Option(
+    "--lengths", help="--varlen: document lengths to draw from (default: 10k Wikipedia lengths)")]
+CpModeOpt = Annotated[str, typer.Option(
+    "--cp-mode", help="--varlen flexsp/static: ulysses | ring (how a group splits a row)")]
+
+
+@app.command(name="train")
+def train_cmd(
+    model: Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama:/t5: spec")],
+    plan: PlanOpt = None,
+    strategy: Annotated[str | None, typer.Option("--strategy", help='e.g. "dp=2,tp=2,gbs=8"')] = None,
+    nproc: Annotated[int | None, typer.Option("--nproc", help="ranks to launch (default: the plan's)")] = None,
+    steps: Annotated[int, typer.Option("--steps", help="optimizer steps")] = 10,
+    seq_len: SeqLenOpt = None,
+    global_batch: Annotated[int | None, typer.Option("--global-batch", "-b", help="sequences per step")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    lr: Annotated[float, typer.Option("--lr", help="peak learning rate")] = 3e-4,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32 | bf16")] = "fp32",
+    data: DataOpt = None,
+    metrics_out: Annotated[str | None, typer.Option("--metrics-out", help="JSON lines, one per step")] = None,
+    checkpoint_dir: CheckpointDirOpt = None,
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="steps between checkpoints")] = 0,
+    resume_from: ResumeFromOpt = None,
+    timeout: TimeoutOpt = 300.0,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", help="torchrun restarts after a failure")] = 0,
+    hf_checkpoint: HfCheckpointOpt = None,
+    adaptive: AdaptiveOpt = False,
+    inject_slow: InjectSlowOpt = None,
+    profile: ReplanProfileOpt = None,
+    varlen: VarlenOpt = None,
+    lengths: LengthsOpt = None,
+    capacity: Annotated[int, typer.Option("--capacity", help="--varlen: tokens a rank holds at once")] = 1024,
+    sp: Annotated[int | None, typer.Option("--sp", help="--varlen static: the sequence-parallel degree")] = None,
+    cp_mode: CpModeOpt = "ulysses",
+) -> None:
+    """Train with a plan on this machine's ranks (launches torchrun), or inside an existing torchrun job.
+    With --varlen, train on variable-length documents whose parallel layout is planned every step."""
+    from plait.runtime import preflight
+
+    with one_line_errors():
+        m = load_model(model)
+        preflight.check_numbers(lr=lr, seed=seed, timeout_s=timeout)
+        metrics_file = optional_output(metrics_out, "metrics.jsonl", "--metrics-out")
+        if seq_len is not None:
+            preflight.check_seq_len(seq_len, m)
+        inside, world = _torchrun_world(nproc)
+        if varlen is not None:
+            cfg, world = _varlen_config(m, model, varlen, world or 1, steps, global_batch, seed, lr, dtype, data,
+                                        metrics_file, lengths, capacity, sp, cp_mode, plan or strategy,
+                                        checkpoint_dir or hf_checkpoint or adaptive or inject_slow or resume_from)
+            if not inside:
+                preflight.check_host_memory(m, world)
+            _launch(replace(cfg, timeout_s=timeout), world, inside, max_restarts)
+            return
+        p, world = _train_plan(plan, strategy, m, world, steps, seq_len, global_batch)
+        cfg = _train_config(p, m, model, world, steps=steps, seed=seed, lr=lr, dtype=dtype, data=data,
+                            metrics_file=metrics_file, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                            timeout=timeout, resume_from=resume_from, hf_checkpoint=hf_checkpoint, adaptive=adaptive,
+                            inject_slow=inject_slow, profile=profile)
+        _check_restarts(m, checkpoint_dir, checkpoint_every, resume_from, max_restarts)
+        if not inside:
+            preflight.check_host_memory(m, world)
+    _launch(cfg, world, inside, max_restarts)
+
+
+def _torchrun_world(nproc: int | None) -> tuple[bool, int | None]:
+    """(whether this process already runs inside a torchrun job, its ranks: the job's or --nproc)."""
+    import os
+
+    inside = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    return inside, int(os.environ["WORLD_SIZE"]) if inside else nproc
+
+
+def _train_plan(plan: Path | None, strategy: str | None, m: ModelSpec, world: int | None, steps: int,
+                seq_len: int | None, global_batch: int | None) -> tuple[Plan, int]:
+    """The plan that --plan or --strategy gives on this machine's ranks, checked to run, and its ranks."""
+    from plait.runtime import preflight
+    from plait.runtime.placement import check_executable
+    from plait.spec.cluster import local_ranks
+
+    if (plan is None) == (strategy is None):
+        raise PlaitError("give exactly one of --plan FILE or --strategy \"dp=..,tp=..\"")
+    if steps <= 0 or (world is not None and world <= 0):
+        raise PlaitError("--steps and --nproc must be positive")
+    if plan is not None:
+        p = read_plan(plan, m, local_ranks(world or 1), seq_len)
+        world = world or p.ranks[-1] + 1
+    else:
+        world = world or 1
+        text = strategy or ""
+        if global_batch is not None and "gbs=" not in text:
+            text += f",gbs={global_batch}"
+        p = uniform_plan(text, m, local_ranks(world), seq_len or min(m.max_seq_len, 256))
+    if global_batch is not None and global_batch != p.global_batch:
+        raise PlaitError(f"--global-batch {global_batch} differs from the plan's {p.global_batch}")
+    preflight.check_seq_len(p.seq_len, m)
+    validate_plan(p, m, local_ranks(world))
+    check_executable(p, m, world)
+    return p, world
+
+
+def _check_data(data: Path | None) -> None:
+    if data is not None and not data.is_file():
+        raise PlaitError(f"data file {str(data)!r} does not exist; give a text file or omit --data")
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in ("fp32", "bf16"):
+        raise PlaitError(f"--dtype must be fp32 or bf16, got {dtype!r}")
+
+
+def _train_config(p: Plan, m: ModelSpec, model: str, world: int, *, steps: int, seed: int, lr: float, dtype: str,
+                  data: Path | None, metrics_file: Path | None, checkpoint_dir: Path | None, checkpoint_every: int,
+                  timeout: float, resume_from: Path | None, hf_checkpoint: Path | None, adaptive: bool,
+                  inject_slow: str | None, profile: Path | None):
+    """The TrainConfig of a run with plan `p` (PlaitError on bad options)."""
+    from plait.runtime.train import TrainConfig
+
+    _check_data(data)
+    _check_dtype(dtype)
+    cfg = TrainConfig(model=model, plan=json.loads(p.model_dump_json()), steps=steps, seed=seed, lr=lr,
+                      dtype=dtype, data=str(data) if data else None,
+                      metrics_out=str(metrics_file) if metrics_file else None,
+                      checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+                      checkpoint_every=checkpoint_every, timeout_s=timeout,
+                      resume_from=str(resume_from) if resume_from else None,
+                      hf_checkpoint=str(hf_checkpoint) if hf_checkpoint else None, adaptive=adaptive,
+                      inject_slow=inject_slow, profile=str(profile) if profile else None)
+    if inject_slow is not None:
+        from plait.runtime.stragglers import parse_injections
+
+        parse_injections(inject_slow, world)
+    if profile is not None:
+        from plait.cost.profile_file import load_profile
+
+        load_profile(profile)
+    if hf_checkpoint is not None:
+        _check_hf_checkpoint(hf_checkpoint, m)
+    return cfg
+
+
+def _check_hf_checkpoint(hf_checkpoint: Path, m: ModelSpec) -> None:
+    from plait.models.hf_weights import HF_FAMILIES
+
+    if m.family not in HF_FAMILIES:
+        raise PlaitError(f"--hf-checkpoint loads {' and '.join(HF_FAMILIES)} models, not {m.family} "
+                         f"({m.name}); drop it to start from the seed")
+    if not any(hf_checkpoint.glob("*.safetensors")):
+        raise PlaitError(f"--hf-checkpoint {str(hf_checkpoint)!r} holds no .safetensors files; give a Hugging "
+                         "Face model directory")
+
+
+def _check_restarts(m: ModelSpec, checkpoint_dir: Path | None, checkpoint_every: int, resume_from: Path | None,
+                    max_restarts: int) -> None:
+    """--checkpoint-every, --max-restarts and the checkpoints to save into and resume from."""
+    if checkpoint_every < 0 or max_restarts < 0:
+        raise PlaitError("--checkpoint-every and --max-restarts must be >= 0")
+    if checkpoint_every and checkpoint_dir is None:
+        raise PlaitError("--checkpoint-every saves into --checkpoint-dir; give --checkpoint-dir DIR or drop "
+                         "--checkpoint-every")
+    _check_checkpoints(checkpoint_dir, resume_from, m)
+
+
+def _check_checkpoints(directory: Path | None, resume_from: Path | None, m: ModelSpec) -> None:
+    """Before launching: the checkpoint directory can take a checkpoint, and the one to resume from is
+    readable and holds this model (unreadable ones are skipped with a note)."""
+    from plait.runtime import checkpoint
+    from plait.runtime.preflight import check_checkpoint_dir
+
+    if resume_from is not None:
+        checkpoint.check_resume_from(resume_from, m)
+    if directory is not None:
+        check_checkpoint_dir(directory, m)
+        if resume_from is None:
+            checkpoint.resumable(directory, m, lambda line: None)  # rank 0 notes the ones it skips
+
+
+def _varlen_config(m, model: str, method: str, world: int, steps: int, global_batch: int | None, seed: int,
+                   lr: float, dtype: str, data: Path | None, metrics_out: Path | None, lengths: Path | None,
+                   capacity: int, sp: int | None, cp_mode: str, layout: object, other: object):
+    """The TrainConfig of a `train --varlen` run (PlaitError on bad options) and its ranks."""
+    from importlib.resources import files
+
+    from plait.planner.varlen import load_lengths
+    from plait.runtime.train import TrainConfig
+    from plait.runtime.varlen import check_config
+
+    if layout:
+        raise PlaitError("--varlen plans the layout of every step itself; drop --plan/--strategy")
+    if steps <= 0 or world <= 0 or (global_batch is not None and global_batch <= 0):
+        raise PlaitError("--steps, --nproc and --global-batch must be positive")
+    _check_dtype(dtype)
+    _check_data(data)
+    path = str(lengths) if lengths else str(files("plait") / "data" / "wikipedia-lengths-10k.txt")
+    load_lengths(path)
+    cfg = TrainConfig(model=model, plan={}, steps=steps, seed=seed, lr=lr, dtype=dtype,
+                      data=str(data) if data else None, metrics_out=str(metrics_out) if metrics_out else None,
+                      varlen=method, lengths=path, global_batch=global_batch or 4 * world, capacity=capacity,
+                      sp=sp, cp_mode=cp_mode)
+    check_config(cfg, m, world)
+    if other:
+        raise PlaitError("--checkpoint-dir, --resume-from, --hf-checkpoint, --adaptive and --inject-slow do not "
+                         "combine with --varlen yet; drop them")
+    return cfg, world
+
+
+def _launch(cfg, world: int, inside: bool, max_restarts: int) -> None:
+    """Run `cfg` on `world` ranks: here when already inside torchrun, else through a new torchrun job."""
+    import os
+    import subprocess
+    import tempfile
+
+    from plait.runtime.launch import ERROR_DIR_ENV
+
+    with tempfile.TemporaryDirectory(prefix="plait-train.") as tmp:
+        config_path = os.path.join(tmp, "config.json")
+        Path(config_path).write_text(cfg.to_json())
+        if inside:
+            from plait.runtime.worker import main as worker_main
+
+            code = worker_main([config_path])
+        else:
+            cmd = [sys.executable, "-m", "plait.runtime.launch", "--standalone", f"--nproc-per-node={world}",
+                   f"--max-restarts={max_restarts}", "-m", "plait.runtime.worker", config_path]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", ERROR_DIR_ENV: tmp}
+            code = subprocess.run(cmd, check=False, env=env).returncode
+    raise typer.Exit(code)
