@@ -313,7 +313,12 @@ def test_a_text_given_to_kv_eval_is_also_the_pass_key_haystack(monkeypatch) -> N
     from plait.inference import evaluate as ev
 
     seen = []
-    monkeypatch.setattr(ev, "passkey", lambda *a, filler=None, **kw: seen.append(filler) or ev.PasskeyResult())
+    def fake_passkey(model, tokenizer, config, context, depths, seed=0, new_tokens=8, progress=None, filler=None):
+        assert new_tokens == 8  # the default answer length, not the progress callback
+        seen.append(filler)
+        return ev.PasskeyResult()
+
+    monkeypatch.setattr(ev, "passkey", fake_passkey)
     monkeypatch.setattr(ev, "continuation", lambda *a, **kw: ev.ContinuationResult(2.0, 0.0, 0.0, {
         "full_kv": 8, "resident": 4, "fetched_per_token": 1}, None))
     row = ev.evaluate(None, None, PQCacheConfig(), 256, 1, 4, "Call me Ishmael. " * 500)

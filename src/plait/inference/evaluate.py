@@ -233,7 +233,8 @@ def evaluate(model, tokenizer, config: PQCacheConfig, context: int, depths: int,
     from plait.runtime.memory import peak_bytes
 
     filler = None if text == default_text() else text
-    keys = passkey(model, tokenizer, config, context, depths_of(depths), seed, progress, filler=filler)
+    keys = passkey(model, tokenizer, config, context, depths_of(depths), seed, progress=progress,
+                   filler=filler)
     timed = config.model_copy(update={"measure_recall": False})  # exact scores would cost decode time
     cont = continuation(model, tokenizer, timed, text, context, length, progress=progress)
     recalls = keys.recall
