@@ -665,7 +665,7 @@ def test_layer_type_counts_that_differ_are_refused(tmp_path):
 def test_a_profile_named_as_galvatron_2_4_reads_it_takes_the_given_sequence_length(tmp_path):
     """Galvatron 2.4's search reads `computation_profiling_bf16_llama-7b.json` with keys that hold no sequence
     length: it is the run's (`seq_len`); without one the refusal says what is missing, words spaced."""
-    raw = json.loads((DATA / "llama_fa" / "computation_profiling_bf16_hidden4096_head32_seqlen2048.json").read_text())
+    raw = json.loads((DATA / "llama_fa" / f"computation_profiling_{GPT_PROFILE}.json").read_text())
     (tmp_path / "computation_profiling_bf16_llama-7b.json").write_text(json.dumps(raw))
     galv = load_galvatron_profiles(tmp_path, None, "A100-80GB", seq_len=4096)
     named = load_galvatron_profiles(DATA / "llama_fa", None, "A100-80GB")  # seqlen2048 in its file name

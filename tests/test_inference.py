@@ -313,7 +313,8 @@ def test_a_text_given_to_kv_eval_is_also_the_pass_key_haystack(monkeypatch) -> N
     from plait.inference import evaluate as ev
 
     seen = []
-    def fake_passkey(model, tokenizer, config, context, depths, seed=0, new_tokens=8, progress=None, filler=None):
+    def fake_passkey(model, tokenizer, config, context, depths, seed=0, new_tokens=8, progress=None,
+                     filler=None):
         assert new_tokens == 8  # the default answer length, not the progress callback
         seen.append(filler)
         return ev.PasskeyResult()

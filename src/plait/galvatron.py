@@ -583,7 +583,8 @@ def load_galvatron_profiles(model_dir: str | Path, hardware_dir: str | Path | No
     `memory_profiling_<profile>.json` (e.g. `bf16_hidden4096_head32_seqlen2048`) when the directory holds
     several. The memory profile is optional. Times keyed without a sequence length (`layertype_<i>_bsz<b>`)
     were measured at the `seqlen<s>` of the file name, or, in files named as Galvatron 2.4's search reads
-    them (`computation_profiling_bf16_llama-7b.json`), at `seq_len` (the run's sequence length). Every `layertype_<i>` of both files is read (`layer_times[i]`,
+    them (`computation_profiling_bf16_llama-7b.json`), at `seq_len` (the run's sequence length).
+    Every `layertype_<i>` of both files is read (`layer_times[i]`,
     `LayerMemory.layer_type`); `to_calibration` maps type i to the model's i-th layer kind (`layer_types`).
     `hardware_dir` is a `profile_hardware/hardware_configs` directory (None: no hardware profile).
     Galvatron's files do not record the GPU type: `gpu_name` is stored so that `to_calibration` can refuse a

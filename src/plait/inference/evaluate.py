@@ -91,7 +91,8 @@ def done_with(cache) -> tuple[dict[str, int], float | None]:
 
 # ---- pass-key retrieval -----------------------------------------------------------------------------------
 
-def passkey_prompt(tokenizer, context: int, depth: float, key: int, filler: str | None = None) -> torch.Tensor:
+def passkey_prompt(tokenizer, context: int, depth: float, key: int,
+                   filler: str | None = None) -> torch.Tensor:
     """Token ids [1, ~context]: the task's header, filler with the pass-key sentence at `depth` (0 = start, 1 =
     end), the question (the usual pass-key retrieval format). The filler is the usual repeated sentences, or
     the start of `filler` (a long text) cut to fit, the pass-key sentence placed at a word boundary."""
