@@ -3,9 +3,9 @@
 Each key vector [D] is cut into `m` sub-vectors of D/m channels; each sub-space has 2^bits centroids found by
 k-means over the keys (vectorised over every head and sub-space at once); a key is stored as m small
 integers (its nearest centroid per sub-space; one byte each for up to 256 centroids). A query's inner
-product with every key is then the sum over sub-spaces of one table lookup: table[s, c] = q_s . centroid[s,
-c], so scoring T keys costs m x T lookups instead of D x T multiply-adds, and needs only the codes (bytes
-per token: m), not the keys.
+product with every key is then the sum over sub-spaces of one table lookup:
+table[s, c] = q_s . centroid[s, c], so scoring T keys costs m x T lookups instead of D x T multiply-adds,
+and needs only the codes (bytes per token: m), not the keys.
 
 Shapes: G independent groups (e.g. a layer's kv heads), T tokens, D channels.
 """
