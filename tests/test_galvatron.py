@@ -660,3 +660,27 @@ def test_layer_type_counts_that_differ_are_refused(tmp_path):
     (mixed / "memory_profiling_bf16_t5-small.json").write_text((tmp_path / "memory_profiling_bf16_t5-small.json").read_text())
     expect_error(lambda: to_calibration(load_galvatron_profiles(mixed, None, "A100-80GB"), SMALL, ONE_NODE, A100),
                  "2 layer types")
+
+
+def test_a_profile_named_as_galvatron_2_4_reads_it_takes_the_given_sequence_length(tmp_path):
+    """Galvatron 2.4's search reads `computation_profiling_bf16_llama-7b.json` with keys that hold no sequence
+    length: it is the run's (`seq_len`); without one the refusal says what is missing, words spaced."""
+    raw = json.loads((DATA / "llama_fa" / f"computation_profiling_{GPT_PROFILE}.json").read_text())
+    (tmp_path / "computation_profiling_bf16_llama-7b.json").write_text(json.dumps(raw))
+    galv = load_galvatron_profiles(tmp_path, None, "A100-80GB", seq_len=4096)
+    named = load_galvatron_profiles(DATA / "llama_fa", None, "A100-80GB")  # seqlen2048 in its file name
+    want = {(b, 4096): ms for (b, _), ms in named.layer_times[0].forward_ms_per_sample.items()}
+    assert galv.precision == "bf16" and len(want) > 5 and galv.layer_times[0].forward_ms_per_sample == want
+    with pytest.raises(PlaitError) as refused:
+        load_galvatron_profiles(tmp_path, None, "A100-80GB")
+    assert "times (or the sequence length" in str(refused.value) and "times(or" not in str(refused.value)
+
+
+def test_a_llama_7b_profile_is_not_applied_to_llama3_8b():
+    """Same hidden size, heads and layer count; grouped-query attention and a larger ffn make llama3-8b's
+    block 7.6% larger, which the parameter check sees (the profile's own model within 0.2%)."""
+    galv = load_galvatron_profiles(DATA / "llama_fa", None, "A100-80GB")
+    to_calibration(galv, LLAMA7, ONE_NODE, A100)
+    with pytest.raises(PlaitError, match="use the profile of this model") as refused:
+        to_calibration(galv, PRESETS["llama3-8b"], ONE_NODE, A100)
+    assert "773.3 MiB" in str(refused.value)

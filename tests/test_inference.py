@@ -251,3 +251,92 @@ def test_kv_eval_bad_input_is_one_line_and_exit_2() -> None:
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and needle in proc.stderr, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_pq_codes_are_held_in_one_byte_and_buffers_report_what_they_hold() -> None:
+    from plait.inference.buffer import Growing
+
+    keys = _keys(t=300)
+    book = fit(keys, 4, 6)
+    assert book.codes.dtype == torch.uint8 and book.codes.element_size() == 1
+    assert book.rows.held_bytes == 3 * 300 * 4  # the prompt's codes held exactly: G x T x m bytes
+    for _ in range(40):  # decode-time appends: a bounded spare, not a doubled buffer
+        book.append(keys[:, :1])
+    assert book.codes.shape[1] == 340 and book.rows.held_bytes <= 3 * 4 * (340 + 64)
+    assert torch.equal(book.codes[:, 300:], book.codes[:, :1].expand(-1, 40, -1))
+    q = torch.randn(3, 5, 32)
+    assert torch.allclose(book.scores(q), q @ book.reconstruct().transpose(-1, -2), atol=1e-4)
+    grown = Growing(torch.zeros(2, 3, 1000, 8), dim=2)
+    assert grown.held_bytes == 2 * 3 * 1000 * 8 * 4
+    for _ in range(200):
+        grown.append(torch.ones(2, 3, 1, 8))
+    assert grown.length == 1200 and grown.held_bytes <= 2 * 3 * 8 * 4 * 1200 * 9 // 8 + 2 * 3 * 8 * 4 * 64
+    assert float(grown.view[:, :, 1000:].min()) == 1 and float(grown.view[:, :, :1000].max()) == 0
+
+
+def test_pq_device_bytes_count_codes_centroids_and_every_row_a_step_reads() -> None:
+    cache, *_ = _run("pqcache", budget=0.25)  # 126 tokens, a budget of 30: sinks 2, recent 8, 20 fetched
+    row = 2 * 1 * 2 * 16 * 4  # key and value, 2 kv heads, 16 channels, fp32
+    book = cache.codebook
+    assert book.codes.dtype == torch.uint8
+    held_codes = book.rows.data.numel()  # one byte per code, spare capacity included
+    got = cache.resident_bytes()
+    assert got["fetched_per_token"] == 20 * row
+    assert got["resident"] == held_codes + book.centroids.numel() * 4 + 30 * row
+    assert got["full_kv"] == cache._keys.held_bytes + cache._values.held_bytes >= 126 * row
+
+
+def test_h2o_keeps_half_its_budget_as_recent_tokens_and_heavy_decoded_tokens() -> None:
+    """H2O (Zhang et al. 2023): the cache is half heavy hitters, half recent tokens, over prompt and decoded
+    tokens alike; a decoded token that later queries attend to stays once it leaves the recent window, an
+    ignored one is evicted."""
+    t, steps = 120, 40
+    gen = torch.Generator().manual_seed(2)
+    q = 0.1 * torch.randn(1, 4, t + steps, 16, generator=gen)
+    k = 0.1 * torch.randn(1, 2, t + steps, 16, generator=gen)
+    v = torch.randn(1, 2, t + steps, 16, generator=gen)
+    heavy = t + 2  # the third decoded token: every later query attends to it
+    k[:, :, heavy] = 0
+    k[:, :, heavy, 0] = 8.0
+    q[:, :, heavy + 1:, 0] = 2.0
+    cache = LayerCache(PQCacheConfig(method="h2o", budget=0.25, sinks=2, recent=8))
+    cache.prefill(q[:, :, :t], k[:, :, :t], v[:, :, :t], 0.25)
+    assert cache.cfg.h2o_recent(cache.budget) == 15
+    for s in range(t, t + steps):
+        cache.decode(q[:, :, s: s + 1], k[:, :, s: s + 1], v[:, :, s: s + 1], 0.25)
+    kept = set(cache.kept[0, 0].tolist())
+    assert len(kept) == 30 and set(range(t + steps - 15, t + steps)) <= kept  # half the budget is recent
+    assert heavy in kept and t + 1 not in kept  # 37 steps later the heavy hitter is kept, its neighbour not
+
+
+def test_a_text_given_to_kv_eval_is_also_the_pass_key_haystack(monkeypatch) -> None:
+    from plait.inference import evaluate as ev
+
+    seen = []
+    def fake_passkey(model, tokenizer, config, context, depths, seed=0, new_tokens=8, progress=None,
+                     filler=None):
+        assert new_tokens == 8  # the default answer length, not the progress callback
+        seen.append(filler)
+        return ev.PasskeyResult()
+
+    monkeypatch.setattr(ev, "passkey", fake_passkey)
+    monkeypatch.setattr(ev, "continuation", lambda *a, **kw: ev.ContinuationResult(2.0, 0.0, 0.0, {
+        "full_kv": 8, "resident": 4, "fetched_per_token": 1}, None))
+    row = ev.evaluate(None, None, PQCacheConfig(), 256, 1, 4, "Call me Ishmael. " * 500)
+    ev.evaluate(None, None, PQCacheConfig(), 256, 1, 4, ev.default_text())
+    assert seen == ["Call me Ishmael. " * 500, None] and row["kv_fetched_bytes_per_token"] == 1
+
+
+@needs_smollm2
+def test_on_smollm2_the_pass_key_haystack_is_the_given_text(smollm2) -> None:
+    from plait.inference.evaluate import QUESTION, default_text, passkey_prompt
+
+    _, tok = smollm2
+    text = default_text()
+    ids = passkey_prompt(tok, 400, 0.5, 12345, filler=text)
+    prompt = tok.decode(ids[0])
+    assert 380 <= ids.shape[1] <= 410 and prompt.endswith(QUESTION)
+    needle = prompt.index("The pass key is 12345.")
+    assert "In the beginning God created" in prompt[:needle] and "grass is green" not in prompt
+    assert 0.35 < needle / len(prompt) < 0.65  # at the depth asked for
+    assert tok.decode(passkey_prompt(tok, 400, 0.5, 12345)[0]).count("The grass is green") > 10

@@ -16,7 +16,9 @@ class PQCacheConfig(BaseModel):
     - pqcache: the middle tokens with the highest approximate q . k from product-quantised keys
       (`subspaces` sub-spaces of 2^`bits` centroids each, `iterations` k-means steps at prefill);
     - window (StreamingLLM): the sinks and the most recent tokens only;
-    - h2o: heavy hitters, the tokens with the highest attention accumulated so far; evicted ones never return;
+    - h2o (Zhang et al. 2023): half the budget is the recent window (at least `recent`), the rest heavy
+      hitters: the tokens, prompt and decoded alike, with the highest attention accumulated so far (every
+      step adds its attention to the tokens it read; one token leaves per step); evicted ones never return;
     - snapkv: chosen once at prefill by the attention of the prompt's last `observation` queries, max-pooled
       over `pool` neighbouring tokens; every decoded token is kept;
     - full: every token (exact attention; the reference).
@@ -53,3 +55,8 @@ class PQCacheConfig(BaseModel):
         """Past tokens a decode step attends to, for a prompt of `context` tokens."""
         wanted = round(self.budget * context) if self.budget < 1 else int(self.budget)
         return max(wanted, self.sinks + self.recent)
+
+    def h2o_recent(self, budget: int) -> int:
+        """h2o's recent window for a budget of `budget` tokens: half of it, as H2O splits its cache evenly
+        between heavy hitters and recent tokens, and never fewer than `recent`."""
+        return min(budget, max(self.recent, budget // 2))

@@ -8,7 +8,9 @@ decode latency and KV bytes, every method in the same harness.
   tokens are fed one at a time through the decode path (each step attends to what the method selects);
   perplexity = exp(mean negative log-likelihood of those tokens). The mean seconds of those single-token
   steps is the decode latency.
-- KV bytes: the full KV (kept in CPU memory) and what selection keeps near the accelerator between steps.
+- KV bytes, as held: the full KV (kept in CPU memory) and what a decode step holds near the accelerator
+  (the rows it reads, fetched ones included, and the method's state such as PQ codes), and the bytes
+  fetched from CPU memory per decoded token.
 """
 
 from __future__ import annotations
@@ -84,17 +86,26 @@ def done_with(cache) -> tuple[dict[str, int], float | None]:
         return cache.bytes(), cache.recall()
     full = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers
                if getattr(layer, "keys", None) is not None)
-    return {"full_kv": full, "resident": full}, None
+    return {"full_kv": full, "resident": full, "fetched_per_token": 0}, None
 
 
 # ---- pass-key retrieval -----------------------------------------------------------------------------------
 
-def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> torch.Tensor:
+def passkey_prompt(tokenizer, context: int, depth: float, key: int,
+                   filler: str | None = None) -> torch.Tensor:
     """Token ids [1, ~context]: the task's header, filler with the pass-key sentence at `depth` (0 = start, 1 =
-    end), the question (the usual pass-key retrieval format)."""
+    end), the question (the usual pass-key retrieval format). The filler is the usual repeated sentences, or
+    the start of `filler` (a long text) cut to fit, the pass-key sentence placed at a word boundary."""
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    unit = len(tokenizer(FILLER).input_ids)
     fixed = len(tokenizer(HEADER + needle + QUESTION).input_ids)
+    if filler is not None:
+        ids = tokenizer(filler).input_ids[: max(1, context - fixed)]
+        body = tokenizer.decode(ids, skip_special_tokens=True).strip()
+        cut = round(len(body) * depth)
+        cut = cut if cut in (0, len(body)) else max(0, body.rfind(" ", 0, cut))
+        text = HEADER + body[:cut].rstrip() + " " + needle + body[cut:].lstrip() + " " + QUESTION
+        return tokenizer(text, return_tensors="pt").input_ids
+    unit = len(tokenizer(FILLER).input_ids)
     repeats = max(1, (context - fixed) // unit)
     before = round(repeats * depth)
     text = HEADER + FILLER * before + needle + FILLER * (repeats - before) + QUESTION
@@ -114,13 +125,14 @@ class PasskeyResult:
 
 
 def passkey(model, tokenizer, config: PQCacheConfig, context: int, depths: list[float], seed: int = 0,
-            new_tokens: int = 8, progress=None) -> PasskeyResult:
-    """Retrieval accuracy over `depths` at one context length (one random 5-digit key per depth)."""
+            new_tokens: int = 8, progress=None, filler: str | None = None) -> PasskeyResult:
+    """Retrieval accuracy over `depths` at one context length (one random 5-digit key per depth); the
+    haystack is `filler` (a long text) when given, else the usual repeated sentences."""
     rng = random.Random(seed)
     result = PasskeyResult()
     for depth in depths:
         key = rng.randint(10000, 99999)
-        ids = passkey_prompt(tokenizer, context, depth, key)
+        ids = passkey_prompt(tokenizer, context, depth, key, filler)
         cache = new_cache(model, config)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -217,10 +229,13 @@ def evaluate(model, tokenizer, config: PQCacheConfig, context: int, depths: int,
              seed: int = 0, progress=None) -> dict:
     """One method at one context: pass-key accuracy over `depths` positions, perplexity of `length`
     continuation tokens, decode seconds per token, prefill seconds, KV bytes, peak RSS; and the top-k recall
-    of the selection (measured during the pass-key runs, with `config.measure_recall`)."""
+    of the selection (measured during the pass-key runs, with `config.measure_recall`). A `text` other than
+    the default (`--text`) is also the pass-key haystack."""
     from plait.runtime.memory import peak_bytes
 
-    keys = passkey(model, tokenizer, config, context, depths_of(depths), seed, progress=progress)
+    filler = None if text == default_text() else text
+    keys = passkey(model, tokenizer, config, context, depths_of(depths), seed, progress=progress,
+                   filler=filler)
     timed = config.model_copy(update={"measure_recall": False})  # exact scores would cost decode time
     cont = continuation(model, tokenizer, timed, text, context, length, progress=progress)
     recalls = keys.recall
@@ -230,4 +245,5 @@ def evaluate(model, tokenizer, config: PQCacheConfig, context: int, depths: int,
             "perplexity": cont.perplexity, "decode_s_per_token": cont.decode_s_per_token,
             "prefill_s": cont.prefill_s, "topk_recall": sum(recalls) / len(recalls) if recalls else None,
             "kv_full_bytes": cont.kv_bytes["full_kv"], "kv_resident_bytes": cont.kv_bytes["resident"],
+            "kv_fetched_bytes_per_token": cont.kv_bytes.get("fetched_per_token", 0),
             "peak_rss_bytes": peak_bytes()}

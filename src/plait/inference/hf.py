@@ -98,7 +98,8 @@ class SelectiveCache(Cache):
         return sum(values) / len(values) if values else None
 
     def bytes(self) -> dict[str, int]:
-        """Summed over layers: the full KV kept in the store and what stays near the accelerator."""
+        """Summed over layers: the full KV kept in the store, what a decode step holds near the accelerator
+        and what it fetches from the store (`LayerCache.resident_bytes`)."""
         out: dict[str, int] = {}
         for kv in self.kv:
             for key, value in kv.resident_bytes().items():

@@ -2,9 +2,10 @@
 
 Each key vector [D] is cut into `m` sub-vectors of D/m channels; each sub-space has 2^bits centroids found by
 k-means over the keys (vectorised over every head and sub-space at once); a key is stored as m small
-integers (its nearest centroid per sub-space). A query's inner product with every key is then the sum over
-sub-spaces of one table lookup: table[s, c] = q_s . centroid[s, c], so scoring T keys costs m x T lookups
-instead of D x T multiply-adds, and needs only the codes (bytes per token: m), not the keys.
+integers (its nearest centroid per sub-space; one byte each for up to 256 centroids). A query's inner
+product with every key is then the sum over sub-spaces of one table lookup:
+table[s, c] = q_s . centroid[s, c], so scoring T keys costs m x T lookups instead of D x T multiply-adds,
+and needs only the codes (bytes per token: m), not the keys.
 
 Shapes: G independent groups (e.g. a layer's kv heads), T tokens, D channels.
 """
@@ -18,18 +19,26 @@ from plait.inference.buffer import Growing
 
 
 class Codebook:
-    """Centroids [G, m, K, D/m] and the codes of T keys [G, T, m] (int64). Codes are kept as rows of the
-    flattened lookup table (group, sub-space and centroid in one number), so scoring is one index_select."""
+    """Centroids [G, m, K, D/m] and the codes of T keys [G, T, m], each code held in the smallest integer type
+    that holds a centroid index (`code_dtype`: one byte for up to 256 centroids), so the bytes counted are
+    the bytes held. Scoring widens only the codes it reads, for one step."""
 
     def __init__(self, centroids: Tensor, codes: Tensor) -> None:
         self.centroids = centroids
         g, m, k, _ = centroids.shape
+        self.dtype = code_dtype(k)
         self.offsets = (torch.arange(g)[:, None] * m + torch.arange(m)[None, :]) * k  # [G, m]
-        self.rows = Growing(codes + self.offsets[:, None, :], dim=1)
+        self.rows = Growing(codes.to(self.dtype), dim=1)
 
     @property
     def codes(self) -> Tensor:
-        return self.rows.view - self.offsets[:, None, :]
+        """Codes [G, T, m] (in `dtype`)."""
+        return self.rows.view
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held: the codes' buffer (spare capacity included) and the centroids."""
+        return self.rows.held_bytes + self.centroids.numel() * self.centroids.element_size()
 
     @property
     def subspaces(self) -> int:
@@ -51,12 +60,12 @@ class Codebook:
 
     def append(self, keys: Tensor) -> None:
         """Encode new keys [G, T_new, D] and add their codes after the existing ones."""
-        self.rows.append(self.encode(keys) + self.offsets[:, None, :])
+        self.rows.append(self.encode(keys).to(self.dtype))
 
     def reconstruct(self) -> Tensor:
         """The keys as the codes describe them: [G, T, D]."""
         g, m, _, ds = self.centroids.shape
-        idx = self.codes.transpose(1, 2)  # [G, m, T]
+        idx = self.codes.long().transpose(1, 2)  # [G, m, T]
         parts = torch.gather(self.centroids, 2, idx[..., None].expand(-1, -1, -1, ds))  # [G, m, T, ds]
         return parts.transpose(1, 2).reshape(g, -1, m * ds)
 
@@ -64,9 +73,17 @@ class Codebook:
         """Approximate q . k for queries [G, Q, D] against the coded keys [start, end): [G, Q, end - start]."""
         q = self.split(queries.float())  # [G, m, Q, ds]
         table = (q @ self.centroids.transpose(-1, -2)).permute(2, 0, 1, 3).reshape(q.shape[2], -1)  # [Q, G*m*K]
-        rows = self.rows.view[:, start:end]  # [G, T, m]
+        rows = self.codes[:, start:end].long() + self.offsets[:, None, :]  # flattened table rows [G, T, m]
         picked = table.index_select(1, rows.reshape(-1)).view(q.shape[2], *rows.shape)  # [Q, G, T, m]
         return picked.sum(-1).transpose(0, 1)
+
+
+def code_dtype(centroids: int) -> torch.dtype:
+    """The smallest integer type that holds indices 0..centroids-1 (uint8 up to 256 centroids)."""
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        if centroids - 1 <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
 
 
 def _nearest(x: Tensor, centroids: Tensor) -> Tensor:

@@ -98,9 +98,9 @@ class LayerCache:
 
     def _h2o_start(self, q: Tensor, k: Tensor, scale: float) -> None:
         """Heavy hitters of the prompt: every token's attention summed over all prompt queries; keep the
-        recent window and the heaviest of the rest, up to the budget."""
+        recent window (`h2o_recent`: half the budget) and the heaviest of the rest, up to the budget."""
         acc = self._received(q, k, scale, 0)
-        self.kept, self.score = self._keep_top(acc, self.budget)
+        self.kept, self.score = self._keep_top(acc, self.budget, recent=self.cfg.h2o_recent(self.budget))
 
     def _snapkv_start(self, q: Tensor, k: Tensor, scale: float) -> None:
         """SnapKV: attention of the last `observation` prompt queries, max-pooled over neighbours; keep the
@@ -197,9 +197,10 @@ class LayerCache:
         return torch.cat([pinned, chosen], dim=-1)  # attention does not care about order
 
     def _evict(self) -> None:
-        """H2O: drop the kept token with the least accumulated attention outside the recent window."""
+        """H2O: drop the kept token with the least accumulated attention outside the recent window (decoded
+        tokens compete like prompt tokens once they leave it)."""
         t = self.length
-        recent = self.kept >= t - self.cfg.recent
+        recent = self.kept >= t - self.cfg.h2o_recent(self.budget)
         sinks = self.kept < self.cfg.sinks
         drop = self.score.masked_fill(recent | sinks, float("inf")).argmin(-1, keepdim=True)
         keep = torch.ones_like(self.kept, dtype=torch.bool).scatter_(2, drop, False)
@@ -232,24 +233,31 @@ class LayerCache:
         return x.to(like.device, non_blocking=True)
 
     def resident_bytes(self) -> dict[str, int]:
-        """Bytes of this layer's cache: the full KV (in the store), and what stays near the accelerator
-        between steps: PQ codes, centroids and the sink and recent rows (pqcache); the kept rows (h2o,
-        snapkv); the window (window); everything (full)."""
+        """Bytes of this layer's cache, as held (buffers' spare capacity included): `full_kv`, the full KV in
+        the store; `resident`, what a decode step holds near the accelerator: the rows it reads (for pqcache
+        the sinks, the recent window and the middle rows fetched from the store every step; the kept rows
+        for h2o and snapkv; the window; everything for full) and the method's state (PQ codes and
+        centroids; h2o's kept indices and scores, snapkv's kept indices); `fetched_per_token`, the rows a
+        decode step copies from the store (pqcache's chosen middle rows)."""
         if self.keys is None:
-            return {"full_kv": 0, "resident": 0}
+            return {"full_kv": 0, "resident": 0, "fetched_per_token": 0}
         b, kv, t, d = self.keys.shape
         row = 2 * b * kv * d * self.keys.element_size()  # one token's key and value, every kv head
-        method = self.cfg.method
+        store = self._keys.held_bytes + self._values.held_bytes
+        method, fetched = self.cfg.method, 0
         if method == "pqcache" and self.codebook is not None:
-            near = self.codebook.codes.numel() * max(1, math.ceil(self.cfg.bits / 8)) + \
-                self.codebook.centroids.numel() * 4 + min(t, self.cfg.sinks + self.cfg.recent) * row
+            read = min(t, self.budget)
+            fetched = max(0, read - self.cfg.sinks - self.cfg.recent) * row if t > self.budget else 0
+            near = self.codebook.held_bytes + read * row
         elif self.kept is not None:
-            near = self.kept.shape[-1] * row
+            near = self.kept.shape[-1] * row + self.kept.numel() * self.kept.element_size()
+            if self.score is not None:
+                near += self.score.numel() * self.score.element_size()
         elif method == "window":
             near = min(t, self.budget) * row
         else:
-            near = t * row
-        return {"full_kv": t * row, "resident": near}
+            near = store
+        return {"full_kv": store, "resident": near, "fetched_per_token": fetched}
 
 
 def _causal(q_len: int, k_len: int, past: int, device: torch.device) -> Tensor:
