@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -164,6 +165,19 @@ def test_galvatron_profile_calibrates_and_refuses_other_gpus() -> None:
     assert json.loads(calibrated.stdout)["iteration_time_s"] != json.loads(plain.stdout)["iteration_time_s"]
     other = runner.invoke(app, args + [profile, "--cluster", "1x8xH100-80GB"])
     assert other.exit_code == 2 and "A100-80GB" in other.stderr
+
+
+def test_galvatron_2_4_profile_names_take_the_sequence_length_of_the_command(tmp_path) -> None:
+    """A profile named as Galvatron 2.4's search reads it (`computation_profiling_bf16_llama-7b.json`, times
+    without a sequence length) calibrates at --seq-len; the same times named with their seqlen agree."""
+    named = next((Path(GALV) / "llama_fa").glob("computation_profiling_*seqlen2048.json"))
+    (tmp_path / "computation_profiling_bf16_llama-7b.json").write_text(named.read_text())
+    args = ["simulate", "--model", "llama2-7b", "--seq-len", "2048", "--strategy", "dp=8,zero=3,gbs=64,mbs=4",
+            "--json", "--cluster", "1x8xA100-80GB", "--galvatron-profile"]
+    renamed = runner.invoke(app, args + [f"A100-80GB:{tmp_path}:{GALV}/hardware_configs"])
+    original = runner.invoke(app, args + [f"A100-80GB:{GALV}/llama_fa:{GALV}/hardware_configs"])
+    assert renamed.exit_code == 0, renamed.output
+    assert json.loads(renamed.stdout)["iteration_time_s"] == json.loads(original.stdout)["iteration_time_s"]
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -107,9 +107,10 @@ def parse_slow(text: str | None) -> dict[int, float]:
 
 
 def load_inputs(model: str, cluster: str, memory_gib: float | None, slow: str | None,
-                profile: Path | None = None, galvatron_profile: str | None = None):
+                profile: Path | None = None, galvatron_profile: str | None = None, seq_len: int | None = None):
     """(model, cluster, calibration or None) from the command line; a `plait profile` file calibrates the
-    cluster's device type (and names it: `1x4xCPU`)."""
+    cluster's device type (and names it: `1x4xCPU`); `seq_len` dates Galvatron profiles whose file names do
+    not."""
     m = load_model(model)
     cal = None
     if profile is not None:
@@ -122,7 +123,7 @@ def load_inputs(model: str, cluster: str, memory_gib: float | None, slow: str | 
         c, cal = calibrate(measured, profiled_cluster(measured, cluster) or load_cluster(cluster))
     else:
         c = load_cluster(cluster)
-        cal = load_calibration(galvatron_profile, m, c)
+        cal = load_calibration(galvatron_profile, m, c, seq_len)
     if memory_gib is not None:
         if not (math.isfinite(memory_gib) and 0 < memory_gib <= MAX_MEMORY_GIB):
             raise PlaitError(f"--memory-gib must be a positive number of GiB up to {MAX_MEMORY_GIB:.0f}, got "
@@ -136,7 +137,7 @@ def load_inputs(model: str, cluster: str, memory_gib: float | None, slow: str | 
     return m, c, cal
 
 
-def load_calibration(spec: str | None, model: ModelSpec, cluster: Cluster):
+def load_calibration(spec: str | None, model: ModelSpec, cluster: Cluster, seq_len: int | None = None):
     """`--galvatron-profile GPU:MODEL_DIR[:HARDWARE_DIR]` -> a Calibration (None without the option)."""
     if not spec:
         return None
@@ -148,7 +149,7 @@ def load_calibration(spec: str | None, model: ModelSpec, cluster: Cluster):
     if not gpu or not model_dir:
         raise PlaitError(f"--galvatron-profile {spec!r}: give GPU:MODEL_DIR[:HARDWARE_DIR], e.g. "
                          "A100-80GB:galvatron/models/llama_hf/configs:galvatron/profile_hardware/hardware_configs")
-    profiles = load_galvatron_profiles(model_dir, hardware_dir or None, gpu)
+    profiles = load_galvatron_profiles(model_dir, hardware_dir or None, gpu, seq_len=seq_len)
     return to_calibration(profiles, model, cluster, calibration_for(cluster.gpu.name))
 
 

@@ -88,7 +88,7 @@ def plan_cmd(
         page_path = optional_output(report_out, "report.html", "--report")
         collected = Alternatives() if page_path is not None else None
         galvatron_file = optional_output(galvatron_out, "galvatron_config.json", "--galvatron-out")
-        m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile)
+        m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile, seq_len)
         seq = seq_len if seq_len is not None else m.max_seq_len
         _check_options(seq, global_batch, baseline, precision)
         problem = _Problem(m, c, cal, seq, global_batch, precision, runnable)

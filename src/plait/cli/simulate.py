@@ -40,7 +40,7 @@ def simulate_cmd(
     with one_line_errors():
         timeline_path = optional_output(timeline, "timeline.png", "--timeline")
         page_path = optional_output(report_out, "report.html", "--report")
-        m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile)
+        m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile, seq_len)
         p = plan_of(plan, strategy, m, c, seq_len)
         report, healthy, result = simulate_result(p, m, c, cal, timeline is not None or page_path is not None,
                                                   bool(slow))
