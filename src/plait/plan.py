@@ -483,6 +483,14 @@ def _number(d: dict[str, str], key: str, default: str, ok: Callable[[float], boo
     return value
 
 
+def _choice(d: dict[str, str], key: str, allowed: tuple[str, ...], default: str | None = None) -> str:
+    """The shorthand's `key`, one of `allowed` (`default`, else the first, when absent)."""
+    value = d.get(key, default or allowed[0])
+    if value not in allowed:
+        raise PlaitError(f"--strategy: {key} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
+    return value
+
+
 def _expert_load(d: dict[str, str]) -> float:
     """The shorthand's `expert_load` (>= 1; 1 when absent)."""
     return _number(d, "expert_load", "1", lambda v: 1.0 <= v < math.inf,
@@ -521,27 +529,13 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     gbs = _int(d, "gbs", mbs * dp * (4 * pp if pp > 1 else 1))
     if gbs % (mbs * dp):
         raise PlaitError(f"--strategy: gbs={gbs} is not a multiple of mbs*dp = {mbs * dp}; change gbs")
-    recompute = d.get("recompute", "none")
-    if recompute not in ("none", "selective", "full"):
-        raise PlaitError(f"--strategy: recompute must be none, selective or full, got {recompute!r}")
-    schedule = d.get("schedule", "interleaved" if vpp > 1 else "1f1b")
-    if schedule not in ("gpipe", "1f1b", "interleaved"):
-        raise PlaitError(f"--strategy: schedule must be gpipe, 1f1b or interleaved, got {schedule!r}")
-    precision = d.get("precision", "bf16")
-    if precision not in ("bf16", "fp16", "fp32"):
-        raise PlaitError(f"--strategy: precision must be bf16, fp16 or fp32, got {precision!r}")
-    cp_mode = d.get("cp_mode", "ulysses")
-    if cp_mode not in ("ulysses", "ring"):
-        raise PlaitError(f"--strategy: cp_mode must be ulysses or ring, got {cp_mode!r}")
-    grad_reduce = d.get("grad_reduce", "auto")
-    if grad_reduce not in ("auto", "fp32", "bf16"):
-        raise PlaitError(f"--strategy: grad_reduce must be auto, fp32 or bf16, got {grad_reduce!r}")
-    moe_comm = d.get("moe_comm", "alltoall")
-    if moe_comm not in ("alltoall", "lsh"):
-        raise PlaitError(f"--strategy: moe_comm must be alltoall or lsh, got {moe_comm!r}")
-    offload = d.get("offload", "none")
-    if offload not in ("none", "optim"):
-        raise PlaitError(f"--strategy: offload must be none or optim, got {offload!r}")
+    recompute = _choice(d, "recompute", ("none", "selective", "full"))
+    schedule = _choice(d, "schedule", ("gpipe", "1f1b", "interleaved"), "interleaved" if vpp > 1 else "1f1b")
+    precision = _choice(d, "precision", ("bf16", "fp16", "fp32"))
+    cp_mode = _choice(d, "cp_mode", ("ulysses", "ring"))
+    grad_reduce = _choice(d, "grad_reduce", ("auto", "fp32", "bf16"))
+    moe_comm = _choice(d, "moe_comm", ("alltoall", "lsh"))
+    offload = _choice(d, "offload", ("none", "optim"))
     zero = _int(d, "zero", 0)
     if zero > 3:
         raise PlaitError(f"--strategy: zero must be 0..3, got {zero}")
