@@ -4,6 +4,8 @@ data-parallel gradients)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from helpers import expect_error
 
@@ -151,3 +153,25 @@ def test_search_lays_experts_out_and_beats_or_matches_the_grid() -> None:
     moe = [s for st in result.plan.pipelines[0].stages for s in st.strategies if s.ep > 1]
     assert moe, "16 H100 should spread DeepSeekMoE's 64 experts"
     assert "ep=" in grid.label
+
+
+def test_plan_command_takes_the_expert_load_and_lets_moe_layers_use_lsh() -> None:
+    from typer.testing import CliRunner
+
+    from plait.cli import app
+
+    runner = CliRunner()
+    args = ["plan", "--model", "deepseek-moe-16b", "--cluster", "2x8xH100-80GB", "--seq-len", "4096",
+            "--global-batch", "256", "--json"]
+    plain = runner.invoke(app, args)
+    skewed = runner.invoke(app, [*args, "--expert-load", "1.5"])
+    lsh = runner.invoke(app, [*args, "--lsh"])
+    assert plain.exit_code == skewed.exit_code == lsh.exit_code == 0, (plain.output, skewed.output, lsh.output)
+    time = {name: json.loads(r.stdout)["report"]["iteration_time_s"] for name, r in
+            (("plain", plain), ("skewed", skewed), ("lsh", lsh))}
+    assert time["skewed"] > time["plain"] > time["lsh"]
+    assert json.loads(skewed.stdout)["plan"]["expert_load"] == 1.5
+    strategies = [s for st in json.loads(lsh.stdout)["plan"]["pipelines"][0]["stages"] for s in st["strategies"]]
+    assert any(s["moe_comm"] == "lsh" for s in strategies)
+    refused = runner.invoke(app, [*args, "--expert-load", "0.5"])
+    assert refused.exit_code == 2 and "--expert-load must be a number >= 1" in refused.output

@@ -32,6 +32,11 @@ RunnableOpt = Annotated[bool, typer.Option(
     "--runnable", help="only plans `plait train` executes (see plait.executable)")]
 PlanReportOpt = Annotated[str | None, typer.Option(
     "--report", help="also write an HTML report page (with the search's Pareto alternatives)")]
+ExpertLoadOpt = Annotated[float, typer.Option(
+    "--expert-load", help="MoE layers: routed tokens of the busiest expert rank over the mean (1: balanced)")]
+LshOpt = Annotated[bool, typer.Option(
+    "--lsh", help="MoE layers with expert parallelism may send LSH-MoE centroids instead of every token "
+                  "(changes the model's numerics)")]
 HostMemoryOpt = Annotated[bool, typer.Option(
     "--host-memory", help="also search swapping activations to host (swap 0.5, 1) and offloading the "
                           "optimizer to the host CPU, within the nodes' host memory")]
@@ -47,6 +52,8 @@ class _Problem:
     global_batch: int
     precision: str
     runnable: bool
+    expert_load: float = 1.0
+    lsh: bool = False
 
 
 @dataclass
@@ -79,6 +86,8 @@ def plan_cmd(
     profile: ProfileOpt = None,
     report_out: PlanReportOpt = None,
     host_memory: HostMemoryOpt = False,
+    expert_load: ExpertLoadOpt = 1.0,
+    lsh: LshOpt = False,
 ) -> None:
     """Search the fastest plan that fits (or run a baseline planner)."""
     from plait.report import Alternatives
@@ -90,8 +99,8 @@ def plan_cmd(
         galvatron_file = optional_output(galvatron_out, "galvatron_config.json", "--galvatron-out")
         m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile, seq_len)
         seq = seq_len if seq_len is not None else m.max_seq_len
-        _check_options(seq, global_batch, baseline, precision)
-        problem = _Problem(m, c, cal, seq, global_batch, precision, runnable)
+        _check_options(seq, global_batch, baseline, precision, expert_load)
+        problem = _Problem(m, c, cal, seq, global_batch, precision, runnable, expert_load, lsh)
         found = _find(problem, baseline, compare, bool(slow), host_memory, collected)
         if found.chosen is None:
             raise _nothing_fits(problem, found.closest)
@@ -104,8 +113,14 @@ def plan_cmd(
     _print_result(problem, chosen, found, baseline, compare, plan_file, page_path)
 
 
-def _check_options(seq: int, global_batch: int, baseline: str | None, precision: str) -> None:
+def _check_options(seq: int, global_batch: int, baseline: str | None, precision: str, expert_load: float) -> None:
+    import math
+
     from plait.planner.baselines import BASELINES
+
+    if not 1.0 <= expert_load < math.inf:
+        raise PlaitError(f"--expert-load must be a number >= 1 (the busiest expert rank's routed tokens over the "
+                         f"mean), got {expert_load}")
 
     if seq <= 0 or global_batch <= 0:
         raise PlaitError(f"--seq-len and --global-batch must be positive, got {seq} and {global_batch}")
@@ -132,7 +147,8 @@ def _find(q: _Problem, baseline: str | None, compare: bool, slow: bool, host_mem
         if compare:
             for kind in BASELINES:
                 b, _ = run_baseline(kind, q.m, q.c, q.seq, q.global_batch,
-                                    progress=lambda d, t, k=kind: update(k, d, t), cal=q.cal)
+                                    progress=lambda d, t, k=kind: update(k, d, t), cal=q.cal,
+                                    expert_load=q.expert_load)
                 found.baselines[kind] = b
     return found
 
@@ -144,7 +160,7 @@ def _run_baseline(q: _Problem, baseline: str, update) -> _Found:
 
     t0 = time.perf_counter()
     best, _ = run_baseline(baseline, q.m, q.c, q.seq, q.global_batch, progress=lambda d, t: update(baseline, d, t),
-                           cal=q.cal)
+                           cal=q.cal, expert_load=q.expert_load)
     chosen = best if best is not None and best.report.fits else None
     return _Found(chosen, best, time.perf_counter() - t0)
 
@@ -156,8 +172,11 @@ def _search(q: _Problem, slow: bool, host_memory: bool, collected: Alternatives 
 
     healthy = replace(q.c, speed=()) if slow else q.c
     limits = replace(DEFAULT_LIMITS, **HIERARCHY) if host_memory else DEFAULT_LIMITS
+    if q.lsh:
+        limits = replace(limits, moe_comm=("alltoall", "lsh"))
     result = search(q.m, healthy, q.seq, q.global_batch, precision=q.precision, progress=update, cal=q.cal,
-                    runnable=q.runnable, record=collected.record if collected else None, limits=limits)
+                    runnable=q.runnable, record=collected.record if collected else None, limits=limits,
+                    expert_load=q.expert_load)
     chosen = None
     if result.plan is not None:
         chosen = min((x for x in (result.best_layerwise, result.best_uniform) if x is not None and x.report.fits),
