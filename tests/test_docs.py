@@ -182,3 +182,11 @@ def test_plan_examples_are_valid_plans(page: str, text: str) -> None:
 
     plan = Plan.model_validate_json(text)
     validate_plan(plan, load_model(plan.model), load_cluster("1x8xA100-80GB"))
+
+
+def test_every_page_is_in_the_site_navigation() -> None:
+    """`make docs` builds in strict mode, which fails on a page left out of mkdocs.yml's nav."""
+    root = Path(__file__).resolve().parent.parent
+    nav = (root / "mkdocs.yml").read_text()
+    pages = sorted(str(p.relative_to(root / "docs")) for p in (root / "docs").rglob("*.md"))
+    assert pages and [p for p in pages if f"- {p}" not in nav and f": {p}" not in nav] == []
