@@ -1,9 +1,10 @@
 """Measure the once-per-step work after the backward: gradient clipping, the AdamW step, zeroing gradients.
 
 On one rank, in this process, for parameter sets of the model's size (its embedding, head and 1, 2, ...
-blocks), as the runtime runs it (`plait.runtime.train.clip_grads`, `torch.optim.AdamW` with its default
-multi-tensor implementation); fitted as seconds = intercept + per_param * parameters. On the CPU the clock
-is the thread's CPU time, as for the layers. Units: seconds, parameters.
+blocks), as the runtime runs it (`plait.runtime.train.clip_grads`, the AdamW of
+`plait.runtime.optim.make_optimizer` in its default multi-tensor implementation); fitted as seconds =
+intercept + per_param * parameters. On the CPU the clock is the thread's CPU time, as for the layers. Units:
+seconds, parameters.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def measure_optimizer(spec: ModelSpec, quick: bool = False) -> OptimizerCurve:
 
     from plait.models import build_model
     from plait.profile.layers import _clock, _device, _measurement_settings, _sync
+    from plait.runtime.optim import PROFILE_LR, make_optimizer
     from plait.runtime.train import clip_grads
 
     device = _device()
@@ -38,7 +40,7 @@ def measure_optimizer(spec: ModelSpec, quick: bool = False) -> OptimizerCurve:
         for blocks in BLOCKS:
             model = build_model(replace(spec, layers=blocks), device=device, seed=0)
             params = list(model.parameters())
-            optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+            optimizer = make_optimizer(params, PROFILE_LR)
             seconds = []
             for rep in range(WARMUP + (QUICK_REPEATS if quick else REPEATS)):
                 for p in params:

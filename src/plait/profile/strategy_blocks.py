@@ -31,6 +31,7 @@ from dataclasses import replace
 from plait.cost.profile_file import EdgeProfile, LayerSample, StrategyKind, StrategyProfile
 from plait.profile.layers import BASE_LAYERS, EXTRA_LAYERS, SEED, fit_curves
 from plait.profile.optimizer import fit_optimizer
+from plait.runtime.optim import PROFILE_LR, make_optimizer
 from plait.spec.model import ModelSpec
 
 KINDS: tuple[StrategyKind, ...] = ("tp", "tp_sp", "cp", "zero3")
@@ -241,7 +242,7 @@ def _time_optimizer(model, run, kind: str, repeats: int, group, device) -> tuple
     from plait.runtime.train import clip_grads, set_gradient_sync
 
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = make_optimizer(params, PROFILE_LR)
     if kind == "zero3":
         set_gradient_sync(model, True)
     seconds = []

@@ -32,6 +32,7 @@ from plait.models.vision import IGNORE_INDEX, image_targets
 from plait.plan import Plan
 from plait.runtime import checkpoint, memory, swap
 from plait.runtime.data import Batch, TokenSource, shard
+from plait.runtime.optim import make_optimizer
 from plait.runtime.parallelize import parallelize_chunk, sync_gradients
 from plait.runtime.placement import Placement, check_executable, place
 from plait.runtime.stragglers import Adaptive, ComputeClock
@@ -296,8 +297,7 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
     if where.idle:
         return Placed(plan, where, [], [], [], None, None, loss)
     chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint, hand_sync)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
-                  for m in chunks]
+    optimizers = [make_optimizer(m.parameters(), cfg.lr) for m in chunks]
     schedule = None
     if where.pp > 1:
         schedule, stages = _schedule(plan, chunks, where, plan.pipelines[where.pipeline].micro_batches, loss)

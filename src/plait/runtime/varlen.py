@@ -31,6 +31,7 @@ from plait.errors import PlaitError
 from plait.models import build_model
 from plait.runtime import memory
 from plait.runtime.data import BYTE_VOCAB, TokenSource
+from plait.runtime.optim import make_optimizer
 from plait.runtime.packing import IGNORE, Packed, contiguous, document_mask, pack, zigzag
 from plait.runtime.ring import RingLayout, ring_attention
 from plait.runtime.ulysses import Ulysses
@@ -263,7 +264,7 @@ def run_varlen(cfg, report=None) -> list[dict]:
     model = build_model(spec)
     model.init_weights(cfg.seed)
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = make_optimizer(params, cfg.lr)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
     planner = Planner(cfg, spec, source, world)
     groups = Groups()
