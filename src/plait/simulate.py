@@ -470,8 +470,7 @@ def finish(priced: PricedPlan, record: bool = False, detail: bool = True) -> Rep
             exposed = _exposed_reduce(reduce_t, chunk_costs, plan, cal)
             if sync_start is not None:  # replicas in other pipelines: wait for the slowest, no overlap
                 parts["pp_bubble"] += sync_start - ends
-                ends = sync_start
-                exposed = reduce_t
+                ends, exposed = sync_start, reduce_t
             parts["dp_comm_exposed"] = exposed + gather_t
             parts["optimizer"] = optimizer
             end = ends + exposed + gather_t + optimizer

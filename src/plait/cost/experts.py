@@ -90,6 +90,14 @@ def expert_params_per_rank(block: Block, s: Strategy) -> float:
     return expert_params(block) / (s.ep * s.expert_tp)
 
 
+def held_params(block: Block, s: Strategy, ctx: BlockContext) -> list[tuple[float, comm.GroupShape]]:
+    """(parameters one rank holds, the group that shares them) of the layer's tensor-parallel part (over the
+    data-parallel group) and, for an MoE layer, of its routed experts (over the expert data-parallel group)."""
+    dense = [((block.params - expert_params(block)) / s.tp, ctx.dp_group)]
+    routed = expert_params_per_rank(block, s)
+    return dense + [(routed, ctx.edp_group)] if routed else dense
+
+
 def experts_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> tuple[float, float]:
     """(forward, backward) seconds of the routed experts' grouped GEMMs on the busiest rank."""
     if block.kind != "moe":

@@ -224,12 +224,10 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     # ZeRO-2 reduce-scatters gradients each micro-batch. Prefetching hides them behind the block's compute.
     # An MoE layer's routed experts sync over the expert data-parallel group.
     zero_fwd = zero_bwd = 0.0
-    routed = experts.expert_params_per_rank(block, s)
-    params = (block.params - experts.expert_params(block)) / s.tp
     if "zero3" in runtime:
         zero_fwd, zero_bwd = runtime["zero3"]
     elif s.zero >= 2:
-        for held, group in ((params, ctx.dp_group), (routed, ctx.edp_group)):
+        for held, group in experts.held_params(block, s, ctx):
             if group.size > 1 and held > 0:
                 f, b = zero_sync_time(held, s.zero, forward, backward + recompute, ctx, group)
                 zero_fwd, zero_bwd = zero_fwd + f, zero_bwd + b
@@ -249,10 +247,8 @@ def _host_link_time(block: Block, s: Strategy, ctx: BlockContext, forward: float
     """(forward, backward) seconds of `block`'s exposed host-link copies under `s` (cost/offload.py)."""
     if s.swap == 0 and s.offload == "none":
         return 0.0, 0.0
-    routed = experts.expert_params_per_rank(block, s)
-    params = (block.params - experts.expert_params(block)) / s.tp
     grads = sum(model_state_bytes(held, group.size, s.zero, ctx.prec)[1]
-                for held, group in ((params, ctx.dp_group), (routed, ctx.edp_group)))
+                for held, group in experts.held_params(block, s, ctx))
     swapped = offload.swapped_activation(block_activation_bytes(block, s, ctx), s)
     return offload.link_time(swapped, grads, forward, backward, s, ctx.cluster, ctx.prec)
 

@@ -87,9 +87,8 @@ def _states_and_sync(params: float, s: Strategy, ctx: BlockContext, group: comm.
 def price(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
     """Time and memory terms of `block` under `s` in the run `ctx` (see LayerCost). An MoE layer's routed
     experts are held experts/ep per rank, 1/etp of each, and shared by the expert data-parallel group."""
-    params = (block.params - experts.expert_params(block)) / s.tp
-    routed = experts.expert_params_per_rank(block, s)
-    parts = [(params, ctx.dp_group), (routed, ctx.edp_group)] if routed else [(params, ctx.dp_group)]
+    parts = experts.held_params(block, s, ctx)
+    params = sum(held for held, _ in parts)
     w = g = o = reduce_t = gather_t = gathered = 0.0
     for held, group in parts:
         terms = _states_and_sync(held, s, ctx, group)
@@ -99,8 +98,8 @@ def price(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
     working = block_activation_bytes(block, s, ctx, "none") if s.recompute != "none" else 0.0
     activation = block_activation_bytes(block, s, ctx)
     g, o, host = offload.offloaded_states(g, o, s, ctx.prec)
-    gather_t += offload.weights_back_time(params + routed, s, ctx.cluster, ctx.prec, _shards(s, ctx))
-    return LayerCost(time=block_time(block, s, ctx), params=params + routed, weights=w, gradients=g, optimizer=o,
+    gather_t += offload.weights_back_time(params, s, ctx.cluster, ctx.prec, _shards(s, ctx))
+    return LayerCost(time=block_time(block, s, ctx), params=params, weights=w, gradients=g, optimizer=o,
                      activation=offload.resident_activation(activation, s), working=working, buffers=gathered,
                      grad_reduce=reduce_t, param_gather=gather_t, host=host,
                      swapped=offload.swapped_activation(activation, s))

@@ -78,11 +78,11 @@ def grid_layouts(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch:
         raise PlaitError(f"unknown baseline {kind!r}; choose one of {', '.join(BASELINES)}")
     for tp, pp, recomputes, zeros in shapes:
         dp = n // (tp * pp)
+        experts = _expert_layouts(model, n // pp, tp) if kind == "megatron-grid" else [(1, 0)]
         for recompute in recomputes:
             for zero in zeros:
                 if zero and dp == 1:
                     continue
-                experts = _expert_layouts(model, n // pp, tp) if kind == "megatron-grid" else [(1, 0)]
                 for (sp, vpp), (ep, etp) in product(product(
                         (0, 1) if tp > 1 and _splits_every_layer(model, tp, True, seq_len) else (0,),
                         (1, 2, 4) if pp > 1 else (1,)), experts):
@@ -134,9 +134,8 @@ def run_baseline(kind: str, model: ModelSpec, cluster: Cluster, seq_len: int, gl
         seconds = finish(priced, detail=False).iteration_time_s
         if best is None or (seconds, index) < best[:2]:
             best = (seconds, index, priced, text)
-    if best is not None:
-        leanest = best
-    if leanest is not None:
-        _, _, priced, text = leanest
-        return Candidate(priced.plan, finish(priced), f"{kind}: {text}"), order
-    return None, order
+    chosen = best or leanest  # the fastest that fits, else the closest to fitting
+    if chosen is None:
+        return None, order
+    _, _, priced, text = chosen
+    return Candidate(priced.plan, finish(priced), f"{kind}: {text}"), order

@@ -51,8 +51,6 @@ SHIFT = 0.3
 MIN_GAIN = 0.1
 """A new plan must be predicted this much faster than the current one to be switched to (a switch costs a
 checkpoint round trip, and speed estimates are noisy)."""
-BUSY_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "zero_comm", "ep_comm", "relayout")
-"""The simulator's terms that a rank's compute clock covers."""
 
 
 @dataclass(frozen=True)
@@ -259,19 +257,19 @@ class Adaptive:
         probe's)."""
         key = plan.model_dump_json()
         if key not in self.predicted:
-            from plait.simulate import simulate
+            from plait.simulate import BUSY_KEYS, simulate
 
             report = simulate(plan, self.spec, self.cluster, cal=self.cal, validate=False)
             out = [0.0] * self.world
             for d in report.devices:
                 for r in d.ranks:
-                    out[r] = sum(d.parts.get(k, 0.0) for k in BUSY_PARTS)
+                    out[r] = sum(d.parts.get(k, 0.0) for k in BUSY_KEYS)  # what a rank's compute clock covers
             probe = Plan(model=plan.model, seq_len=plan.seq_len, global_batch=1, precision=plan.precision,
                          pipelines=(Pipeline(stages=(Stage(layers=(0, self.spec.layers), ranks=(0,),
                                                            strategies=(Strategy(),)),),
                                              micro_batches=1, micro_batch_sequences=1),))
-            probe_s = sum(simulate(probe, self.spec, self.cluster, cal=self.cal, validate=False).devices[0].parts.get(k, 0.0)
-                          for k in BUSY_PARTS)
+            probe_parts = simulate(probe, self.spec, self.cluster, cal=self.cal, validate=False).devices[0].parts
+            probe_s = sum(probe_parts.get(k, 0.0) for k in BUSY_KEYS)
             used = set(plan.ranks)
             self.predicted[key] = [out[r] if r in used else probe_s for r in range(self.world)]
         return self.predicted[key]
