@@ -44,9 +44,9 @@ PLAN_VERSION = 5
 `offload` of optimizer states to the host CPU and the MoE token exchange `moe_comm` (absent in older files: 0,
 "none" and "alltoall", every routed token travels; "lsh": LSH-MoE centroids). 4: strategies carry ZeRO's
 shard group `shard` (HSDP; absent in older files: 0, all data-parallel ranks) and the plan the gradient
-reduce precision `grad_reduce` (absent: "auto"). 3:
-`model_fingerprint` (optional) records the model's architecture; strategies carry the expert degrees `ep` and
-`etp` of MoE layers and the plan their `expert_load` (absent in older files: ep 1, etp as tp, load 1). 2: a
+reduce precision `grad_reduce` (absent: "auto"). 3: `model_fingerprint` (optional) records the model's
+architecture; strategies carry the expert degrees `ep` and `etp` of MoE layers and the plan their
+`expert_load` (absent in older files: ep 1, etp as tp, load 1). 2: a
 pipeline's micro-batch is `micro_batch_sequences` (version 1 called it `micro_batch_size`, which the
 --strategy shorthand's `mbs`, sequences per data-parallel replica, did not mean)."""
 MAX_MICRO_BATCH_STAGES = 2**20
@@ -510,8 +510,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
     of the routed tokens), expert_load (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), swap
     (share of saved activations swapped to host), offload (none|optim), and optionally schedule, cp_mode,
-    precision, grad_reduce (auto|fp32|bf16),
-    overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
+    precision, grad_reduce (auto|fp32|bf16), overlap. dp defaults to the devices left by tp*pp*cp; gbs to
+    4*pp micro-batches.
     """
     d = parse_strategy(text)
     tp, pp, cp = _int(d, "tp", 1), _int(d, "pp", 1), _int(d, "cp", 1)

@@ -342,6 +342,8 @@ class PricedPlan:
     @property
     def host_peak_bytes(self) -> float:
         """The fullest node's host memory used by the devices on it, bytes."""
+        if not any(any(hosts) for hosts in self.host):  # nothing swapped or offloaded: skip the rank walk
+            return 0.0
         per_node: dict[int, float] = {}
         for pipe, hosts in zip(self.plan.pipelines, self.host, strict=True):
             pp = len(pipe.stages) // self.plan.chunks

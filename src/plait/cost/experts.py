@@ -127,10 +127,9 @@ def dispatch_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -
     if block.kind != "moe":
         return 0.0
     cluster, cal = ctx.cluster, ctx.cal
-    sent = (own_tokens(block, s, tokens) * block.top_k * ctx.expert_load * compression(block, s) * block.hidden
-            * ctx.prec.activation)
+    gathered = routed_pairs(block, s, tokens, ctx) * block.hidden * ctx.prec.activation  # the etp group's rows
+    sent = gathered / s.expert_tp  # this rank's own routed rows
     a2a = token_exchange_time(block, sent, ctx)
-    gathered = sent * s.expert_tp
     etp = comm.all_gather(gathered, ctx.etp_group, cluster, cal) + comm.reduce_scatter(gathered, ctx.etp_group,
                                                                                        cluster, cal)
     return 2 * a2a + etp
