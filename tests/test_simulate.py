@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from plait.cost.calibration import calibration_for
 from plait.plan import Pipeline, Plan, Stage, Strategy, uniform_plan
-from plait.simulate import BREAKDOWN_KEYS, simulate
+from plait.simulate import BREAKDOWN_KEYS, BUSY_KEYS, _stage_cost, simulate
 from plait.spec.cluster import dgx
 from plait.spec.model import PRESETS
 
@@ -187,3 +188,13 @@ def test_context_parallel_ranks_share_and_shard_weights() -> None:
     _, sharded = run("dp=1,cp=8,mbs=1,gbs=8,zero=1", model=LLAMA8, cluster=cluster, seq=32768)
     assert sharded.devices[0].memory.optimizer == pytest.approx(plain.devices[0].memory.optimizer / 8)
     assert plain.breakdown["dp_comm_exposed"] > 0  # gradients are all-reduced over the 8 cp ranks
+
+
+def test_busy_keys_are_every_term_a_stage_spends_computing_or_communicating() -> None:
+    """BUSY_KEYS (what a rank's compute clock covers, read by the adaptive runtime) are exactly the per-micro-
+    batch terms of a stage; the rest of the breakdown is the schedule's and the step's."""
+    m, c = PRESETS["llama2-7b"], dgx(1, 8, "A100-80GB")
+    plan = uniform_plan("tp=2,pp=2,dp=2,gbs=16,swap=0.5", m, c, 2048)
+    stage = _stage_cost(plan, 0, 0, m, c, calibration_for(c.gpu.name))
+    assert tuple(stage.parts) == BUSY_KEYS
+    assert set(BREAKDOWN_KEYS) - set(BUSY_KEYS) == {"pp_bubble", "p2p", "dp_comm_exposed", "optimizer"}
