@@ -11,9 +11,10 @@ from test_runtime import _losses, assert_same, reference_losses, text, train_tog
 from test_runtime_moe import GBS, MODEL
 
 from plait.executable import unsupported
-from plait.plan import uniform_plan
+from plait.plan import Pipeline, Plan, Stage, uniform_plan
+from plait.planner.space import block_strategies
 from plait.runtime.experts import EXPERT_SHARDS, by_expert
-from plait.spec.cluster import local_ranks
+from plait.spec.cluster import dgx, local_ranks
 from plait.spec.degrees import Degrees
 from plait.spec.model import PRESETS
 
@@ -23,10 +24,13 @@ CASES = {
     "ep2 etp2 (tp2)": EP2_ETP2,
     "ep1 etp2 (edp2)": "dp=4,ep=1,etp=2,gbs=4",
     "ep2 etp2 zero3": "dp=2,tp=2,sp=1,ep=2,zero=3,gbs=4",
+    "ep1 etp2 zero1 (edp2)": "dp=4,ep=1,etp=2,zero=1,gbs=4",
+    "pp2 x ep1 etp2 (tp2)": "pp=2,tp=2,sp=1,mbs=1,gbs=4",
     "ep2 etp2 lsh": "dp=2,tp=2,sp=1,ep=2,moe_comm=lsh,gbs=4",
     "ep2 etp1 lsh": "dp=2,tp=2,sp=1,ep=2,etp=1,moe_comm=lsh,gbs=4",
 }
-SINGLE_PROCESS = ["ep2 etp2 (tp2)", "ep1 etp2 (edp2)", "ep2 etp2 zero3"]
+SINGLE_PROCESS = ["ep2 etp2 (tp2)", "ep1 etp2 (edp2)", "ep2 etp2 zero3", "ep1 etp2 zero1 (edp2)",
+                  "pp2 x ep1 etp2 (tp2)"]
 SAVE, RESUME = "ep2 etp2 saved", "ep4 etp1 resumed"
 
 
@@ -51,6 +55,21 @@ def test_by_expert_sorts_source_blocks_by_expert_then_source() -> None:
     assert by_expert(counts).tolist() == [0, 3, 4, 1, 2]
 
 
+def test_runnable_search_keeps_etp_strategies() -> None:
+    """`plait plan --runnable` drops what `unsupported` refuses: of the search space's 132 strategies of a
+    tiny-moe MoE layer on 4 ranks, the 24 with etp > 1 (etp = tp = 2, ep 1 or 2) now all run."""
+    spec = PRESETS[MODEL]
+    space = block_strategies(spec.stack[1], dgx(1, 4, "A100-80GB"), 4, GBS, 64)
+    etp = [s for s in space if s.expert_tp > 1]
+    assert len(space) == 132 and len(etp) == 24 and {(s.tp, s.sp, s.ep, s.expert_tp) for s in etp} == {
+        (2, True, 1, 2), (2, True, 2, 2)}
+    for s in etp:
+        stage = Stage(layers=(0, spec.layers), ranks=(0, 1, 2, 3), strategies=(s,) * spec.layers)
+        plan = Plan(model=MODEL, seq_len=64, global_batch=GBS, precision="fp32",
+                    pipelines=(Pipeline(stages=(stage,), micro_batches=1, micro_batch_sequences=GBS),))
+        assert unsupported(plan, spec) is None, s.short()
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text) -> list[float]:  # noqa: F811
     return reference_losses(tmp_path_factory.mktemp("reference"), text, [(MODEL, GBS)])[(MODEL, GBS)]
@@ -69,8 +88,8 @@ def runs(tmp_path_factory, text) -> tuple:  # noqa: F811
 
 @pytest.mark.parametrize("name", SINGLE_PROCESS)
 def test_etp_plans_match_single_process(runs, reference, name) -> None:
-    """ep2 etp2 on tp2+sp attention, ep1 etp2 with two expert-data-parallel replicas, and ep2 etp2 with
-    ZeRO-3 train to the single-process losses."""
+    """ep2 etp2 on tp2+sp attention, ep1 etp2 with two expert-data-parallel replicas, both with ZeRO, and
+    etp2 in each of two pipeline stages train to the single-process losses."""
     assert_same(_losses(runs, name), reference)
 
 
