@@ -108,7 +108,8 @@ class ExpertTensorParallel:
         gathered = torch.stack(every)  # [etp rank, local expert]
         rows = gathered.sum(1).tolist()
         order = by_expert(gathered)
-        return all_gather_rows(tokens, self.group, rows).index_select(0, order), gathered.sum(0), (inner, order, rows)
+        mine = all_gather_rows(tokens, self.group, rows).index_select(0, order)
+        return mine, gathered.sum(0), (inner, order, rows)
 
     def gather(self, outputs: Tensor, handle: tuple[object, Tensor, list[int]]) -> Tensor:
         """The partial outputs of this rank's expert slices -> the outputs of this rank's assignments."""

@@ -157,7 +157,8 @@ class _Groups:
         degrees = strategy.degrees
         mesh = stage = None
         if len(ranks) > 1:
-            mesh = self.named_mesh(torch.tensor(ranks).view(degrees.edp, degrees.ep, degrees.etp), EXPERT_MESH_DIMS)
+            grid = torch.tensor(ranks).view(degrees.edp, degrees.ep, degrees.etp)
+            mesh = self.named_mesh(grid, EXPERT_MESH_DIMS)
             stage = self.named_mesh(torch.tensor(ranks), ("stage",))
         split = degrees.cp * degrees.tp if strategy.sp or degrees.cp > 1 else 1
         shards = degrees.ep * degrees.etp  # positions 0..shards-1 hold every (ep, etp) shard once
