@@ -26,11 +26,12 @@ CASES = {
     "ep2 etp2 zero3": "dp=2,tp=2,sp=1,ep=2,zero=3,gbs=4",
     "ep1 etp2 zero1 (edp2)": "dp=4,ep=1,etp=2,zero=1,gbs=4",
     "pp2 x ep1 etp2 (tp2)": "pp=2,tp=2,sp=1,mbs=1,gbs=4",
+    "ep2 etp2 on ring cp2 x tp2 full recompute": "cp=2,cp_mode=ring,tp=2,sp=1,ep=2,recompute=full,gbs=4",
     "ep2 etp2 lsh": "dp=2,tp=2,sp=1,ep=2,moe_comm=lsh,gbs=4",
     "ep2 etp1 lsh": "dp=2,tp=2,sp=1,ep=2,etp=1,moe_comm=lsh,gbs=4",
 }
 SINGLE_PROCESS = ["ep2 etp2 (tp2)", "ep1 etp2 (edp2)", "ep2 etp2 zero3", "ep1 etp2 zero1 (edp2)",
-                  "pp2 x ep1 etp2 (tp2)"]
+                  "pp2 x ep1 etp2 (tp2)", "ep2 etp2 on ring cp2 x tp2 full recompute"]
 SAVE, RESUME = "ep2 etp2 saved", "ep4 etp1 resumed"
 
 
@@ -88,8 +89,9 @@ def runs(tmp_path_factory, text) -> tuple:  # noqa: F811
 
 @pytest.mark.parametrize("name", SINGLE_PROCESS)
 def test_etp_plans_match_single_process(runs, reference, name) -> None:
-    """ep2 etp2 on tp2+sp attention, ep1 etp2 with two expert-data-parallel replicas, both with ZeRO, and
-    etp2 in each of two pipeline stages train to the single-process losses."""
+    """ep2 etp2 on tp2+sp attention, ep1 etp2 with two expert-data-parallel replicas, both with ZeRO, etp2
+    in each of two pipeline stages, and ep2 etp2 on ring cp2 x tp2+sp attention with full recompute train to
+    the single-process losses."""
     assert_same(_losses(runs, name), reference)
 
 
