@@ -73,6 +73,7 @@ from typing import Any
 from plait.cost.calibration import Calibration
 from plait.cost.comm import SINGLE
 from plait.cost.layer import BlockContext
+from plait.cost.measured_memory import EdgeMemory, MeasuredMemory
 from plait.cost.precision import PRECISIONS
 from plait.cost.price import price
 from plait.errors import PlaitError
@@ -411,6 +412,19 @@ class LayerMemory:
 
 
 @dataclass(frozen=True)
+class OtherMemory:
+    """Measured memory of everything but the blocks (embedding, head, loss) at one pipeline position."""
+
+    position: str  # "whole" (other_memory_pp_off: one stage), "first" or "last" (pp_on: the edge stages)
+    seq_len: int | None  # None: the file does not say
+    sequence_parallel: bool  # `_sp` keys
+    model_states_mib: Mapping[int, float]
+    """Vocabulary-parallel degree -> MiB of the edges' model states on one device (old flat files: tp 1)."""
+    activation_mib_per_sample: Mapping[int, float]
+    """Vocabulary-parallel degree -> MiB per sequence of the peak beside the blocks' saved activations."""
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     """Galvatron's communication measurements on a cluster of `nodes` x `gpus_per_node` GPUs."""
 
@@ -439,12 +453,15 @@ class GalvatronCalibration:
     hardware: tuple[HardwareProfile, ...]
     overlap_coefficient: float | None  # slowdown (>= 1) of work that overlaps other work
     files: tuple[str, ...]  # the files read
+    other_memory: tuple[OtherMemory, ...] = ()  # the memory profile's other_memory_* entries
 
 
 _TIME_KEY = re.compile(r"^layertype_(\d+)(?:_bsz(\d+))?(?:_seq(\d+))?$")
 _OTHER_KEY = re.compile(r"^layertype_other(?:_(\d+))?_bsz(\d+)(?:_seq(\d+))?$")
 _RAW_TIME_KEY = re.compile(r"^layernum\[[\d,]+\]_bsz(\d+)$")
 _MEMORY_KEY = re.compile(r"^layertype_(\d+)(_sp)?$")
+_OTHER_MEMORY_KEY = re.compile(r"^other_memory_pp_(off|on_first|on_last)(_sp)?$")
+_POSITIONS = {"off": "whole", "on_first": "first", "on_last": "last"}
 _ALLREDUCE_KEY = re.compile(r"^allreduce_size_(\d+)_consec_([01])$")
 _P2P_KEY = re.compile(r"^pp_size_(\d+)$")
 _SP_TIME_KEY = re.compile(r"^(allreduce|all2all)_size_(\d+)_(\d+)MB_time$")
@@ -515,13 +532,46 @@ def _layer_memory(entry: Any, layer_type: int, seq: int | None, sp: bool, key: s
                        None if ckpt is None else _number(ckpt, f"{key}.checkpoint", path))
 
 
-def _read_memory(path: Path, file_seq: int | None) -> tuple[LayerMemory, ...]:
+def _mib_by_tp(value: Any, key: str, path: Path) -> dict[int, float]:
+    """{tp: MiB} of an other_memory term: one number (old files: tp 1) or an object keyed by TP degree."""
+    if not isinstance(value, dict):
+        return {1: _number(value, key, path)}
+    out: dict[int, float] = {}
+    for tp, v in value.items():
+        if not str(tp).isdigit() or int(tp) < 1:
+            raise PlaitError(f"Galvatron memory profile {str(path)!r}: {key} has key {tp!r}; expected TP degrees")
+        out[int(tp)] = _number(v, f"{key}.{tp}", path)
+    return dict(sorted(out.items()))
+
+
+def _other_memory(entry: Any, position: str, seq: int | None, sp: bool, key: str, path: Path) -> OtherMemory:
+    if not (isinstance(entry, dict) and "model_states" in entry and "activation" in entry):
+        raise PlaitError(f"Galvatron memory profile {str(path)!r}: {key} lacks model_states or activation")
+    return OtherMemory(position, seq, sp, _mib_by_tp(entry["model_states"], f"{key}.model_states", path),
+                       _mib_by_tp(entry["activation"], f"{key}.activation", path))
+
+
+def _read_memory(path: Path, file_seq: int | None) -> tuple[tuple[LayerMemory, ...], tuple[OtherMemory, ...]]:
+    """The per-block entries (`layertype_<i>[_sp]`) and the other_memory_* entries of a memory profile, flat
+    (one sequence length: the file name's) or keyed by sequence length (`[512,512]` for several layer types:
+    the length is then not one number and stays None)."""
     raw = _read_json(path, "Galvatron memory profile")
     out: list[LayerMemory] = []
+    others: list[OtherMemory] = []
     for key, value in raw.items():
+        if m := _OTHER_MEMORY_KEY.match(key):
+            position, sp = _POSITIONS[m.group(1)], bool(m.group(2))
+            if not isinstance(value, dict):
+                raise PlaitError(f"Galvatron memory profile {str(path)!r}: {key} is not an object")
+            if "model_states" in value:
+                others.append(_other_memory(value, position, file_seq, sp, key, path))
+            else:
+                others += [_other_memory(entry, position, int(seq) if str(seq).isdigit() else None, sp,
+                                         f"{key}.{seq}", path) for seq, entry in value.items()]
+            continue
         m = _MEMORY_KEY.match(key)
         if not m:
-            continue  # raw per-strategy runs and other_memory_* (embedding and head) are not read
+            continue  # the raw per-strategy runs, from which Galvatron's profiler derived the entries read
         layer_type, sp = int(m.group(1)), bool(m.group(2))
         if isinstance(value, dict) and "parameter_size" in value:
             out.append(_layer_memory(value, layer_type, file_seq, sp, key, path))
@@ -533,7 +583,8 @@ def _read_memory(path: Path, file_seq: int | None) -> tuple[LayerMemory, ...]:
                 out.append(_layer_memory(entry, layer_type, int(seq), sp, f"{key}.{seq}", path))
         else:
             raise PlaitError(f"Galvatron memory profile {str(path)!r}: {key} is not an object")
-    return tuple(sorted(out, key=lambda x: (x.layer_type, x.sequence_parallel, x.seq_len or 0)))
+    return (tuple(sorted(out, key=lambda x: (x.layer_type, x.sequence_parallel, x.seq_len or 0))),
+            tuple(sorted(others, key=lambda x: (x.position, x.sequence_parallel, x.seq_len or 0))))
 
 
 def _read_hardware(hardware_dir: Path) -> tuple[tuple[HardwareProfile, ...], float | None, list[str]]:
@@ -620,7 +671,7 @@ def load_galvatron_profiles(model_dir: str | Path, hardware_dir: str | Path | No
     memory_path = model_dir / f"memory_profiling_{profile}.json"
     file_seq = _name_int(r"seqlen(\d+)", profile) or seq_len
     times = _read_times(time_path, file_seq)
-    memory = _read_memory(memory_path, file_seq) if memory_path.exists() else ()
+    memory, other_memory = _read_memory(memory_path, file_seq) if memory_path.exists() else ((), ())
     files = [str(time_path)] + ([str(memory_path)] if memory_path.exists() else [])
     hardware: tuple[HardwareProfile, ...] = ()
     overlap = None
@@ -632,7 +683,7 @@ def load_galvatron_profiles(model_dir: str | Path, hardware_dir: str | Path | No
         gpu_name=gpu_name, precision=token.group(1) if token else None,
         hidden=_name_int(r"hidden(\d+)", profile), heads=_name_int(r"head(\d+)", profile),
         layer_times=times, layer_memory=memory, hardware=hardware, overlap_coefficient=overlap,
-        files=tuple(files))
+        files=tuple(files), other_memory=other_memory)
 
 
 # ==== calibration ===================================================================================
@@ -832,6 +883,42 @@ def _derive(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluster,
     return out
 
 
+def measured_memory(galv: GalvatronCalibration, model: ModelSpec) -> tuple[MeasuredMemory | None, str]:
+    """The memory terms of Galvatron's memory profile in plait's units (cost/measured_memory.py), and what
+    was read; None where the profile has no entry without sequence parallelism at a known sequence length.
+
+    Per layer type (plait's layer kind, `layer_types`), at the profile's longest sequence length: model-state
+    bytes per parameter = 4 x parameter_size MiB over plait's parameters of the block; activation bytes per
+    token = tp_activation_per_bsz_dict[tp] MiB per sequence / sequence length, and its `checkpoint` entry for
+    full recomputation at every tp (the block input, replicated over the TP group). Edges: other_memory_pp_off
+    (one stage), _pp_on_first and _pp_on_last, activation MiB per sequence by vocabulary-parallel degree /
+    sequence length. Entries measured with sequence parallelism (`_sp`) are not read: plait prices those
+    layouts analytically. The model must match the profile (`_check_model`)."""
+    types = layer_types(model)
+    states: dict[str, float] = {}
+    acts: dict[tuple[str, int, str], float] = {}
+    read = []
+    for mem in sorted((m for m in galv.layer_memory if not m.sequence_parallel and m.seq_len),
+                      key=lambda m: m.seq_len or 0):  # the longest length last, so it wins
+        kind, seq = types[mem.layer_type][0][0].kind, mem.seq_len or 1
+        states[kind] = 4 * mem.parameter_mib * MIB / _mean_params(types[mem.layer_type])
+        for tp, mib in mem.activation_mib_per_sample.items():
+            acts[(kind, tp, "none")] = mib * MIB / seq
+            if mem.checkpoint_activation_mib_per_sample is not None:
+                acts[(kind, tp, "full")] = mem.checkpoint_activation_mib_per_sample * MIB / seq
+        read.append(f"layertype_{mem.layer_type} at {seq}")
+    if not states:
+        return None, "kept: no memory profile without sequence parallelism at a known sequence length"
+    edges = {o.position: EdgeMemory(o.model_states_mib.get(1, 0.0) * MIB,
+                                    {tp: mib * MIB / o.seq_len for tp, mib in o.activation_mib_per_sample.items()})
+             for o in sorted(galv.other_memory, key=lambda o: o.seq_len or 0)
+             if not o.sequence_parallel and o.seq_len}
+    kinds = ", ".join(f"{k} {v:.2f} B/param" for k, v in states.items())
+    why = (f"from the memory profile ({', '.join(read)} tokens; edges: {', '.join(edges) or 'none'}): model "
+           f"states {kinds}; activations per token by tp")
+    return MeasuredMemory(states, acts, edges), why
+
+
 def to_calibration(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluster,
                    base: Calibration) -> Calibration:
     """plait calibration constants derived from Galvatron profiles; constants they say nothing about stay
@@ -854,17 +941,20 @@ def to_calibration(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluste
       under Galvatron's newer model (only compute slowed; exposed = comm (1 - 1/c)); its older layer model
       (both slowed) would give 2 - c, less than (c - 1)^2 apart.
 
-    Not mapped: memory profiles (plait derives memory from the model shape; they are only used to check
-    that the profile belongs to `model`), p2p bandwidth (plait prices p2p with the same link
+    * memory: the memory profile's measured terms (`measured_memory`): a block's saved activations per
+      token by tp and recompute, model-state bytes per parameter, the embedding's and head's transients.
+
+    Not mapped: p2p bandwidth (plait prices p2p with the same link
     efficiencies), all-to-all times, latencies. Raises PlaitError when the cluster's GPU type is not the
     one the profiles were measured on, or the profile is of another model shape.
     """
     values = {k: v for k, (v, _) in _derive(galv, model, cluster, base).items() if v is not None}
-    return replace(base, **values)
+    return replace(base, **values, memory=measured_memory(galv, model)[0])
 
 
 def explain_calibration(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluster,
                         base: Calibration) -> dict[str, str]:
     """For each constant to_calibration considers: the value it sets (or that it keeps base) and why."""
-    return {k: (f"{v:.3f}: {why}" if v is not None else why)
-            for k, (v, why) in _derive(galv, model, cluster, base).items()}
+    out = {k: (f"{v:.3f}: {why}" if v is not None else why)
+           for k, (v, why) in _derive(galv, model, cluster, base).items()}
+    return out | {"memory": measured_memory(galv, model)[1]}
