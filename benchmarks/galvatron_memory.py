@@ -1,6 +1,6 @@
 """plait's memory model against Galvatron 2.4.0's, on Galvatron's own measured memory profile.
 
-    python benchmarks/galvatron_memory.py [--cpu]
+    python benchmarks/galvatron_memory.py [--cpu] [--markdown]
 
 Llama-2-7B on 8 A100-80GB, global batch 64, sequences of 2048 and 4096 tokens, a few plans. For each plan
 it prints the peak bytes per device by term of three models: plait's default (formulas), plait calibrated
@@ -58,14 +58,16 @@ PLANS = [
 class GalvatronTerms:
     """Galvatron's predicted MiB on the device of its first pipeline stage, by term."""
 
-    states: float
-    activations: float
-    other: float  # embedding and head: model states and activations
+    states: float  # the blocks' model states
+    unsharded: float  # the part of `states` its ZeRO ratios keep unsharded (the +1/8 or +2/8 term)
+    activations: float  # the blocks' saved activations
+    edge_states: float  # embedding and head ("other" memory)
+    edge_activations: float
     context: float
 
     @property
     def total(self) -> float:
-        return self.states + self.activations + self.other + self.context
+        return self.states + self.activations + self.edge_states + self.edge_activations + self.context
 
 
 def _chunk_like_torch(n: int, chunks: int) -> list[int]:
@@ -89,23 +91,38 @@ def galvatron_memory(mem: dict, layers: int, pp: int, tp: int, dp: int, fsdp: bo
     end = min(pp, chunks)  # pp_size - stage_idx, capped at chunks
     bsz = sum(micro[:end]) / sum(micro) * GLOBAL_BATCH / dp
     d = dp  # sdp_size without Ulysses
-    # chunks > 1 with async_grad_reduce, mixed precision
-    zero3_ratio = 7 / 8 * (1 / d + 0.003) + 1 / 8
-    zero2_ratio = 6 / 8 * (1 / d + 0.003) + 2 / 8
-    states = 4 * layer["parameter_size"] / tp
-    states *= zero3_ratio if fsdp else zero2_ratio if zero2 else 1.0
+    # chunks > 1 with async_grad_reduce, mixed precision: the fixed part is what stays unsharded
+    zero3_fixed, zero2_fixed = 1 / 8, 2 / 8
+    zero3_ratio = (1 - zero3_fixed) * (1 / d + 0.003) + zero3_fixed
+    zero2_ratio = (1 - zero2_fixed) * (1 / d + 0.003) + zero2_fixed
+    full = 4 * layer["parameter_size"] / tp
+    ratio, fixed = (zero3_ratio, zero3_fixed) if fsdp else (zero2_ratio, zero2_fixed) if zero2 else (1.0, 0.0)
     act = layer["tp_activation_per_bsz_dict"][str(tp)] * scale * bsz
     per_stage = layers // pp
     other_bsz = GLOBAL_BATCH / dp / chunks
     ms_ratio = zero2_ratio if zero2 else 1.0  # use_zero2_for_dp; embed_sdp off
     if pp == 1:
         o = mem["other_memory_pp_off"]
-        a = o["activation"] * (2 / 3 + scale / 3)
-        other = o["model_states"] / tp * ms_ratio + a / tp * other_bsz
+        edge_act = o["activation"] * (2 / 3 + scale / 3) / tp * other_bsz
     else:
         o = mem["other_memory_pp_on_first"]
-        other = o["model_states"] / tp * ms_ratio + o["activation"] / tp * other_bsz * pp
-    return GalvatronTerms(per_stage * states, per_stage * act, other, PYTORCH_CONTEXT_MIB)
+        edge_act = o["activation"] / tp * other_bsz * pp
+    return GalvatronTerms(per_stage * full * ratio, per_stage * full * fixed, per_stage * act,
+                          o["model_states"] / tp * ms_ratio, edge_act, PYTORCH_CONTEXT_MIB)
+
+
+def deferred_gradients(text: str) -> float:
+    """MiB of gradients that plait's runtime keeps unsharded beyond what its model counts, on the first
+    stage's device: under ZeRO-2/3 with several micro-batches it turns the data-parallel reduction off until
+    the last one (runtime/train.py, set_gradient_sync), and FSDP2 then accumulates each parameter's whole
+    gradient (FSDPParam.unsharded_accumulated_grad) at the gradient precision (4 bytes)."""
+    d = dict(kv.split("=") for kv in text.split(","))
+    tp, pp, dp, zero, mbs = (int(d[k]) for k in ("tp", "pp", "dp", "zero", "mbs"))
+    if zero < 2 or GLOBAL_BATCH // dp // mbs <= 1:
+        return 0.0
+    model = PRESETS["llama2-7b"]
+    params = (model.layers // pp * model.block.params + model.embedding_params) / tp
+    return params * PRECISIONS["bf16"].grad * (1 - 1 / dp) / MIB
 
 
 def _plait(text: str, seq: int, cal) -> dict[str, float]:
@@ -135,12 +152,15 @@ def plan_rows() -> list[list[str]]:
             chunks = GLOBAL_BATCH // dp // int(dict(kv.split("=") for kv in text.split(","))["mbs"])
             default, calibrated = _plait(text, seq, None), _plait(text, seq, cal)
             g = galvatron_memory(mem, 32, pp, tp, dp, fsdp, zero2, chunks, seq)
+            deferred = deferred_gradients(text)
             rows.append([label, str(seq),
-                         f"{default['act']:,.0f}", f"{calibrated['act']:,.0f}", f"{g.activations + 0:,.0f}",
-                         f"{default['states']:,.0f}", f"{calibrated['states']:,.0f}", f"{g.states:,.0f}",
-                         f"{g.other:,.0f}",
+                         f"{default['act']:,.0f}", f"{calibrated['act']:,.0f}",
+                         f"{g.activations + g.edge_activations:,.0f}",
+                         f"{default['states']:,.0f}", f"{calibrated['states']:,.0f}",
+                         f"{g.states + g.edge_states:,.0f}", f"{g.unsharded:,.0f}", f"{deferred:,.0f}",
+                         f"{default['buffers'] + default['reserve']:,.0f}", f"{g.context:,.0f}",
                          f"{default['total'] / 1024:.1f}", f"{calibrated['total'] / 1024:.1f}",
-                         f"{g.total / 1024:.1f} ({name})"])
+                         f"{(calibrated['total'] + deferred) / 1024:.1f}", f"{g.total / 1024:.1f} ({name})"])
     return rows
 
 
@@ -190,22 +210,35 @@ def cpu_rows() -> list[list[str]]:
     return rows
 
 
+PLAN_COLUMNS = ("plan", "seq", "act plait", "act calibrated", "act Galvatron", "states plait", "states calibrated",
+                "states Galvatron", "of which unsharded (Galvatron)", "deferred-sync grads (plait runtime)",
+                "buffers+reserve plait", "context Galvatron", "total plait", "total calibrated",
+                "calibrated + deferred grads", "total Galvatron")
+LAYER_COLUMNS = ("model", "plait, 3 SwiGLU tensors", "plait now", "Galvatron measured", "Korthikanti flash 34sbh",
+                 "Korthikanti eager", "plait vs measured")
+
+
+def _markdown(columns: tuple[str, ...], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
 def main() -> None:
-    console = Console(width=200)
-    t = Table(title="Peak memory of the first stage's device, Llama-2-7B, 8 x A100, global batch 64 (MiB; totals GiB)")
-    for c in ("plan", "seq", "act plait", "act calibrated", "act Galvatron", "states plait", "states calibrated",
-              "states Galvatron", "edges Galvatron", "total plait", "total calibrated", "total Galvatron"):
-        t.add_column(c, justify="right")
-    for row in plan_rows():
-        t.add_row(*row)
-    console.print(t)
-    u = Table(title="One block's saved activations per 2048-token sequence at tp 1 (MiB)")
-    for c in ("model", "plait, 3 SwiGLU tensors", "plait now", "Galvatron measured", "Korthikanti flash 34sbh",
-              "Korthikanti eager", "plait vs measured"):
-        u.add_column(c, justify="right")
-    for row in per_layer_rows("--cpu" in sys.argv):
-        u.add_row(*row)
-    console.print(u)
+    plans, layers = plan_rows(), per_layer_rows("--cpu" in sys.argv)
+    if "--markdown" in sys.argv:
+        print(_markdown(PLAN_COLUMNS, plans) + "\n\n" + _markdown(LAYER_COLUMNS, layers))
+        return
+    console = Console(width=240)
+    for title, columns, rows in (
+            ("Peak memory of the first stage's device, Llama-2-7B, 8 x A100, global batch 64 (MiB; totals GiB)",
+             PLAN_COLUMNS, plans),
+            ("One block's saved activations per 2048-token sequence at tp 1 (MiB)", LAYER_COLUMNS, layers)):
+        t = Table(title=title)
+        for c in columns:
+            t.add_column(c, justify="right")
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
 
 
 if __name__ == "__main__":

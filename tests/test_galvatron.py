@@ -466,9 +466,11 @@ def _forward_s(cal: Calibration, model: ModelSpec, batch: int, seq: int) -> floa
 def test_calibration_from_shipped_profiles():
     galv = load_galvatron_profiles(DATA / "gpt_hf", HARDWARE, "A100-80GB", profile=GPT_PROFILE)
     cal = to_calibration(galv, GPT67, ONE_NODE, A100)
-    # Only the four constants the profiles speak to change.
+    # Only the four constants the profiles speak to change, and the memory profile's terms join.
+    assert cal.memory is not None
     assert replace(cal, gemm_efficiency=A100.gemm_efficiency, nvlink_efficiency=A100.nvlink_efficiency,
-                   network_efficiency=A100.network_efficiency, overlap_efficiency=A100.overlap_efficiency) == A100
+                   network_efficiency=A100.network_efficiency, overlap_efficiency=A100.overlap_efficiency,
+                   memory=None) == A100
     # gemm_efficiency: plait's block forward now sits in the middle of Galvatron's measured points.
     ratios = [_forward_s(cal, GPT67, b, s) / (ms * 1e-3 * b)
               for (b, s), ms in galv.layer_times[0].forward_ms_per_sample.items()]
@@ -488,7 +490,8 @@ def test_calibration_from_shipped_profiles():
     # overlap_efficiency: 1 / Galvatron's slowdown coefficient.
     assert cal.overlap_efficiency == pytest.approx(1 / 1.125552573612729)
     notes = explain_calibration(galv, GPT67, ONE_NODE, A100)
-    assert set(notes) == {"gemm_efficiency", "nvlink_efficiency", "network_efficiency", "overlap_efficiency"}
+    assert set(notes) == {"gemm_efficiency", "nvlink_efficiency", "network_efficiency", "overlap_efficiency",
+                          "memory"}
     assert "sp_time" in notes["nvlink_efficiency"] and "2x8" in notes["network_efficiency"]
     # The same profile on the two-node cluster: in-node NVLink is the same node, so the same value.
     assert to_calibration(galv, GPT67, TWO_NODES, A100).nvlink_efficiency == cal.nvlink_efficiency
@@ -497,7 +500,7 @@ def test_calibration_from_shipped_profiles():
 def test_calibration_keeps_base_where_profiles_say_nothing():
     galv = load_galvatron_profiles(DATA / "llama_fa", None, "A100-80GB")
     cal = to_calibration(galv, LLAMA7, ONE_NODE, A100)
-    assert replace(cal, gemm_efficiency=A100.gemm_efficiency) == A100
+    assert replace(cal, gemm_efficiency=A100.gemm_efficiency, memory=None) == A100
     notes = explain_calibration(galv, LLAMA7, ONE_NODE, A100)
     assert "non-positive points skipped" in notes["gemm_efficiency"]  # llama_fa has negative bsz1/4/5 times
     assert notes["overlap_efficiency"].startswith("kept")

@@ -18,7 +18,7 @@ MEASURED_ACTIVATION_BYTES = 2
 """Bytes per activation element of Galvatron's memory profiles (bf16 or fp16 runs)."""
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class EdgeMemory:
     """Galvatron's "other" memory of the embedding and head at one pipeline position: `whole` (one stage
     holds both), `first` (the embedding's stage), `last` (the head's stage)."""
@@ -29,6 +29,9 @@ class EdgeMemory:
     """Vocabulary-parallel degree -> peak transient bytes per token beside the blocks' saved activations
     (embedding output, logits and their gradient, loss), 16-bit run."""
 
+    def __hash__(self) -> int:  # by value, as equality is (the calibration that carries it is a cache key)
+        return hash((self.states_bytes, tuple(sorted(self.activation_bytes_per_token.items()))))
+
     def activation(self, tp: int) -> float:
         """Bytes per token at vocabulary-parallel degree `tp`: the measured degree, else tp 1's divided by tp."""
         if tp in self.activation_bytes_per_token:
@@ -36,7 +39,7 @@ class EdgeMemory:
         return self.activation_bytes_per_token.get(1, 0.0) / tp
 
 
-@dataclass(frozen=True, eq=False)  # compared and hashed by identity, as the calibration it rides in
+@dataclass(frozen=True)
 class MeasuredMemory:
     """Measured memory of one model's blocks (by layer kind) and its edges."""
 
@@ -49,6 +52,10 @@ class MeasuredMemory:
     of its tensor-parallel group (16-bit run, no sequence parallelism)."""
     edges: Mapping[str, EdgeMemory]
     """"whole", "first", "last" -> the edges' memory at that pipeline position (absent: not profiled)."""
+
+    def __hash__(self) -> int:  # by value, as equality is (the calibration that carries it is a cache key)
+        return hash((tuple(sorted(self.states_bytes_per_param.items())),
+                     tuple(sorted(self.activation_bytes_per_token.items())), tuple(sorted(self.edges.items()))))
 
     def block_activation(self, kind: str, tp: int, recompute: str, activation_bytes: int) -> float | None:
         """Bytes per token one block of `kind` keeps at `tp` and `recompute` in a run of `activation_bytes`
