@@ -320,8 +320,9 @@ def _plans(draw) -> tuple[Plan, object]:
     bounds = [0, *cuts, SMALL.layers]
     zeros = draw(st.sampled_from([(0, 3), (2, 3)]))
     degrees = [d for d in (1, 2, 4, 8) if per % d == 0 and d <= SMALL.heads]
-    layer = st.builds(lambda d, ulysses, zero, rc: Strategy(
-        dp=per // d, tp=1 if ulysses and d > 1 else d, cp=d if ulysses and d > 1 else 1, zero=zero, recompute=rc),
+    layer = st.builds(lambda d, ulysses, zero, rc: Strategy(  # no replica (dp x cp = 1): the default shards nothing
+        dp=per // d, tp=1 if ulysses and d > 1 else d, cp=d if ulysses and d > 1 else 1,
+        zero=0 if zero == 2 and per // d * (d if ulysses else 1) == 1 else zero, recompute=rc),
         st.sampled_from(degrees), st.booleans(), st.sampled_from(zeros), st.sampled_from(["none", "full"]))
     stages = []
     for k in range(pp):
@@ -382,6 +383,16 @@ def test_plans_galvatron_cannot_represent(tmp_path, plan, needles):
     assert not (tmp_path / "g.json").exists()
 
 
+def test_layers_without_replicas_fit_either_default_dp_type(tmp_path):
+    plan = _one_stage(*[Strategy(dp=8, zero=2)] * 4, *[Strategy(tp=8)] * 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GalvatronVocabWarning)
+        assert galvatron_config(plan, SMALL)["default_dp_type"] == "zero2"
+        save_galvatron_config(plan, SMALL, tmp_path / "g.json")
+        assert load_galvatron_config(tmp_path / "g.json", SMALL, ONE_NODE, 1024) == plan
+    expect_error(lambda: galvatron_limits(DEFAULT_LIMITS, False, "zero1"), "ddp, zero2")
+
+
 def test_sequence_parallel_plans_export_with_galvatrons_launch_flag(tmp_path):
     """Megatron SP on every tensor-parallel layer is Galvatron's --sequence-parallel: the file is written, the
     flag is among the launch flags, and the file read with the flag is the plan."""
@@ -399,13 +410,15 @@ def test_sequence_parallel_plans_export_with_galvatrons_launch_flag(tmp_path):
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_galvatron_limits_keep_the_layer_strategies_galvatron_can_say(sequence_parallel):
-    limits = galvatron_limits(replace(DEFAULT_LIMITS, **HIERARCHY), sequence_parallel)
+@pytest.mark.parametrize("default_dp_type, zeros", [("ddp", {0, 3}), ("zero2", {0, 2, 3})])
+def test_galvatron_limits_keep_the_layer_strategies_galvatron_can_say(sequence_parallel, default_dp_type, zeros):
+    limits = galvatron_limits(replace(DEFAULT_LIMITS, **HIERARCHY), sequence_parallel, default_dp_type)
     kept = block_strategies(SMALL.stack[0], ONE_NODE, 8, 8, 1024, limits)
     assert all(strategy_problem(s, sequence_parallel) is None for s in kept)
     assert {(s.tp, s.cp, s.sp) for s in kept} == {(1, 1, False), (1, 2, False), (1, 4, False), (1, 8, False),
                                                  *((tp, 1, sequence_parallel) for tp in (2, 4, 8))}
-    assert {s.zero for s in kept} == {0, 3} and {s.recompute for s in kept} == {"none", "full"}
+    assert {s.zero for s in kept} == zeros and {s.recompute for s in kept} == {"none", "full"}
+    assert {s.zero for s in kept if s.tp == 8} == {0}  # no replica: nothing to shard
     assert {(s.swap, s.offload, s.ep) for s in kept} == {(0.0, "none", 1)}
     assert len(kept) == 3 * 2 * 2 + 3 * 2 * 2 + 2  # dp>1 layouts x zero 0/3 x recompute, + tp8 (dp 1) x recompute
 

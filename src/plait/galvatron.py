@@ -261,9 +261,12 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
                              "which plait's tp-fastest rank order cannot express; search with "
                              "--disable_tp_consec 1")
         tp, cp = (1, degree) if use_sp[i] else (degree, 1)
+        dp = per_stage // degree
+        # The default dp type shards nothing where the weights have no replica (dp x cp = 1): ZeRO-0.
+        zero = 3 if dp_types[i] else _DP_TYPES[dp_type] if dp * cp > 1 else 0
         strategies.append(Strategy(
-            dp=per_stage // degree, tp=tp, cp=cp, cp_mode="ulysses", sp=sequence_parallel and tp > 1,
-            zero=3 if dp_types[i] else _DP_TYPES[dp_type], recompute="full" if ckpt[i] else "none"))
+            dp=dp, tp=tp, cp=cp, cp_mode="ulysses", sp=sequence_parallel and tp > 1, zero=zero,
+            recompute="full" if ckpt[i] else "none"))
 
     stages = []
     start = 0
@@ -287,9 +290,8 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
     return plan
 
 
-GALVATRON_ZERO_STAGES = (0, 3)
-"""ZeRO stages a plan Galvatron can run may mix: Galvatron's default_dp_type (`ddp`, its default; `zero2`
-is one global choice too) and per-layer SDP (ZeRO-3)."""
+DEFAULT_DP_TYPES = ("ddp", "zero2")
+"""Galvatron's default_dp_type choices (one for the whole model; per-layer SDP adds ZeRO-3): ZeRO-0 or 2."""
 
 
 def strategy_problem(s: Strategy, sequence_parallel: bool) -> str | None:
@@ -325,7 +327,8 @@ def uses_sequence_parallel(plan: Plan) -> bool:
 
 def galvatron_problem(plan: Plan, model: ModelSpec, sequence_parallel: bool | None = None) -> str | None:
     """Why `plan` cannot be written as a Galvatron strategy file (None: it can). `sequence_parallel`: whether
-    Galvatron runs with `--sequence-parallel` (None: as the plan says, `uses_sequence_parallel`)."""
+    Galvatron runs with `--sequence-parallel` (None: as the plan says, `uses_sequence_parallel`). Layers
+    whose weights have no replica (dp x cp = 1) shard nothing and fit either default_dp_type."""
     if sequence_parallel is None:
         sequence_parallel = uses_sequence_parallel(plan)
     if len(plan.pipelines) != 1:
@@ -351,7 +354,8 @@ def galvatron_problem(plan: Plan, model: ModelSpec, sequence_parallel: bool | No
             s = stage.strategy(layer)
             if (problem := strategy_problem(s, sequence_parallel)) is not None:
                 return f"layer {layer} {problem}"
-            zeros.add(s.zero)
+            if s.dp * s.cp > 1:
+                zeros.add(s.zero)
     if {0, 2} <= zeros:
         return ("the plan mixes ZeRO-0 and ZeRO-2 blocks; Galvatron's default_dp_type (ddp or zero2) is one for "
                 "the whole model")
@@ -362,11 +366,13 @@ def _layer_expressible(s: Strategy, sequence_parallel: bool) -> bool:
     return strategy_problem(s, sequence_parallel) is None
 
 
-def galvatron_limits(limits: SpaceLimits, sequence_parallel: bool) -> SpaceLimits:
+def galvatron_limits(limits: SpaceLimits, sequence_parallel: bool, default_dp_type: str = "ddp") -> SpaceLimits:
     """`limits` narrowed to the layer strategies and schedules a Galvatron 2.4.0 strategy file can say, for a
-    run with (`sequence_parallel`) or without `--sequence-parallel`: no virtual pipeline stages, ZeRO
-    `GALVATRON_ZERO_STAGES` (default_dp_type ddp), and `strategy_problem`'s per-layer rules."""
-    return replace(limits, zero_stages=GALVATRON_ZERO_STAGES, interleaved=False,
+    run with (`sequence_parallel`) or without `--sequence-parallel`: no virtual pipeline stages, ZeRO of the
+    `default_dp_type` (ddp: 0, zero2: 2) or 3 (SDP), and `strategy_problem`'s per-layer rules."""
+    if default_dp_type not in DEFAULT_DP_TYPES:
+        raise PlaitError(f"default_dp_type must be one of {', '.join(DEFAULT_DP_TYPES)}, got {default_dp_type!r}")
+    return replace(limits, zero_stages=(_DP_TYPES[default_dp_type], 3), interleaved=False,
                    allow=partial(_layer_expressible, sequence_parallel=sequence_parallel))
 
 
@@ -396,7 +402,8 @@ def galvatron_config(plan: Plan, model: ModelSpec, *, strict_vocab: bool = False
             use_sp.append(int(s.cp > 1))
             dp_types.append(int(s.zero == 3))
             ckpt.append(int(s.recompute == "full"))
-            zeros.add(s.zero)
+            if s.dp * s.cp > 1:
+                zeros.add(s.zero)
     default_dp_type = "zero2" if 2 in zeros else "ddp"
     first = pipe.stages[0].strategy(0)
     vtp, vsp = (first.cp, 1) if first.cp > 1 else (first.tp, 0)

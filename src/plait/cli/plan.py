@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -189,21 +190,26 @@ def _run_baseline(q: _Problem, baseline: str, update) -> _Found:
 
 def _search(q: _Problem, slow: bool, host_memory: bool, collected: Alternatives | None, update) -> _Found:
     """The search on the healthy cluster; with slow devices, the plan re-shaped around them."""
+    import math
+
     from plait.planner.engine import DEFAULT_LIMITS, search
-    from plait.planner.space import HIERARCHY
+    from plait.planner.space import HIERARCHY, SpaceLimits
 
     healthy = replace(q.c, speed=()) if slow else q.c
     limits = replace(DEFAULT_LIMITS, **HIERARCHY) if host_memory else DEFAULT_LIMITS
     if q.lsh:
         limits = replace(limits, moe_comm=("alltoall", "lsh"))
-    restrict = None
-    if q.galvatron:
-        from plait.galvatron import expressible, galvatron_limits
+    spaces: list[tuple[SpaceLimits, Callable[[Plan], bool] | None]] = [(limits, None)]
+    if q.galvatron:  # once per Galvatron default_dp_type (one for the whole model); the faster plan wins
+        from plait.galvatron import DEFAULT_DP_TYPES, expressible, galvatron_limits
 
-        limits, restrict = galvatron_limits(limits, q.galvatron_sp), expressible(q.m, q.galvatron_sp)
-    result = search(q.m, healthy, q.seq, q.global_batch, precision=q.precision, progress=update, cal=q.cal,
-                    runnable=q.runnable, record=collected.record if collected else None, limits=limits,
-                    expert_load=q.expert_load, restrict=restrict)
+        spaces = [(galvatron_limits(limits, q.galvatron_sp, t), expressible(q.m, q.galvatron_sp))
+                  for t in DEFAULT_DP_TYPES]
+    results = [search(q.m, healthy, q.seq, q.global_batch, precision=q.precision, progress=update, cal=q.cal,
+                      runnable=q.runnable, record=collected.record if collected else None, limits=space,
+                      expert_load=q.expert_load, restrict=restrict) for space, restrict in spaces]
+    result = min(results, key=lambda r: r.report.iteration_time_s if r.report and r.report.fits else math.inf)
+    result = replace(result, search_time_s=sum(r.search_time_s for r in results))
     chosen = None
     if result.plan is not None:
         chosen = min((x for x in (result.best_layerwise, result.best_uniform) if x is not None and x.report.fits),
