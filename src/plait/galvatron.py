@@ -22,7 +22,9 @@ Strategy file (`galvatron_config_*.json`, written by Galvatron's search engine `
 
 Megatron sequence parallelism and the training precision are launch flags of Galvatron
 (`--sequence-parallel`, `--mixed_precision`), not fields of the file: `load_galvatron_config` takes them as
-arguments (the precision is also read from a `_bf16`/`_fp16`/`_fp32` token of the file name).
+arguments (the precision is also read from a `_bf16`/`_fp16`/`_fp32` token of the file name), and
+`launch_flags` gives them for a plan written out. `galvatron_problem` says why a plan cannot be written;
+`galvatron_limits` and `expressible` restrict a search to plans that can.
 
 Profiles (written by Galvatron's `ModelProfiler` and `HardwareProfiler`):
 
