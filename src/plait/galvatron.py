@@ -22,7 +22,9 @@ Strategy file (`galvatron_config_*.json`, written by Galvatron's search engine `
 
 Megatron sequence parallelism and the training precision are launch flags of Galvatron
 (`--sequence-parallel`, `--mixed_precision`), not fields of the file: `load_galvatron_config` takes them as
-arguments (the precision is also read from a `_bf16`/`_fp16`/`_fp32` token of the file name).
+arguments (the precision is also read from a `_bf16`/`_fp16`/`_fp32` token of the file name), and
+`launch_flags` gives them for a plan written out. `galvatron_problem` says why a plan cannot be written;
+`galvatron_limits` and `expressible` restrict a search to plans that can.
 
 Profiles (written by Galvatron's `ModelProfiler` and `HardwareProfiler`):
 
@@ -65,8 +67,9 @@ import math
 import re
 import statistics
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +82,7 @@ from plait.cost.price import price
 from plait.errors import PlaitError
 from plait.io import write_atomically
 from plait.plan import Pipeline, Plan, Stage, Strategy, validate_plan
+from plait.planner.space import SpaceLimits
 from plait.spec.cluster import GB, Cluster
 from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
@@ -260,9 +264,12 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
                              "which plait's tp-fastest rank order cannot express; search with "
                              "--disable_tp_consec 1")
         tp, cp = (1, degree) if use_sp[i] else (degree, 1)
+        dp = per_stage // degree
+        # The default dp type shards nothing where the weights have no replica (dp x cp = 1): ZeRO-0.
+        zero = 3 if dp_types[i] else _DP_TYPES[dp_type] if dp * cp > 1 else 0
         strategies.append(Strategy(
-            dp=per_stage // degree, tp=tp, cp=cp, cp_mode="ulysses", sp=sequence_parallel and tp > 1,
-            zero=3 if dp_types[i] else _DP_TYPES[dp_type], recompute="full" if ckpt[i] else "none"))
+            dp=dp, tp=tp, cp=cp, cp_mode="ulysses", sp=sequence_parallel and tp > 1, zero=zero,
+            recompute="full" if ckpt[i] else "none"))
 
     stages = []
     start = 0
@@ -286,53 +293,120 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
     return plan
 
 
-def galvatron_config(plan: Plan, model: ModelSpec, *, strict_vocab: bool = False) -> dict[str, Any]:
-    """The Galvatron strategy dict of `plan` (see save_galvatron_config for what can be represented)."""
+DEFAULT_DP_TYPES = ("ddp", "zero2")
+"""Galvatron's default_dp_type choices (one for the whole model; per-layer SDP adds ZeRO-3): ZeRO-0 or 2."""
+
+
+def strategy_problem(s: Strategy, sequence_parallel: bool) -> str | None:
+    """What in one layer's strategy a Galvatron 2.4.0 strategy file cannot say (None: it can), for a run
+    launched with (`sequence_parallel`) or without Galvatron's `--sequence-parallel` flag, which turns
+    Megatron sequence parallelism on for every tensor-parallel layer."""
+    if s.sp and not sequence_parallel:
+        return ("uses Megatron sequence parallelism, which Galvatron turns on for every tensor-parallel layer "
+                "with its --sequence-parallel launch flag (plait: --galvatron-sequence-parallel)")
+    if sequence_parallel and s.tp > 1 and not s.sp:
+        return (f"has tp{s.tp} without Megatron sequence parallelism, which Galvatron's --sequence-parallel "
+                "launch flag turns on for every tensor-parallel layer")
+    if s.cp > 1 and (s.tp > 1 or s.cp_mode != "ulysses"):
+        return (f"combines cp{s.cp} ({s.cp_mode}) with tp{s.tp}; a Galvatron block uses either tensor "
+                "parallelism or Ulysses sequence parallelism")
+    if s.zero == 1:
+        return "uses ZeRO-1, which Galvatron lacks (ddp, zero2 or zero3); use zero 0, 2 or 3"
+    if s.recompute == "selective":
+        return "uses selective recomputation; Galvatron recomputes whole blocks or nothing"
+    if s.ep > 1 or s.etp or s.moe_comm != "alltoall":
+        return "lays out experts (ep, etp, LSH-MoE), which Galvatron 2.4.0 has no model or strategy for"
+    if s.shard:
+        return f"shards ZeRO over groups of {s.shard} (HSDP), which Galvatron lacks"
+    if s.swap or s.offload != "none":
+        return "swaps activations or offloads the optimizer to host memory, which Galvatron lacks"
+    return None
+
+
+def uses_sequence_parallel(plan: Plan) -> bool:
+    """Whether any layer of `plan` uses Megatron sequence parallelism (Galvatron: `--sequence-parallel`)."""
+    return any(s.sp for pipe in plan.pipelines for stage in pipe.stages for s in stage.strategies)
+
+
+def galvatron_problem(plan: Plan, model: ModelSpec, sequence_parallel: bool | None = None) -> str | None:
+    """Why `plan` cannot be written as a Galvatron strategy file (None: it can). `sequence_parallel`: whether
+    Galvatron runs with `--sequence-parallel` (None: as the plan says, `uses_sequence_parallel`). Layers
+    whose weights have no replica (dp x cp = 1) shard nothing and fit either default_dp_type."""
+    if sequence_parallel is None:
+        sequence_parallel = uses_sequence_parallel(plan)
     if len(plan.pipelines) != 1:
-        raise PlaitError(f"the plan has {len(plan.pipelines)} pipelines; Galvatron runs one pipeline whose "
-                         "stages hold their data parallelism")
+        return (f"the plan has {len(plan.pipelines)} pipelines; Galvatron runs one pipeline whose stages hold "
+                "their data parallelism")
     if plan.chunks != 1 or plan.schedule == "interleaved":
-        raise PlaitError("Galvatron has no interleaved (virtual) pipeline; use schedule 1f1b or gpipe with "
-                         "chunks=1")
+        return "Galvatron has no interleaved (virtual) pipeline; use schedule 1f1b or gpipe with chunks=1"
     if not plan.overlap_grad_reduce:
-        raise PlaitError("Galvatron always overlaps gradient reduction with backward; set "
-                         "overlap_grad_reduce=true")
+        return "Galvatron always overlaps gradient reduction with backward; set overlap_grad_reduce=true"
     pipe = plan.pipelines[0]
     pp = len(pipe.stages)
     per_stage = len(pipe.stages[0].ranks)
     if pipe.stages[-1].layers[1] != model.layers:
-        raise PlaitError(f"the plan covers {pipe.stages[-1].layers[1]} layers but {model.name} has "
-                         f"{_layers_text(model)}; save it with the model it was made for")
+        return (f"the plan covers {pipe.stages[-1].layers[1]} layers but {model.name} has "
+                f"{_layers_text(model)}; save it with the model it was made for")
+    zeros = set()
     for k, stage in enumerate(pipe.stages):
         expected = tuple(range(k * per_stage, (k + 1) * per_stage))
         if stage.ranks != expected:
-            raise PlaitError(f"stage {k} uses ranks {list(stage.ranks)}; Galvatron places stage {k} of {pp} "
-                             f"equal stages on ranks {expected[0]}..{expected[-1]} in order")
-    tp_sizes, use_sp, dp_types, ckpt, zeros = [], [], [], [], set()
+            return (f"stage {k} uses ranks {list(stage.ranks)}; Galvatron places stage {k} of {pp} equal stages "
+                    f"on ranks {expected[0]}..{expected[-1]} in order")
+        for layer in range(*stage.layers):
+            s = stage.strategy(layer)
+            if (problem := strategy_problem(s, sequence_parallel)) is not None:
+                return f"layer {layer} {problem}"
+            if s.dp * s.cp > 1:
+                zeros.add(s.zero)
+    if {0, 2} <= zeros:
+        return ("the plan mixes ZeRO-0 and ZeRO-2 blocks; Galvatron's default_dp_type (ddp or zero2) is one for "
+                "the whole model")
+    return None
+
+
+def _layer_expressible(s: Strategy, sequence_parallel: bool) -> bool:
+    return strategy_problem(s, sequence_parallel) is None
+
+
+def galvatron_limits(limits: SpaceLimits, sequence_parallel: bool, default_dp_type: str = "ddp") -> SpaceLimits:
+    """`limits` narrowed to the layer strategies and schedules a Galvatron 2.4.0 strategy file can say, for a
+    run with (`sequence_parallel`) or without `--sequence-parallel`: no virtual pipeline stages, ZeRO of the
+    `default_dp_type` (ddp: 0, zero2: 2) or 3 (SDP), and `strategy_problem`'s per-layer rules."""
+    if default_dp_type not in DEFAULT_DP_TYPES:
+        raise PlaitError(f"default_dp_type must be one of {', '.join(DEFAULT_DP_TYPES)}, got {default_dp_type!r}")
+    return replace(limits, zero_stages=(_DP_TYPES[default_dp_type], 3), interleaved=False,
+                   allow=partial(_layer_expressible, sequence_parallel=sequence_parallel))
+
+
+def expressible(model: ModelSpec, sequence_parallel: bool) -> Callable[[Plan], bool]:
+    """The predicate a search restricted to plans Galvatron can run takes (`search(restrict=...)`)."""
+    return lambda plan: galvatron_problem(plan, model, sequence_parallel) is None
+
+
+def launch_flags(plan: Plan) -> tuple[str, ...]:
+    """The Galvatron launch flags that run `plan` as plait prices it beside its strategy file (which records
+    neither): the training precision, and Megatron sequence parallelism where the plan uses it."""
+    flags = ("--mixed_precision", plan.precision)
+    return (*flags, "--sequence-parallel") if uses_sequence_parallel(plan) else flags
+
+
+def galvatron_config(plan: Plan, model: ModelSpec, *, strict_vocab: bool = False) -> dict[str, Any]:
+    """The Galvatron strategy dict of `plan` (see save_galvatron_config for what can be represented)."""
+    if (problem := galvatron_problem(plan, model)) is not None:
+        raise PlaitError(problem)
+    pipe = plan.pipelines[0]
+    tp_sizes, use_sp, dp_types, ckpt = [], [], [], []
+    zeros = set()
     for stage in pipe.stages:
         for layer in range(*stage.layers):
             s = stage.strategy(layer)
-            if s.sp:
-                raise PlaitError(f"layer {layer} uses Megatron sequence parallelism, which Galvatron sets with "
-                                 "its --sequence-parallel launch flag, not in the strategy file; save the plan "
-                                 "without sp and launch Galvatron with that flag")
-            if s.cp > 1 and (s.tp > 1 or s.cp_mode != "ulysses"):
-                raise PlaitError(f"layer {layer} combines cp{s.cp} ({s.cp_mode}) with tp{s.tp}; a Galvatron "
-                                 "block uses either tensor parallelism or Ulysses sequence parallelism")
-            if s.zero == 1:
-                raise PlaitError(f"layer {layer} uses ZeRO-1, which Galvatron lacks (ddp, zero2 or zero3); "
-                                 "use zero 0, 2 or 3")
-            if s.recompute == "selective":
-                raise PlaitError(f"layer {layer} uses selective recomputation; Galvatron recomputes whole "
-                                 "blocks or nothing")
             tp_sizes.append(s.cp if s.cp > 1 else s.tp)
             use_sp.append(int(s.cp > 1))
             dp_types.append(int(s.zero == 3))
             ckpt.append(int(s.recompute == "full"))
-            zeros.add(s.zero)
-    if {0, 2} <= zeros:
-        raise PlaitError("the plan mixes ZeRO-0 and ZeRO-2 blocks; Galvatron's default_dp_type (ddp or zero2) "
-                         "is one for the whole model")
+            if s.dp * s.cp > 1:
+                zeros.add(s.zero)
     default_dp_type = "zero2" if 2 in zeros else "ddp"
     first = pipe.stages[0].strategy(0)
     vtp, vsp = (first.cp, 1) if first.cp > 1 else (first.tp, 0)
@@ -349,7 +423,7 @@ def galvatron_config(plan: Plan, model: ModelSpec, *, strict_vocab: bool = False
 
     # Key order and encoding as Galvatron's SearchEngine.save_results writes them.
     return {
-        "pp_deg": pp,
+        "pp_deg": len(pipe.stages),
         "tp_sizes_enc": enc(tp_sizes),
         "tp_consecutive_flags": enc([1] * len(tp_sizes)),
         "dp_types_enc": enc(dp_types),
@@ -370,13 +444,14 @@ def save_galvatron_config(plan: Plan, model: ModelSpec, path: str | Path, *,
                           strict_vocab: bool = False) -> None:
     """Write `plan` as a Galvatron strategy file (json.dump with indent 4, as Galvatron writes it).
 
-    Representable: one pipeline of stages with equal device counts on ascending contiguous ranks (stage k
-    on ranks k*W/pp..), schedule 1f1b or gpipe without model chunks, per block tp, or Ulysses cp without
-    tp, zero 0/2/3 (not 0 and 2 together: Galvatron's default_dp_type is global), recompute none or full,
-    no Megatron sp (a launch flag in Galvatron), gradient reduction overlapped. Anything else raises
-    PlaitError. The precision is not part of the file (Galvatron's --mixed_precision). vtp/vsp/embed_sdp
-    are taken from the first block; a last block with another layout gives a GalvatronVocabWarning (or,
-    with `strict_vocab`, a PlaitError).
+    Representable (`galvatron_problem` says why not): one pipeline of stages with equal device counts on
+    ascending contiguous ranks (stage k on ranks k*W/pp..), schedule 1f1b or gpipe without model chunks, per
+    block tp, or Ulysses cp without tp, zero 0/2/3 (not 0 and 2 together: Galvatron's default_dp_type is
+    global), recompute none or full, Megatron sp on every tp > 1 block or on none (Galvatron's
+    --sequence-parallel launch flag, `launch_flags`), no experts, HSDP, swapping or offload, gradient
+    reduction overlapped. The precision is not part of the file either (Galvatron's --mixed_precision).
+    vtp/vsp/embed_sdp are taken from the first block; a last block with another layout gives a
+    GalvatronVocabWarning (or, with `strict_vocab`, a PlaitError).
     """
     config = galvatron_config(plan, model, strict_vocab=strict_vocab)
     write_atomically(Path(path), json.dumps(config, indent=4))
