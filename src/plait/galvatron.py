@@ -37,7 +37,12 @@ Profiles (written by Galvatron's `ModelProfiler` and `HardwareProfiler`):
   fp32 parameters (model states / 4), `tp_activation_per_bsz_dict`: {tp: MiB of activations one block
   keeps per sequence on one device of a TP group of that size, `checkpoint`: the same with full
   recomputation}}, either flat (one sequence length) or keyed by sequence length. `_sp` = measured with
-  Megatron sequence parallelism.
+  Megatron sequence parallelism. `other_memory_pp_off` (one stage), `other_memory_pp_on_first` and
+  `_last` (the edge stages of a pipeline) = {`model_states`: MiB of the embedding's and head's model states,
+  `activation`: MiB per sequence of the peak beside the blocks' saved activations}, each a number (old
+  files: tp 1) or keyed by vocabulary-parallel degree, flat or keyed by sequence length. Galvatron's
+  profiler derives all of these from raw runs (`<pp>_<tp>_<dp>[_c][_vtp][_sp]`: allocated MiB after the
+  step and at the peak, for two layer counts) as differences: they are measurements.
 * `allreduce_bandwidth_<N>nodes_<G>gpus_per_node.json`: `allreduce_size_<n>_consec_<0|1>` = nccl-tests
   "Avg bus bandwidth" in GB/s (1e9 B/s), averaged over Galvatron's default 16-512 MiB message sweep, of
   groups of n consecutive ranks (1) or ranks strided by W/n (0).
