@@ -46,6 +46,13 @@ def _straggler_plan(model: str) -> Plan:
                  micro_batches=m, micro_batch_sequences=1) for stages, m in pipes))
 
 
+def _leaving_out_rank_3(model: str) -> Plan:
+    """Three one-rank pipelines on ranks 0-2 (rank 3 left out), micro-batches 3, 3 and 2."""
+    return Plan(model=model, seq_len=SEQ, global_batch=GBS, precision="fp32", pipelines=tuple(
+        Pipeline(stages=(Stage(layers=(0, 4), ranks=(r,), strategies=(Strategy(),)),), micro_batches=m,
+                 micro_batch_sequences=1) for r, m in ((0, 3), (1, 3), (2, 2))))
+
+
 def cases() -> dict[str, tuple[str, Plan, Plan]]:
     return {
         "pp2xdp2 -> tp2xdp2": ("tiny-llama", _uniform("tiny-llama", "pp=2,dp=2,mbs=1"),
@@ -54,6 +61,8 @@ def cases() -> dict[str, tuple[str, Plan, Plan]]:
                                  _uniform("tiny-llama", "pp=2,tp=2,mbs=1")),
         "pp2xdp2 -> straggler re-plan (uneven layers, tied head split)": (
             "tiny-gpt", _uniform("tiny-gpt", "pp=2,dp=2,mbs=1"), _straggler_plan("tiny-gpt")),
+        "rank 3 left out -> dp4 zero1 (recovered)": ("tiny-llama", _leaving_out_rank_3("tiny-llama"),
+                                                     _uniform("tiny-llama", "dp=4,zero=1")),
     }
 
 

@@ -146,6 +146,7 @@ class Adaptive:
         self.collected: dict | None = None  # the re-plan collected in this step
         self._probe: tuple[torch.nn.Module, torch.Tensor] | None = None
         self.probes: dict[int, list[float]] = {}  # left-out rank -> its probe's raw factors since left out
+        self.switch_record: dict | None = None  # the record of the switch under way
         self.directory: Path | None = None  # --switch-via dcp: where switches save and load
         if cfg.switch_via == "dcp":
             box = [tempfile.mkdtemp(prefix="plait-switch-") if self.rank == 0 else None]
@@ -200,6 +201,7 @@ class Adaptive:
             return None
         new = Plan.model_validate_json(decision[0])
         record["switch"] = {"to": _describe(new), "plan": json.loads(decision[0]), "via": self.cfg.switch_via}
+        self.switch_record = record["switch"]  # `switch` adds the bytes it sent over the network
         return new
 
     def _calibrate_probes(self, factors: list[float], plan: Plan) -> list[float]:
@@ -286,7 +288,11 @@ class Adaptive:
 
         if self.directory is None:
             fresh = build(new)
-            migrate.move(placed.chunks, placed.optimizers, fresh.chunks, fresh.optimizers)
+            sent = torch.tensor([migrate.move(placed.chunks, placed.optimizers, fresh.chunks, fresh.optimizers)],
+                                dtype=torch.float64)
+            dist.all_reduce(sent)
+            if self.switch_record is not None:
+                self.switch_record["sent_bytes"] = int(sent)
         else:
             path = checkpoint.save(self.directory, done, placed.chunks, placed.optimizers)
             fresh = build(new)
