@@ -63,6 +63,14 @@ def test_a_slice_no_rank_holds_is_refused() -> None:
         transfers(_held(_rows(0, 4), None), _held(None, _rows(0, ROWS)))
 
 
+def test_a_large_slice_travels_in_pieces_of_rows_from_alternating_replicas() -> None:
+    whole = _rows(0, ROWS)  # 8 rows of 4 float32: 16 bytes a row
+    moves = transfers(_held(whole, whole, None), _held(None, None, whole), limit=40)
+    assert [(t.src, t.region) for t in moves] == [(0, _rows(0, 2)), (1, _rows(2, 2)), (0, _rows(4, 2)),
+                                                  (1, _rows(6, 2))]
+    assert max(t.nbytes for t in moves) == 32
+
+
 def test_rounds_bound_the_bytes_on_the_network() -> None:
     moves = [Transfer("w", "w", 0, 1, _rows(0, 1), 100, "float32")] * 5 + \
         [Transfer("w", "w", 0, 0, _rows(0, 1), 10**9, "float32")]

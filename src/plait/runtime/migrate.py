@@ -12,10 +12,10 @@ rank may hold a whole tensor (a pipeline stage, a replica), a tensor-parallel sh
    old boxes it overlaps; a piece the destination already holds is copied locally; otherwise the source is
    the least-loaded replica holding it (bytes sent so far; ties to the lowest rank), spreading the sends of
    data-parallel replicas.
-3. Transfers run in rounds of at most `BUCKET_BYTES` (`dist.batch_isend_irecv` over the world group), so a
-   rank's extra memory is bounded by one round's send copies and receive buffers; received pieces are
-   written into the new model's local shards and optimizer state, which are then applied exactly as a DCP
-   load applies them (`checkpoint.apply_state`).
+3. Transfers run in rounds of at most `BUCKET_BYTES` (`dist.batch_isend_irecv` over the world group; a
+   larger slice is sent in pieces of rows), so a rank's extra memory is bounded by one round's send copies
+   and receive buffers; received pieces are written into the new model's local shards and optimizer state,
+   which are then applied exactly as a DCP load applies them (`checkpoint.apply_state`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,15 @@ class Box:
         if any(e <= s for s, e in zip(starts, ends)):
             return None
         return Box(starts, tuple(e - s for s, e in zip(starts, ends)))
+
+    def pieces(self, itemsize: int, limit: int) -> list[Box]:
+        """This box cut along its first dimension into pieces of at most `limit` bytes (of `itemsize` each;
+        a piece is at least one row)."""
+        if not self.sizes:
+            return [self]
+        rows = max(1, limit // max(1, self.numel // self.sizes[0] * itemsize))
+        return [Box((self.offsets[0] + start, *self.offsets[1:]), (min(rows, self.sizes[0] - start), *self.sizes[1:]))
+                for start in range(0, self.sizes[0], rows)]
 
     def within(self, outer: Box) -> tuple[slice, ...]:
         """Index of this box in a local tensor that holds `outer`."""
@@ -115,9 +124,11 @@ def _source_key(key: str, holders: dict[str, list[tuple[int, Held]]]) -> str:
     raise PlaitError(f"cannot switch plans: no rank holds {key!r} under the old plan; switch with --switch-via dcp")
 
 
-def transfers(old: list[dict[str, Held]], new: list[dict[str, Held]]) -> list[Transfer]:
+def transfers(old: list[dict[str, Held]], new: list[dict[str, Held]], limit: int = BUCKET_BYTES
+              ) -> list[Transfer]:
     """Every piece each rank needs under the new plan (`new[rank]`), from whom under the old (`old[rank]`):
-    the same list on every rank, in key order, then destination rank."""
+    the same list on every rank, in key order, then destination rank; a piece sent over the network is at
+    most `limit` bytes (or one row)."""
     holders: dict[str, list[tuple[int, Held]]] = {}
     for rank, held in enumerate(old):
         for key, h in held.items():
@@ -128,7 +139,7 @@ def transfers(old: list[dict[str, Held]], new: list[dict[str, Held]]) -> list[Tr
     for key in sorted({k for need in new for k in need}):
         source = _source_key(key, holders)
         boxes: dict[Box, list[int]] = {}
-        for rank, h in holders[source]:
+        for rank, h in sorted(holders[source], key=lambda rh: rh[1].box.offsets):
             boxes.setdefault(h.box, []).append(rank)
         dtype = holders[source][0][1].dtype
         itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
@@ -136,15 +147,18 @@ def transfers(old: list[dict[str, Held]], new: list[dict[str, Held]]) -> list[Tr
             if key not in need or not need[key].box.numel:
                 continue
             covered = 0
-            for box, ranks in sorted(boxes.items(), key=lambda kv: kv[0].offsets):
+            for box, ranks in boxes.items():
                 region = box.intersect(need[key].box)
                 if region is None:
                     continue
-                src = dst if dst in ranks else min(ranks, key=lambda r: (load[r], r))
-                if src != dst:
-                    load[src] += region.numel * itemsize
-                out.append(Transfer(key, source, src, dst, region, region.numel * itemsize, dtype))
                 covered += region.numel
+                if dst in ranks:
+                    out.append(Transfer(key, source, dst, dst, region, region.numel * itemsize, dtype))
+                    continue
+                for piece in region.pieces(itemsize, limit):
+                    src = min(ranks, key=lambda r: (load[r], r))
+                    load[src] += piece.numel * itemsize
+                    out.append(Transfer(key, source, src, dst, piece, piece.numel * itemsize, dtype))
             if covered != need[key].box.numel:
                 raise PlaitError(f"cannot switch plans: the old plan's slices of {key!r} cover {covered} of the "
                                  f"{need[key].box.numel} elements rank {dst} needs; switch with --switch-via dcp")
@@ -152,8 +166,8 @@ def transfers(old: list[dict[str, Held]], new: list[dict[str, Held]]) -> list[Tr
 
 
 def rounds(moves: list[Transfer], limit: int = BUCKET_BYTES) -> Iterator[list[Transfer]]:
-    """Consecutive transfers in rounds of at most `limit` bytes over the network (a larger one goes alone;
-    local copies cost nothing)."""
+    """Consecutive transfers in rounds of at most `limit` bytes over the network (a larger one, a row longer
+    than `limit`, goes alone; local copies cost nothing)."""
     batch: list[Transfer] = []
     size = 0
     for t in moves:
@@ -188,7 +202,8 @@ def move(old_chunks: list[torch.nn.Module], old_optimizers: list[torch.optim.Opt
     for _, other, _ in gathered:  # type: ignore[misc]
         values.update(other)
     sent = 0
-    for batch in rounds(transfers([g[0] for g in gathered], [g[2] for g in gathered]), limit):  # type: ignore[index]
+    moves = transfers([g[0] for g in gathered], [g[2] for g in gathered], limit)  # type: ignore[index]
+    for batch in rounds(moves, limit):
         ops, received = [], []
         for tag, t in enumerate(batch):
             if rank not in (t.src, t.dst):
