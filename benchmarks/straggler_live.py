@@ -74,8 +74,12 @@ def main() -> None:
     for name, record in switches.items():
         console.print(f"{name}: switched after step {record['step']} to {record['switch']['to']} (detected speeds "
                       f"{', '.join(f'{s:.1f}' for s in record['speed'])})")
-    seconds = {record["switch"]["via"]: record["switch"]["seconds"] for record in switches.values()}
-    console.print(f"switch time: network {seconds['network']:.2f} s, dcp {seconds['dcp']:.2f} s")
+    seconds = {record["switch"]["via"]: {key: record["switch"][key] for key in ("seconds", "build_seconds",
+                                                                                "state_seconds")}
+               for record in switches.values()}
+    console.print("switch seconds (total = building the new plan + moving the state): " + ", ".join(
+        f"{via} {s['seconds']:.2f} = {s['build_seconds']:.2f} + {s['state_seconds']:.2f}"
+        for via, s in seconds.items()) + f"; network switch sent {switch['switch']['sent_bytes']:,} bytes")
     console.print(f"adaptive step time {ratio:.2f}x the static plan's (target <= 0.6); losses differ from the static "
                   f"run's by at most {worst:.1e} (relative)")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -201,7 +201,7 @@ class Adaptive:
             return None
         new = Plan.model_validate_json(decision[0])
         record["switch"] = {"to": _describe(new), "plan": json.loads(decision[0]), "via": self.cfg.switch_via}
-        self.switch_record = record["switch"]  # `switch` adds the bytes it sent over the network
+        self.switch_record = record["switch"]  # `switch` adds its seconds and the bytes sent over the network
         return new
 
     def _calibrate_probes(self, factors: list[float], plan: Plan) -> list[float]:
@@ -286,20 +286,27 @@ class Adaptive:
         resharded load with `--switch-via dcp`); collective."""
         from plait.runtime import checkpoint, migrate
 
+        t0 = time.perf_counter()
         if self.directory is None:
             fresh = build(new)
+            built = time.perf_counter() - t0
             sent = torch.tensor([migrate.move(placed.chunks, placed.optimizers, fresh.chunks, fresh.optimizers)],
                                 dtype=torch.float64)
             dist.all_reduce(sent)
-            if self.switch_record is not None:
-                self.switch_record["sent_bytes"] = int(sent)
+            details = {"sent_bytes": int(sent)}
         else:
             path = checkpoint.save(self.directory, done, placed.chunks, placed.optimizers)
+            t1 = time.perf_counter()
             fresh = build(new)
+            built = time.perf_counter() - t1
             checkpoint.load(path, fresh.chunks, fresh.optimizers)
             dist.barrier()
             if self.rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
+            details = {}
+        if self.switch_record is not None:  # seconds: rank 0's
+            state_s = time.perf_counter() - t0 - built
+            self.switch_record |= details | {"build_seconds": built, "state_seconds": state_s}
         self.window.clear()
         self.probes.clear()
         return fresh
