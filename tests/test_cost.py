@@ -127,7 +127,7 @@ def test_flash_attention_stores_no_scores() -> None:
 
 def test_triton_flash_attention_is_slower_and_pads_the_head_dimension() -> None:
     """The Triton FlashAttention: forward 1.4x, backward 2x FlashAttention-2's time (Dao 2023, Section 4.1);
-    a head_dim of 112 (MPT-30b) is computed as 128."""
+    a head_dim of 112 is computed as 128."""
     peak = 312e12
     args = (64, 8192, 8192, 128, True, CAL, peak)
     (ff, fb), (tf, tb) = flash_attention_time(*args), flash_attention_time(*args, "triton")
