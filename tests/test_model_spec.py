@@ -495,6 +495,8 @@ def test_inline_unknown_key() -> None:
 
 def test_inline_bad_enum_values() -> None:
     expect_error(lambda: parse_inline("gpt:layers=2,hidden=64,heads=4,vocab=100,attention=sdpa"), "sdpa")
+    assert parse_inline("gpt:layers=2,hidden=64,heads=4,vocab=100,attention=triton").attention == "triton"
+    assert parse_inline("gpt:layers=2,hidden=64,heads=4,vocab=100").attention == "flash"  # the default
     expect_error(lambda: parse_inline("gpt:layers=2,hidden=64,heads=4,vocab=100,dropout=maybe"), "maybe")
 
 

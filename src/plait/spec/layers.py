@@ -27,7 +27,11 @@ from plait.errors import PlaitError
 Kind = Literal["decoder", "moe", "encoder", "cross_decoder", "vision", "patch_embed", "projector"]
 KINDS: tuple[str, ...] = ("decoder", "moe", "encoder", "cross_decoder", "vision", "patch_embed", "projector")
 Recompute = Literal["none", "selective", "full"]
-Attention = Literal["flash", "eager"]
+Attention = Literal["flash", "eager", "triton"]
+"""Attention kernel: "flash" (FlashAttention-2-class fused kernel, the default), "triton" (the Triton
+FlashAttention of flash_attn_triton.py, e.g. llm-foundry's `attn_impl: triton`), "eager" (unfused)."""
+FUSED_ATTENTION: tuple[str, ...] = ("flash", "triton")
+"""Attention kernels that never write the score matrix (they keep a log-sum-exp per query and head)."""
 Norm = Literal["layernorm", "rmsnorm"]
 
 MASK_BYTES = 1
@@ -346,7 +350,7 @@ class Block:
             if self.dropout:
                 quadratic += 2 * heads  # attention-dropout output
                 quad_masks = heads * MASK_BYTES
-        elif self.attention == "flash":
+        elif self.attention in FUSED_ATTENTION:
             sharded += LSE_BYTES * heads
         return ActivationBytes(replicated, sharded, quadratic, drop_masks, quad_masks)
 
