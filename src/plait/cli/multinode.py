@@ -7,7 +7,6 @@ import shlex
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 
 from plait.errors import PlaitError
@@ -29,17 +28,23 @@ LAUNCH_OPTIONS = ("slurm", "partition", "time_limit", "nnodes", "node_rank", "rd
 """Parameters of `plait train` that the sbatch script sets itself rather than passing on."""
 
 
-def train_arguments(ctx: click.Context) -> list[str]:
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option `name` was given on the command line (not a default or an environment variable)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
+
+
+def train_arguments(ctx: typer.Context) -> list[str]:
     """The options given on the command line of this `plait train` call, less the launch ones, as
     arguments to pass on (defaults are left out)."""
     args: list[str] = []
     for param in ctx.command.params:
         name = param.name or ""
-        if name in LAUNCH_OPTIONS or ctx.get_parameter_source(name) != click.core.ParameterSource.COMMANDLINE:
+        if name in LAUNCH_OPTIONS or not _given(ctx, name):
             continue
         value = ctx.params[name]
-        if isinstance(param, click.Option) and param.is_flag:
-            flag = param.opts[0] if value else (param.secondary_opts or [None])[0]
+        if getattr(param, "is_flag", False):
+            flag = param.opts[0] if value else (param.secondary_opts or [""])[0]
             args += [flag] if flag else []
         else:
             args += [param.opts[0], str(value)]
@@ -68,7 +73,7 @@ def sbatch_script(args: list[str], nodes: int, nproc: int, partition: str | None
     ])
 
 
-def write_sbatch(path: str, ctx: click.Context, nodes: int, nproc: int | None, partition: str | None,
+def write_sbatch(path: str, ctx: typer.Context, nodes: int, nproc: int | None, partition: str | None,
                  time_limit: str) -> Path:
     """Check the --slurm options and write the script at `path` (atomically); the path written."""
     parts = time_limit.split(":")
@@ -76,8 +81,7 @@ def write_sbatch(path: str, ctx: click.Context, nodes: int, nproc: int | None, p
         raise PlaitError(f"--time {time_limit!r} is not HH:MM:SS; give e.g. --time 02:00:00")
     if nodes < 1 or (nproc is not None and nproc < 1):
         raise PlaitError("--nodes and --gpus-per-node (--nproc) must be positive")
-    if ctx.get_parameter_source("node_rank") == click.core.ParameterSource.COMMANDLINE or \
-            ctx.params.get("rdzv_endpoint"):
+    if _given(ctx, "node_rank") or _given(ctx, "rdzv_endpoint"):
         raise PlaitError("--slurm sets --node-rank and --rdzv-endpoint on every node itself; drop them")
     target = output_path(path, "train.sbatch", "--slurm")
     write_atomically(target, sbatch_script(train_arguments(ctx), nodes, nproc or 1, partition, time_limit))

@@ -18,6 +18,7 @@ from plait.plan import Plan, uniform_plan, validate_plan
 from plait.runtime.nodes import Nodes, check_world, node_notes, parse_nodes, torchrun_args
 from plait.spec.model import ModelSpec, load_model
 
+TrainModelOpt = Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama:/t5: spec")]
 DataOpt = Annotated[Path | None, typer.Option("--data", help="text file (byte-level tokens); default synthetic")]
 CheckpointDirOpt = Annotated[Path | None, typer.Option(
     "--checkpoint-dir", help="save (DCP) here and resume from the newest readable checkpoint in it")]
@@ -43,8 +44,7 @@ CpModeOpt = Annotated[str, typer.Option(
 
 @app.command(name="train")
 def train_cmd(
-    model: Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama:/t5: spec")],
-    plan: PlanOpt = None,
+    ctx: typer.Context, model: TrainModelOpt, plan: PlanOpt = None,
     strategy: Annotated[str | None, typer.Option("--strategy", help='e.g. "dp=2,tp=2,gbs=8"')] = None,
     nproc: Annotated[int | None, typer.Option(
         "--nproc", "--gpus-per-node", help="ranks to launch on each node (default: the plan's)")] = None,
@@ -92,7 +92,7 @@ def train_cmd(
             _launch(replace(cfg, timeout_s=timeout), world, inside, max_restarts, m, nodes)
             return
         p, world = _train_plan(plan, strategy, m, world, steps, seq_len, global_batch)
-        if _check_nodes(p, nodes, world, checkpoint_dir, slurm, partition, time_limit):
+        if _check_nodes(ctx, p, nodes, world, checkpoint_dir, slurm, partition, time_limit):
             return
         cfg = _train_config(p, m, model, world, steps=steps, seed=seed, lr=lr, dtype=dtype, data=data,
                             metrics_file=metrics_file, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
@@ -120,18 +120,16 @@ def _job(nproc: int | None, nnodes: int, node_rank: int, endpoint: str | None,
     return inside, world * nnodes if world and not inside else world, nodes
 
 
-def _check_nodes(p: Plan, nodes: Nodes, world: int, checkpoint_dir: Path | None, slurm: str | None,
+def _check_nodes(ctx: typer.Context, p: Plan, nodes: Nodes, world: int, checkpoint_dir: Path | None, slurm: str | None,
                  partition: str | None, time_limit: str) -> bool:
     """Check that the plan fills the nodes (and print what to know about them); with --slurm write the
     sbatch script instead of training. True when the script was written."""
-    import click
-
     from plait.cli.common import err
 
     nproc = world // nodes.count
     check_world(p, nodes, nproc)
     if slurm is not None:
-        path = write_sbatch(slurm, click.get_current_context(), nodes.count, nproc, partition, time_limit)
+        path = write_sbatch(slurm, ctx, nodes.count, nproc, partition, time_limit)
         err.print(f"wrote {path}: submit it with `sbatch {path}`", highlight=False, soft_wrap=True)
         return True
     for line in node_notes(p, nodes, nproc, checkpoint_dir):
