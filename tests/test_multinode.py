@@ -168,3 +168,43 @@ def test_a_plan_that_does_not_fill_the_nodes_is_one_line(tmp_path) -> None:
                                  "--rdzv-endpoint", "h:1"])
     assert_bad_input(result, "the plan uses 2 devices (ranks 0..1) but --nnodes 2 x --nproc 2 launches 4 ranks; "
                              "give --nproc 1")
+
+
+def test_torchrun_arguments_of_a_node() -> None:
+    from plait.runtime.nodes import Nodes, torchrun_args
+
+    assert torchrun_args(Nodes(2, 1, "10.0.0.1:29500"), 4, 299.6, 0) == [
+        "--nnodes=2", "--node-rank=1", "--rdzv-backend=static", "--rdzv-endpoint=10.0.0.1:29500",
+        "--rdzv-conf=timeout=300", "--nproc-per-node=4", "--max-restarts=0"]
+    assert torchrun_args(Nodes(), 2, 30, 1) == ["--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+
+
+def test_notes_on_wide_tensor_parallelism_and_unshared_checkpoints(tmp_path) -> None:
+    from plait.plan import uniform_plan
+    from plait.runtime.nodes import Nodes, node_notes
+    from plait.spec.cluster import local_ranks
+    from plait.spec.model import load_model
+
+    plan = uniform_plan("tp=2,gbs=4", load_model("tiny-llama"), local_ranks(2), 64)
+    remote = node_notes(plan, Nodes(2, 0, "10.0.0.1:29500"), 1, tmp_path)
+    assert len(remote) == 2 and "tp=2 is wider than a node's 1 ranks" in remote[0]
+    assert f"--checkpoint-dir {str(tmp_path)!r} must be one shared directory" in remote[1]
+    assert node_notes(plan, Nodes(2, 0, "127.0.0.1:29500"), 1, tmp_path) == remote[:1]  # localhost: shared
+    assert node_notes(plan, Nodes(), 2, tmp_path) == []
+
+
+def test_rendezvous_failures_and_lost_peers_read_as_one_line() -> None:
+    from plait.runtime.launch import Failure, rendezvous_failure, summary
+
+    endpoint, conf = "10.0.0.1:29500", "timeout=30"
+    assert rendezvous_failure(RuntimeError("Timed out after 31 seconds waiting for clients. 2/4 clients joined."),
+                              endpoint, 4, conf) == (
+        "2 of 3 other nodes did not join the rendezvous at 10.0.0.1:29500 within 30 s: start `plait train ... "
+        "--node-rank R` on each of them, or raise --timeout")
+    assert rendezvous_failure(RuntimeError("The server socket has failed to listen on any local network address. "
+                                           "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE"),
+                              endpoint, 2, conf).startswith("port 29500 of --rdzv-endpoint 10.0.0.1:29500 is taken")
+    assert rendezvous_failure(RuntimeError("CUDA out of memory"), endpoint, 2, conf) is None
+    lost = Failure(0, "rank 0 lost its connection", "lost")
+    assert summary([lost], {0: 2}, 2) == ("rank 0 lost its connection", 2)
+    assert summary([lost], {0: 2, 1: -9}, 2)[0].startswith("rank 1 was killed by SIGKILL")
