@@ -145,9 +145,11 @@ runner = CliRunner()
 @pytest.mark.parametrize("args, needle", [
     (["--nnodes", "2", "--nproc", "1"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
     (["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0' is not HOST:PORT"),
-    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank must be in 0..1 for --nnodes 2"),
+    (["--nnodes", "2", "--nproc", "1", "--node-rank", "2", "--rdzv-endpoint", "h:1"],
+     "--node-rank must be in 0..1 for --nnodes 2"),
     (["--rdzv-endpoint", "h:1"], "are for --nnodes 2 or more"),
     (["--slurm", "SCRIPT", "--nodes", "2", "--nproc", "1", "--time", "1h"], "--time '1h' is not HH:MM:SS"),
+    (["--slurm", "SCRIPT", "--nodes", "2"], "--nnodes 2 without --plan needs --nproc (or --gpus-per-node)"),
     (["--slurm", "SCRIPT", "--nodes", "2", "--nproc", "1", "--rdzv-endpoint", "h:1"],
      "--slurm sets --node-rank and --rdzv-endpoint"),
 ])
@@ -167,7 +169,7 @@ def test_a_plan_that_does_not_fill_the_nodes_is_one_line(tmp_path) -> None:
     result = runner.invoke(app, ["train", *TINY, "--plan", str(plan), "--nnodes", "2", "--nproc", "2",
                                  "--rdzv-endpoint", "h:1"])
     assert_bad_input(result, "the plan uses 2 devices (ranks 0..1) but --nnodes 2 x --nproc 2 launches 4 ranks; "
-                             "give --nproc 1")
+                             "give --nproc 1 for 2 x --nproc ranks")
 
 
 def test_torchrun_arguments_of_a_node() -> None:

@@ -83,7 +83,7 @@ def train_cmd(
         metrics_file = optional_output(metrics_out, "metrics.jsonl", "--metrics-out")
         if seq_len is not None:
             preflight.check_seq_len(seq_len, m)
-        inside, world, nodes = _job(nproc, nnodes, node_rank, rdzv_endpoint, slurm)
+        inside, world, nodes = _job(nproc, nnodes, node_rank, rdzv_endpoint, slurm, plan)
         if varlen is not None:
             cfg, world = _varlen_config(m, model, varlen, world or 1, steps, global_batch, seed, lr, dtype, data,
                                         metrics_file, lengths, capacity, sp, cp_mode, plan or strategy,
@@ -111,11 +111,14 @@ def _torchrun_world(nproc: int | None) -> tuple[bool, int | None]:
 
 
 def _job(nproc: int | None, nnodes: int, node_rank: int, endpoint: str | None,
-         slurm: str | None) -> tuple[bool, int | None, Nodes]:
+         slurm: str | None, plan: Path | None) -> tuple[bool, int | None, Nodes]:
     """(inside a torchrun job already, its ranks: the job's or --nnodes x --nproc, the nodes to launch on)."""
     inside, world = _torchrun_world(nproc)
     if inside and (nnodes > 1 or slurm):
         raise PlaitError("this already runs inside a torchrun job; drop --nnodes/--slurm or run plait train alone")
+    if nnodes > 1 and nproc is None and plan is None:
+        raise PlaitError(f"--nnodes {nnodes} without --plan needs --nproc (or --gpus-per-node), the ranks of each "
+                         "node")
     nodes = Nodes(nnodes) if slurm and nnodes >= 1 else parse_nodes(nnodes, node_rank, endpoint)
     return inside, world * nnodes if world and not inside else world, nodes
 
@@ -126,8 +129,7 @@ def _check_nodes(ctx: typer.Context, p: Plan, nodes: Nodes, world: int, checkpoi
     sbatch script instead of training. True when the script was written."""
     from plait.cli.common import err
 
-    nproc = world // nodes.count
-    check_world(p, nodes, nproc)
+    nproc = check_world(p, nodes, world)
     if slurm is not None:
         path = write_sbatch(slurm, ctx, nodes.count, nproc, partition, time_limit)
         err.print(f"wrote {path}: submit it with `sbatch {path}`", highlight=False, soft_wrap=True)
@@ -293,8 +295,8 @@ def _launch(cfg, world: int, inside: bool, max_restarts: int, m: ModelSpec, node
 
             code = worker_main([config_path])
         else:
-            cmd = [sys.executable, "-m", "plait.runtime.launch", *torchrun_args(nodes, nproc, cfg.timeout_s, max_restarts),
-                   "-m", "plait.runtime.worker", config_path]
+            cmd = [sys.executable, "-m", "plait.runtime.launch",
+                   *torchrun_args(nodes, nproc, cfg.timeout_s, max_restarts), "-m", "plait.runtime.worker", config_path]
             env = {**os.environ, "OMP_NUM_THREADS": "1", ERROR_DIR_ENV: tmp}
             code = subprocess.run(cmd, check=False, env=env).returncode
     raise typer.Exit(code)

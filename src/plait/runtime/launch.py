@@ -146,7 +146,8 @@ def rendezvous_failure(exc: Exception, endpoint: str, nnodes: int, conf: str) ->
         return (f"cannot reach node 0's rendezvous at {endpoint} within {seconds} s: start node 0 (--node-rank 0) "
                 "too, check the address and port (a firewall?), or raise --timeout")
     if "address already in use" in text.lower() or "EADDRINUSE" in text:
-        return f"port {endpoint.rpartition(':')[2]} of --rdzv-endpoint {endpoint} is taken on node 0; choose a free port"
+        return (f"port {endpoint.rpartition(':')[2]} of --rdzv-endpoint {endpoint} is taken on node 0; choose a "
+                "free port")
     joined = re.search(r"(\d+)/(\d+) clients joined", text)
     if joined:
         missing = int(joined.group(2)) - int(joined.group(1))

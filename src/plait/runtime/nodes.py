@@ -71,14 +71,20 @@ def torchrun_args(nodes: Nodes, nproc: int, timeout_s: float, max_restarts: int)
             f"--rdzv-endpoint={nodes.endpoint}", f"--rdzv-conf=timeout={max(1, round(timeout_s))}", *common]
 
 
-def check_world(plan: Plan, nodes: Nodes, nproc: int) -> None:
-    """Refuse a plan whose devices are not the job's nodes x nproc ranks."""
-    world = nodes.count * nproc
-    if len(plan.ranks) != world or plan.ranks[-1] != world - 1:
-        raise PlaitError(f"the plan uses {len(plan.ranks)} devices (ranks {plan.ranks[0]}..{plan.ranks[-1]}) but "
-                         f"--nnodes {nodes.count} x --nproc {nproc} launches {world} ranks; give --nproc "
-                         f"{len(plan.ranks) // nodes.count if len(plan.ranks) % nodes.count == 0 else '?'} or "
-                         "another plan")
+def check_world(plan: Plan, nodes: Nodes, world: int) -> int:
+    """Ranks per node of a job of `world` ranks; PlaitError when they do not split evenly over the nodes or
+    the plan's devices are not the job's ranks."""
+    devices = len(plan.ranks)
+    if world % nodes.count:
+        raise PlaitError(f"{world} ranks do not split evenly over --nnodes {nodes.count}; give --nproc, the ranks "
+                         "of each node")
+    nproc = world // nodes.count
+    if devices != world or plan.ranks[-1] != world - 1:
+        hint = f"--nproc {devices // nodes.count}" if devices % nodes.count == 0 else "a plan"
+        raise PlaitError(f"the plan uses {devices} devices (ranks {plan.ranks[0]}..{plan.ranks[-1]}) but --nnodes "
+                         f"{nodes.count} x --nproc {nproc} launches {world} ranks; give {hint} for "
+                         f"{nodes.count} x --nproc ranks")
+    return nproc
 
 
 def node_notes(plan: Plan, nodes: Nodes, nproc: int, checkpoint_dir: Path | None) -> list[str]:
