@@ -32,6 +32,8 @@ AdaptiveOpt = Annotated[bool, typer.Option(
     "--adaptive", help="detect straggling ranks and re-plan around them while training")]
 InjectSlowOpt = Annotated[str | None, typer.Option(
     "--inject-slow", help="simulated stragglers RANK:FACTOR@STEP[,...] (FACTOR 1: recovered)")]
+SwitchViaOpt = Annotated[str, typer.Option(
+    "--switch-via", help="--adaptive: how a plan switch moves state: network (old to new owners) | dcp (save, load)")]
 ReplanProfileOpt = Annotated[Path | None, typer.Option(
     "--profile", help="a `plait profile` file the re-planner prices plans with")]
 VarlenOpt = Annotated[str | None, typer.Option(
@@ -67,6 +69,7 @@ def train_cmd(
     adaptive: AdaptiveOpt = False,
     inject_slow: InjectSlowOpt = None,
     profile: ReplanProfileOpt = None,
+    switch_via: SwitchViaOpt = "network",
     varlen: VarlenOpt = None,
     lengths: LengthsOpt = None,
     capacity: Annotated[int, typer.Option("--capacity", help="--varlen: tokens a rank holds at once")] = 1024,
@@ -97,7 +100,7 @@ def train_cmd(
         cfg = _train_config(p, m, model, world, steps=steps, seed=seed, lr=lr, dtype=dtype, data=data,
                             metrics_file=metrics_file, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                             timeout=timeout, resume_from=resume_from, hf_checkpoint=hf_checkpoint, adaptive=adaptive,
-                            inject_slow=inject_slow, profile=profile)
+                            inject_slow=inject_slow, profile=profile, switch_via=switch_via)
         _check_restarts(m, checkpoint_dir, checkpoint_every, resume_from, max_restarts)
     _launch(cfg, world, inside, max_restarts, m, nodes)
 
@@ -180,8 +183,9 @@ def _check_dtype(dtype: str) -> None:
 def _train_config(p: Plan, m: ModelSpec, model: str, world: int, *, steps: int, seed: int, lr: float, dtype: str,
                   data: Path | None, metrics_file: Path | None, checkpoint_dir: Path | None, checkpoint_every: int,
                   timeout: float, resume_from: Path | None, hf_checkpoint: Path | None, adaptive: bool,
-                  inject_slow: str | None, profile: Path | None):
+                  inject_slow: str | None, profile: Path | None, switch_via: str = "network"):
     """The TrainConfig of a run with plan `p` (PlaitError on bad options)."""
+    from plait.runtime.preflight import check_switch_via
     from plait.runtime.train import TrainConfig
 
     _check_data(data)
@@ -193,7 +197,8 @@ def _train_config(p: Plan, m: ModelSpec, model: str, world: int, *, steps: int, 
                       checkpoint_every=checkpoint_every, timeout_s=timeout,
                       resume_from=str(resume_from) if resume_from else None,
                       hf_checkpoint=str(hf_checkpoint) if hf_checkpoint else None, adaptive=adaptive,
-                      inject_slow=inject_slow, profile=str(profile) if profile else None)
+                      inject_slow=inject_slow, profile=str(profile) if profile else None, switch_via=switch_via)
+    check_switch_via(switch_via)
     if inject_slow is not None:
         from plait.runtime.stragglers import parse_injections
 

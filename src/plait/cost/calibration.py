@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from plait.cost.measured import Measured
+    from plait.cost.measured_memory import MeasuredMemory
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class Calibration:
     measured: Measured | None = None
     """Costs measured by `plait profile` on this device type (`plait.cost.measured`), preferred to the
     analytic formulas wherever they cover a case."""
+    memory: MeasuredMemory | None = None
+    """Memory terms measured on this device type (Galvatron's memory profile, `plait.cost.measured_memory`),
+    preferred to the analytic activation and model-state bytes wherever they cover a case."""
 
 
 DEFAULT_CALIBRATION = Calibration()

@@ -332,6 +332,10 @@ def block_activation_bytes(block: Block, s: Strategy, ctx: BlockContext, recompu
         if measured_block(block, ctx) else None  # type: ignore[union-attr]
     if measured is not None and not s.sp:  # measured in fp32: 16-bit keeps half (masks aside)
         return tokens * measured.activation_bytes_per_token * eb / MEASURED_ACTIVATION_BYTES
+    on_gpu = ctx.cal.memory.block_activation(block.kind, s.tp, recompute or s.recompute, eb) \
+        if ctx.cal.memory is not None and not s.sp and block.kind != "moe" else None
+    if on_gpu is not None:  # Galvatron's memory profile (cost/measured_memory.py)
+        return tokens * on_gpu
     a = block.activation_bytes(recompute or s.recompute)  # type: ignore[arg-type]
     replicated_div = s.tp if s.sp else 1
     scale = eb / 2  # the formulas count 16-bit activations
