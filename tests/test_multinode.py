@@ -210,3 +210,4 @@ def test_rendezvous_failures_and_lost_peers_read_as_one_line() -> None:
     lost = Failure(0, "rank 0 lost its connection", "lost")
     assert summary([lost], {0: 2}, 2) == ("rank 0 lost its connection", 2)
     assert summary([lost], {0: 2, 1: -9}, 2)[0].startswith("rank 1 was killed by SIGKILL")
+    assert summary([lost], {0: 2, 1: 1}, 2) == ("rank 1 failed with exit code 1; its error is printed above", 1)

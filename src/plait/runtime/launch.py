@@ -90,9 +90,10 @@ def summary(reported: list[Failure], exitcodes: dict[int, int], world: int) -> t
             if -code == signal.SIGKILL else ""
         return f"rank {rank} was killed by {name}{hint}", 2
     lost = [f for f in reported if f.kind == "lost"]
-    if lost:
+    crashed = {r: c for r, c in exitcodes.items() if r not in {f.rank for f in lost}}
+    if lost and not crashed:  # the rank that went away is on another node
         return lost[0].message, 2
-    rank, code = min(exitcodes.items()) if exitcodes else (0, 1)
+    rank, code = min(crashed.items()) if crashed else (0, 1)
     return f"rank {rank} failed with exit code {code}; its error is printed above", 1
 
 
