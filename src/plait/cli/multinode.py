@@ -54,7 +54,7 @@ def train_arguments(ctx: typer.Context) -> list[str]:
 def sbatch_script(args: list[str], nodes: int, nproc: int, partition: str | None, time_limit: str) -> str:
     """An sbatch script: `nodes` machines, one task each, that runs `plait train ARGS` on every node with
     `nproc` ranks; the first host of the allocation serves the rendezvous, $SLURM_NODEID is the node rank."""
-    header = [f"--job-name=plait-train", f"--nodes={nodes}", "--ntasks-per-node=1", f"--gpus-per-node={nproc}",
+    header = ["--job-name=plait-train", f"--nodes={nodes}", "--ntasks-per-node=1", f"--gpus-per-node={nproc}",
               f"--time={time_limit}"] + ([f"--partition={partition}"] if partition else [])
     command = " ".join(shlex.quote(a) for a in ["train", *args, "--nnodes", str(nodes), "--nproc", str(nproc)])
     return "\n".join([
