@@ -94,7 +94,7 @@ def test_slurm_script_runs_one_launcher_per_node(tmp_path, one_node) -> None:
     assert proc.returncode == 0 and f"wrote {script}" in proc.stderr, proc.stderr
     text = script.read_text()
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=1", "#SBATCH --partition=debug",
-                 "#SBATCH --time=00:10:00", 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1',
+                 "#SBATCH --time=00:10:00", 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p',
                  "bash -c 'exec \"$@\" --node-rank \"$SLURM_NODEID\"'",
                  f"$PLAIT train --model tiny-llama --strategy dp=2,gbs=4 --steps {STEPS} --seq-len 64 --lr 0.01 "
                  f"--metrics-out '{metrics}' --nnodes 2 --nproc 1 --rdzv-endpoint \"$HEAD:$PORT\""):

@@ -63,7 +63,8 @@ def sbatch_script(args: list[str], nodes: int, nproc: int, partition: str | None
         "# Written by `plait train --slurm`: one launcher per node; the first node serves the rendezvous.",
         "# PLAIT: the command that runs plait (default `plait`); PLAIT_RDZV_PORT: the rendezvous port.",
         "set -euo pipefail",
-        'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        # sed, not head: head would end scontrol early, and pipefail would fail the job on its SIGPIPE
+        'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"PORT=${{PLAIT_RDZV_PORT:-{RDZV_PORT}}}",
         "PLAIT=${PLAIT:-plait}",
         f"srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 "
