@@ -111,20 +111,6 @@ def galvatron_memory(mem: dict, layers: int, pp: int, tp: int, dp: int, fsdp: bo
                           o["model_states"] / tp * ms_ratio, edge_act, PYTORCH_CONTEXT_MIB)
 
 
-def deferred_gradients(text: str) -> float:
-    """MiB of gradients that plait's runtime keeps unsharded beyond what its model counts, on the first
-    stage's device: under ZeRO-2/3 with several micro-batches it turns the data-parallel reduction off until
-    the last one (runtime/train.py, set_gradient_sync), and FSDP2 then accumulates each parameter's whole
-    gradient (FSDPParam.unsharded_accumulated_grad) at the gradient precision (4 bytes)."""
-    d = dict(kv.split("=") for kv in text.split(","))
-    tp, pp, dp, zero, mbs = (int(d[k]) for k in ("tp", "pp", "dp", "zero", "mbs"))
-    if zero < 2 or GLOBAL_BATCH // dp // mbs <= 1:
-        return 0.0
-    model = PRESETS["llama2-7b"]
-    params = (model.layers // pp * model.block.params + model.embedding_params) / tp
-    return params * PRECISIONS["bf16"].grad * (1 - 1 / dp) / MIB
-
-
 def _plait(text: str, seq: int, cal) -> dict[str, float]:
     """plait's memory of the largest device by term, MiB."""
     model, cluster = PRESETS["llama2-7b"], dgx(1, 8, "A100-80GB")
@@ -152,15 +138,14 @@ def plan_rows() -> list[list[str]]:
             chunks = GLOBAL_BATCH // dp // int(dict(kv.split("=") for kv in text.split(","))["mbs"])
             default, calibrated = _plait(text, seq, None), _plait(text, seq, cal)
             g = galvatron_memory(mem, 32, pp, tp, dp, fsdp, zero2, chunks, seq)
-            deferred = deferred_gradients(text)
             rows.append([label, str(seq),
                          f"{default['act']:,.0f}", f"{calibrated['act']:,.0f}",
                          f"{g.activations + g.edge_activations:,.0f}",
                          f"{default['states']:,.0f}", f"{calibrated['states']:,.0f}",
-                         f"{g.states + g.edge_states:,.0f}", f"{g.unsharded:,.0f}", f"{deferred:,.0f}",
+                         f"{g.states + g.edge_states:,.0f}", f"{g.unsharded:,.0f}",
                          f"{default['buffers'] + default['reserve']:,.0f}", f"{g.context:,.0f}",
                          f"{default['total'] / 1024:.1f}", f"{calibrated['total'] / 1024:.1f}",
-                         f"{(calibrated['total'] + deferred) / 1024:.1f}", f"{g.total / 1024:.1f} ({name})"])
+                         f"{g.total / 1024:.1f} ({name})"])
     return rows
 
 
@@ -211,9 +196,8 @@ def cpu_rows() -> list[list[str]]:
 
 
 PLAN_COLUMNS = ("plan", "seq", "act plait", "act calibrated", "act Galvatron", "states plait", "states calibrated",
-                "states Galvatron", "of which unsharded (Galvatron)", "deferred-sync grads (plait runtime)",
-                "buffers+reserve plait", "context Galvatron", "total plait", "total calibrated",
-                "calibrated + deferred grads", "total Galvatron")
+                "states Galvatron", "of which unsharded (Galvatron)", "buffers+reserve plait", "context Galvatron",
+                "total plait", "total calibrated", "total Galvatron")
 LAYER_COLUMNS = ("model", "plait, 3 SwiGLU tensors", "plait now", "Galvatron measured", "Korthikanti flash 34sbh",
                  "Korthikanti eager", "plait vs measured")
 

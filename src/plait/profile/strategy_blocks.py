@@ -181,7 +181,6 @@ def _parallel_model(spec: ModelSpec, name: str, kind: str, group_mesh, device):
     """Model `name` (see SMALL/LARGE) of seeded weights, parallelised over `group_mesh` as the runtime does."""
     from plait.models import build_model
     from plait.runtime.parallelize import apply_cp, apply_dp, apply_tp
-    from plait.runtime.train import set_gradient_sync
 
     layers = BASE_LAYERS + EXTRA_LAYERS if name == LARGE else BASE_LAYERS
     model = build_model(replace(spec, layers=layers), device=device, seed=SEED)
@@ -196,8 +195,7 @@ def _parallel_model(spec: ModelSpec, name: str, kind: str, group_mesh, device):
     elif kind == "cp":
         apply_cp(model, group_mesh.get_group(), names)  # the embedding's sequence slice is set per run
     elif kind == "zero3":
-        apply_dp(model, group_mesh, zero=3, hand_sync=False)
-        set_gradient_sync(model, False)  # the runtime reduces gradients after the last micro-batch only
+        apply_dp(model, group_mesh, zero=3, hand_sync=False)  # reduce-scatters every backward, as ZeRO-3 does
     return model.train()
 
 
@@ -239,12 +237,10 @@ def _time_optimizer(model, run, kind: str, repeats: int, group, device) -> tuple
     from torch.distributed.tensor import DTensor
 
     from plait.profile.collectives_worker import _barrier, _sync
-    from plait.runtime.train import clip_grads, set_gradient_sync
+    from plait.runtime.train import clip_grads
 
     params = list(model.parameters())
     optimizer = make_optimizer(params, PROFILE_LR)
-    if kind == "zero3":
-        set_gradient_sync(model, True)
     seconds = []
     for rep in range(1 + repeats):
         forward, backward, _ = run

@@ -31,13 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from plait.models.moe import AUX_LOSS_COEF, MoE
 from plait.runtime.lsh import LshCompressor
 from plait.runtime.placement import Segment
 from plait.runtime.ulysses import all_to_all
+from plait.runtime.zero import shard_unit
 
 Sync = tuple[list[nn.Parameter], dist.ProcessGroup | None, float | None]
 """Gradients reduced by hand: (parameters, group, weight), see `parallelize.sync_gradients`."""
@@ -141,7 +141,7 @@ def shard_experts(moe: MoE, mesh: DeviceMesh) -> None:
 
 def _zero(module: nn.Module, mesh: DeviceMesh, zero: int, data: int) -> None:
     """ZeRO (FSDP2) of one MoE part over `mesh`: gradients summed over it, divided by `data`."""
-    fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3)
+    shard_unit(module, mesh, zero)
     if mesh.size() > 1:  # gloo has no pre-multiplied sum: sum, then divide (a one-rank mesh divides once
         module.set_force_sum_reduction_for_comms(True)  # in its copy, and would divide twice with this)
     module.set_gradient_divide_factor(float(data))

@@ -17,7 +17,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -34,6 +34,7 @@ from plait.runtime.placement import Chunk
 from plait.runtime.relayout import Relayout
 from plait.runtime.ring import RingContext
 from plait.runtime.swap import apply_swap
+from plait.runtime.zero import shard_unit
 from plait.runtime.ulysses import Ulysses
 
 
@@ -141,10 +142,10 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, hand_sync: bool, 
             return True
         replicate(model, device_mesh=dp_mesh)
         return False
-    reshard, policy = zero == 3, _offload_policy(offload)
+    policy = _offload_policy(offload)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, **policy)
+        shard_unit(block, dp_mesh, zero, **policy)
+    shard_unit(model, dp_mesh, zero, **policy)
     return False
 
 
@@ -157,11 +158,11 @@ def apply_dp_segment(model: nn.Module, layers: list[str], edges: list[nn.Module]
         return False
     if zero == 0:
         return True
-    reshard, policy = zero == 3, _offload_policy(offload)
+    policy = _offload_policy(offload)
     for name in layers:
-        fully_shard(model.layers[name], mesh=dp_mesh, reshard_after_forward=reshard, **policy)
+        shard_unit(model.layers[name], dp_mesh, zero, **policy)
     for edge in edges:
-        fully_shard(edge, mesh=dp_mesh, reshard_after_forward=reshard, **policy)
+        shard_unit(edge, dp_mesh, zero, **policy)
     return False
 
 

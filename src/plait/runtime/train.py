@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from plait.errors import PlaitError
@@ -36,6 +35,7 @@ from plait.runtime.optim import make_optimizer
 from plait.runtime.parallelize import parallelize_chunk, sync_gradients
 from plait.runtime.placement import Placement, check_executable, place
 from plait.runtime.stragglers import Adaptive, ComputeClock
+from plait.runtime.zero import follow_zero_stages, micro_batch_flags
 from plait.spec.model import ModelSpec, load_model
 
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -233,15 +233,6 @@ def _shard_grads_like_params(params: list[torch.nn.Parameter]) -> None:
             p.grad = g.redistribute(placements=p.placements)
 
 
-def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
-    """Turn the data-parallel gradient reduction of every FSDP unit (or of `replicate`) on or off."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
-        unit.set_requires_gradient_sync(enabled, recurse=False)
-    if not units and hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(enabled)
-
-
 def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro_batches: int, loss_fn: Callable):
     from torch.distributed.pipelining import (
         PipelineStage,
@@ -252,6 +243,8 @@ def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro
 
     n_stages = len(plan.pipelines[where.pipeline].stages)
     device = torch.device("cpu")
+    for m in chunks:
+        follow_zero_stages(m)
     stages = [PipelineStage(m, c.index, n_stages, device, group=where.pp_group) for m, c in zip(chunks, where.chunks)]
     if plan.schedule == "interleaved" and plan.chunks > 1:
         return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn), stages
@@ -316,7 +309,7 @@ def _forward_backward(placed: Placed, inputs: list[torch.Tensor], targets: list[
     timed = clock.compute if clock is not None else contextlib.nullcontext
     if schedule is None:
         for i, (x, y) in enumerate(zip(inputs, targets)):
-            set_gradient_sync(chunks[0], i == len(inputs) - 1)  # reduce gradients once, after the last micro-batch
+            micro_batch_flags(chunks[0], last=i == len(inputs) - 1)  # each unit as its ZeRO stage says
             with timed():
                 with autocast:
                     loss = placed.loss(chunks[0](x), y)
