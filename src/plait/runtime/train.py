@@ -31,7 +31,7 @@ from plait.models.hf_weights import load_hf_safetensors
 from plait.models.vision import IGNORE_INDEX, image_targets
 from plait.plan import Plan
 from plait.runtime import checkpoint, memory, swap
-from plait.runtime.data import Batch, TokenSource, shard
+from plait.runtime.data import SAMPLES_LOG_ENV, TokenSource, log_samples
 from plait.runtime.optim import make_optimizer
 from plait.runtime.parallelize import parallelize_chunk, sync_gradients
 from plait.runtime.placement import Placement, check_executable, place
@@ -54,7 +54,8 @@ class TrainConfig:
     warmup: int = 2
     clip: float = 1.0
     dtype: str = "fp32"
-    data: str | None = None
+    data: str | None = None  # a text file, or a token file (.bin/.npy; datasets are tokenized into one first)
+    data_dtype: str | None = None  # a .bin token file's element type (default: from its name, else uint16)
     metrics_out: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only after the last step
@@ -362,7 +363,8 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
     clock = adaptive.clock if adaptive else None
     placed = apply_plan(cfg, spec, plan, clock, hand_sync=adaptive is not None)
     start = resume(cfg, spec, placed, rank)
-    source = TokenSource(spec.vocab, plan.seq_len, plan.global_batch, cfg.seed, cfg.data)
+    source = TokenSource(spec.vocab, plan.seq_len, plan.global_batch, cfg.seed, cfg.data, cfg.data_dtype)
+    samples_log = os.environ.get(SAMPLES_LOG_ENV)
     metrics: list[dict] = []
     out = open_metrics(cfg.metrics_out, start) if rank == 0 else None
     try:
@@ -377,8 +379,6 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
             for optimizer in placed.optimizers:
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(step, cfg)
-            batch = source.batch(step)
-            batch = Batch(batch.inputs, image_targets(batch.targets, spec))
             loss_sum = torch.zeros(2, dtype=torch.float64)
             meter = memory.SavedActivations(params) if step == start else contextlib.nullcontext()
             for chunk in placed.chunks:  # token-wise swapping's byte counts, per step
@@ -390,8 +390,13 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
                 # Micro-batch k of a pipeline holds sequences [k, k + B) of the global batch; a layout with
                 # data-parallel degree dp gives each of its dp parts B/dp of them.
                 micro, (in_first, in_count), (out_first, out_count), sl = placed.rows()
-                inputs = [shard(batch, k + in_first, in_count).inputs for k in micro]
-                targets = [shard(batch, k + out_first, out_count).targets[:, sl[0]: sl[1]] for k in micro]
+                inputs = [source.rows(step, k + in_first, in_count).inputs for k in micro]
+                targets = [image_targets(source.rows(step, k + out_first, out_count).targets, spec)[:, sl[0]: sl[1]]
+                           for k in micro]
+                if samples_log:
+                    read = {i for k in micro for first, count in ((k + in_first, in_count), (k + out_first, out_count))
+                            for i in source.sample_ids(step, first, count)}
+                    log_samples(samples_log, rank, step, sorted(read))
                 with meter:
                     _forward_backward(placed, inputs, targets, out_count, loss_sum, autocast, clock)
             elif adaptive:

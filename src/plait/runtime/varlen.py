@@ -34,6 +34,7 @@ from plait.runtime.data import BYTE_VOCAB, TokenSource
 from plait.runtime.optim import make_optimizer
 from plait.runtime.packing import IGNORE, Packed, contiguous, document_mask, pack, zigzag
 from plait.runtime.ring import RingLayout, ring_attention
+from plait.runtime.token_files import is_token_file
 from plait.runtime.ulysses import Ulysses
 from plait.spec.model import ModelSpec, load_model
 
@@ -65,13 +66,13 @@ class StepLayout:
 class DocumentSource:
     """Every step's documents: `global_batch` lengths drawn (seeded by step) from `lengths` and clipped to
     [1, max_length] (the model's positions); each document holds length + 1 tokens (inputs and next-token
-    targets) read from a text file's bytes, or seeded random tokens."""
+    targets) read from a text file's bytes or a token file, or seeded random tokens."""
 
     def __init__(self, lengths: np.ndarray, global_batch: int, seed: int, vocab: int, max_length: int,
-                 path: str | None = None) -> None:
+                 path: str | None = None, dtype: str | None = None) -> None:
         self.pool, self.global_batch, self.seed, self.vocab = lengths, global_batch, seed, vocab
         self.max_length = max_length
-        self.text = TokenSource(vocab, max_length, 1, seed, path).tokens if path else None
+        self.text = TokenSource(vocab, max_length, 1, seed, path, dtype) if path else None
 
     def lengths(self, step: int) -> list[int]:
         rng = np.random.default_rng((self.seed, step))
@@ -84,9 +85,9 @@ class DocumentSource:
                 gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 65_537 + i)
                 out.append(torch.randint(0, self.vocab, (n + 1,), generator=gen))
             else:
-                span = max(len(self.text) - (n + 1), 1)
+                span = max(self.text.length - (n + 1), 1)
                 start = (step * self.global_batch + i) * 7_919 % span
-                out.append(self.text[start: start + n + 1])
+                out.append(self.text.span(start, n + 1))
         return out
 
 
@@ -241,7 +242,7 @@ def check_config(cfg, spec: ModelSpec, world: int) -> None:
     if ulysses and spec.heads % min(largest, cfg.sp or largest):
         raise PlaitError(f"Ulysses groups of up to {min(largest, cfg.sp or largest)} ranks need the heads "
                          f"({spec.heads}) to divide among them; use --cp-mode ring or fewer ranks")
-    if cfg.data and spec.vocab < BYTE_VOCAB:
+    if cfg.data and not is_token_file(cfg.data) and spec.vocab < BYTE_VOCAB:
         raise PlaitError(f"the byte-level tokenizer needs a vocabulary of at least {BYTE_VOCAB}; {spec.name} has "
                          f"{spec.vocab}")
     for name, value in (("--checkpoint-dir", cfg.checkpoint_dir), ("--adaptive", cfg.adaptive),
@@ -260,7 +261,7 @@ def run_varlen(cfg, report=None) -> list[dict]:
     check_config(cfg, spec, world)
     torch.manual_seed(cfg.seed)
     source = DocumentSource(load_lengths(cfg.lengths), cfg.global_batch, cfg.seed, spec.vocab,
-                            spec.max_seq_len, cfg.data)
+                            spec.max_seq_len, cfg.data, cfg.data_dtype)
     model = build_model(spec)
     model.init_weights(cfg.seed)
     params = list(model.parameters())
