@@ -75,7 +75,8 @@ def test_steps_hooks_learning_rate_checkpoints_and_resumed_metrics(tmp_path) -> 
 
 def test_variable_length_runs_resume_through_the_same_loop(tmp_path) -> None:
     """--varlen flexsp on 2 ranks: 4 steps straight, and 2 steps then 2 more resumed from the step-2
-    checkpoint, in one torchrun job: the resumed steps train the same documents to the same losses of the uninterrupted run."""
+    checkpoint, in one torchrun job: the resumed steps train the documents of the uninterrupted run to its
+    losses."""
     import os
     import subprocess
     import sys
