@@ -173,3 +173,16 @@ def test_resumed_run_reads_the_samples_of_the_uninterrupted_run(tmp_path, tokeni
         ids = source.sample_ids(step, 0, 4)
         assert reads_a[step, 0] == sorted(ids[0::2]) and reads_a[step, 1] == sorted(ids[1::2])
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole], rel=1e-6, abs=0)
+
+
+def test_variable_length_documents_read_a_token_file(tmp_path) -> None:
+    """--varlen's documents come from a token file's spans as they do from a text file's bytes."""
+    from plait.runtime.varlen import DocumentSource
+
+    tokens = (np.arange(2000) * 3) % 290
+    tokens.astype(np.uint16).tofile(tmp_path / "t.bin")
+    source = DocumentSource(np.array([5, 40, 300]), 4, 1, 300, 256, str(tmp_path / "t.bin"))
+    lengths = source.lengths(2)
+    for i, (n, doc) in enumerate(zip(lengths, source.documents(2))):
+        start = (2 * 4 + i) * 7_919 % (2000 - (n + 1))
+        assert doc.dtype == torch.int64 and doc.tolist() == tokens[start: start + n + 1].tolist()
