@@ -1,13 +1,14 @@
 """A real straggler on this machine: 4 gloo ranks, one slowed mid-run, static plan vs live re-planning.
 
-    python benchmarks/straggler_live.py        # ~3 minutes
+    python benchmarks/straggler_live.py        # ~4 minutes
 
-Three runs of the same training job (same seed and data) with `plait train`: healthy; with rank 3 slowed
+Four runs of the same training job (same seed and data) with `plait train`: healthy; with rank 3 slowed
 FACTORx from step SLOW_AT (a sleep of FACTOR - 1 times its compute, `--inject-slow`), keeping the plan
-(static); and the same with `--adaptive` (detect, re-plan in the background, switch plans live). Printed:
-median step time of each run before the slowdown, while slowed after the switch, and the losses' largest
-difference from the static run. Target (issue: straggler-resilient training): after detection and
-re-planning the step time is <= 0.6x the static plan's, and the losses match.
+(static); and the same with `--adaptive` (detect, re-plan in the background, switch plans live), its state
+moved over the network (the default) or through a DCP save and load (`--switch-via dcp`). Printed: median
+step time of each run before the slowdown, while slowed after the switch, the losses' largest difference
+from the static run, and the seconds each adaptive run's switch took. Target (issue: straggler-resilient
+training): after detection and re-planning the step time is <= 0.6x the static plan's, and the losses match.
 """
 
 from __future__ import annotations
@@ -44,10 +45,14 @@ def main() -> None:
     inject = f"3:{args.factor}@{args.slow_at}"
     runs = {"healthy": train(tmp, "healthy", args),
             "static": train(tmp, "static", args, "--inject-slow", inject),
-            "adaptive": train(tmp, "adaptive", args, "--inject-slow", inject, "--adaptive")}
-    switch = next((r for r in runs["adaptive"] if "switch" in r), None)
-    if switch is None:
-        raise SystemExit("the adaptive run never switched plans")
+            "adaptive": train(tmp, "adaptive", args, "--inject-slow", inject, "--adaptive"),
+            "adaptive (dcp)": train(tmp, "adaptive-dcp", args, "--inject-slow", inject, "--adaptive",
+                                    "--switch-via", "dcp")}
+    switches = {name: next((r for r in runs[name] if "switch" in r), None)
+                for name in ("adaptive", "adaptive (dcp)")}
+    if None in switches.values():
+        raise SystemExit(f"an adaptive run never switched plans: {switches}")
+    switch = switches["adaptive"]
     after = switch["step"] + 2  # the first full step under the new plan, plus one to settle
     phases = {"before the slowdown": range(1, args.slow_at), "slowed, after the switch": range(after, args.steps)}
     table = Table(title=f"median seconds per step, 4 gloo ranks, rank 3 slowed {args.factor}x from step {args.slow_at}")
@@ -63,16 +68,24 @@ def main() -> None:
         table.add_row(f"{phase} ({steps.start}-{steps.stop - 1})", *(f"{m[n]:.3f}" for n in runs),
                       f"{m['adaptive'] / m['static']:.2f}x")
     console.print(table)
-    worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(runs["static"], runs["adaptive"]))
+    worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for name in switches
+                for a, b in zip(runs["static"], runs[name]))
     ratio = medians["slowed, after the switch"]["adaptive"] / medians["slowed, after the switch"]["static"]
-    console.print(f"switched after step {switch['step']} to {switch['switch']['to']} "
-                  f"(switch took {switch['switch']['seconds']:.2f} s; detected speeds "
-                  f"{', '.join(f'{s:.1f}' for s in switch['speed'])})")
+    for name, record in switches.items():
+        console.print(f"{name}: switched after step {record['step']} to {record['switch']['to']} (detected speeds "
+                      f"{', '.join(f'{s:.1f}' for s in record['speed'])})")
+    seconds = {record["switch"]["via"]: {key: record["switch"][key] for key in ("seconds", "build_seconds",
+                                                                                "state_seconds")}
+               for record in switches.values()}
+    console.print("switch seconds (total = building the new plan + moving the state): " + ", ".join(
+        f"{via} {s['seconds']:.2f} = {s['build_seconds']:.2f} + {s['state_seconds']:.2f}"
+        for via, s in seconds.items()) + f"; network switch sent {switch['switch']['sent_bytes']:,} bytes")
     console.print(f"adaptive step time {ratio:.2f}x the static plan's (target <= 0.6); losses differ from the static "
                   f"run's by at most {worst:.1e} (relative)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": MODEL, "factor": args.factor, "slow_at": args.slow_at,
                                     "switch_step": switch["step"], "switch_to": switch["switch"]["to"],
+                                    "switch_seconds": seconds,
                                     "medians": medians, "ratio": ratio, "max_loss_diff": worst}, indent=1) + "\n")
 
 

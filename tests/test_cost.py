@@ -9,7 +9,8 @@ import pytest
 from plait.cost import comm
 from plait.cost.calibration import DEFAULT_CALIBRATION as CAL
 from plait.cost.comm import GroupShape
-from plait.cost.compute import elementwise_time, gemm_time
+from plait.cost.compute import (TRITON_FLASH_BWD_SLOWDOWN, TRITON_FLASH_FWD_SLOWDOWN, elementwise_time,
+                                flash_attention_time, gemm_time)
 from plait.cost.layer import BlockContext, block_activation_bytes, block_time
 from plait.cost.memory import model_state_bytes
 from plait.cost.precision import PRECISIONS
@@ -122,6 +123,27 @@ def test_flash_attention_stores_no_scores() -> None:
     assert flash_bytes < eager_bytes
     # Doubling the sequence doubles flash activations per sequence (no s^2 term).
     assert block_activation_bytes(flash.block, st, _ctx(flash, st, seq=4096)) == pytest.approx(2 * flash_bytes, rel=0.01)
+
+
+def test_triton_flash_attention_is_slower_and_pads_the_head_dimension() -> None:
+    """The Triton FlashAttention: forward 1.4x, backward 2x FlashAttention-2's time (Dao 2023, Section 4.1);
+    a head_dim of 112 is computed as 128."""
+    peak = 312e12
+    args = (64, 8192, 8192, 128, True, CAL, peak)
+    (ff, fb), (tf, tb) = flash_attention_time(*args), flash_attention_time(*args, "triton")
+    k = CAL.kernel_overhead_s
+    assert (tf - k) / (ff - k) == pytest.approx(TRITON_FLASH_FWD_SLOWDOWN) == pytest.approx(1.4)
+    assert (tb - k) / (fb - k) == pytest.approx(TRITON_FLASH_BWD_SLOWDOWN) == pytest.approx(2.0)
+    padded, _ = flash_attention_time(64, 8192, 8192, 112, True, CAL, peak, "triton")
+    assert padded == tf
+    unpadded, _ = flash_attention_time(64, 8192, 8192, 112, True, CAL, peak)
+    assert (unpadded - k) / (ff - k) == pytest.approx(112 / 128)
+    # Same activations as FlashAttention-2: no score matrix, one log-sum-exp per query and head.
+    st = Strategy(tp=8, sp=True)
+    flash, triton = GPT22B.with_(attention="flash"), GPT22B.with_(attention="triton")
+    assert block_activation_bytes(triton.block, st, _ctx(triton, st)) == \
+        block_activation_bytes(flash.block, st, _ctx(flash, st))
+    assert block_time(triton.block, st, _ctx(triton, st)).backward > block_time(flash.block, st, _ctx(flash, st)).backward
 
 
 def test_model_state_bytes_per_zero_stage() -> None:

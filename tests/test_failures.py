@@ -111,6 +111,7 @@ def test_timeline_path_is_checked_first() -> None:
     (["--checkpoint-every", "1"], "--checkpoint-every saves into --checkpoint-dir"),
     (["--checkpoint-dir", "/proc/ck"], "--checkpoint-dir '/proc/ck' is not writable"),
     (["--resume-from", "/nonexistent/step-3"], "--resume-from '/nonexistent/step-3' is not a directory"),
+    (["--adaptive", "--switch-via", "disk"], "--switch-via must be network or dcp, got 'disk'"),
 ])
 def test_train_checks_before_launching(extra, needle) -> None:
     assert_bad_input(invoke(*TRAIN, *extra), needle)

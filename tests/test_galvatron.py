@@ -23,15 +23,22 @@ from plait.cost.price import price
 from plait.errors import PlaitError
 from plait.galvatron import (
     GalvatronVocabWarning,
+    expressible,
     explain_calibration,
     galvatron_config,
+    galvatron_limits,
+    galvatron_problem,
+    launch_flags,
     layer_types,
     load_galvatron_config,
     load_galvatron_profiles,
     save_galvatron_config,
+    strategy_problem,
     to_calibration,
 )
 from plait.plan import Pipeline, Plan, Stage, Strategy, uniform_plan
+from plait.planner.engine import DEFAULT_LIMITS, search
+from plait.planner.space import HIERARCHY, block_strategies
 from plait.spec.cluster import load_cluster
 from plait.spec.model import PRESETS, ModelSpec, parse_inline
 
@@ -313,8 +320,9 @@ def _plans(draw) -> tuple[Plan, object]:
     bounds = [0, *cuts, SMALL.layers]
     zeros = draw(st.sampled_from([(0, 3), (2, 3)]))
     degrees = [d for d in (1, 2, 4, 8) if per % d == 0 and d <= SMALL.heads]
-    layer = st.builds(lambda d, ulysses, zero, rc: Strategy(
-        dp=per // d, tp=1 if ulysses and d > 1 else d, cp=d if ulysses and d > 1 else 1, zero=zero, recompute=rc),
+    layer = st.builds(lambda d, ulysses, zero, rc: Strategy(  # no replica (dp x cp = 1): the default shards nothing
+        dp=per // d, tp=1 if ulysses and d > 1 else d, cp=d if ulysses and d > 1 else 1,
+        zero=0 if zero == 2 and per // d * (d if ulysses else 1) == 1 else zero, recompute=rc),
         st.sampled_from(degrees), st.booleans(), st.sampled_from(zeros), st.sampled_from(["none", "full"]))
     stages = []
     for k in range(pp):
@@ -356,7 +364,12 @@ def _one_stage(*strategies: Strategy, ranks=tuple(range(8)), **plan_fields) -> P
 @pytest.mark.parametrize("plan, needles", [
     (_two_pipelines(), ["2 pipelines"]),
     (uniform_plan("tp=1,pp=2,dp=4,mbs=1,gbs=16,vpp=2", SMALL, ONE_NODE, 1024), ["interleaved"]),
-    (_one_stage(Strategy(dp=4, tp=2, sp=True)), ["layer 0", "--sequence-parallel"]),
+    (_one_stage(*[Strategy(dp=4, tp=2, sp=True)] * 4, *[Strategy(dp=4, tp=2)] * 4), ["layer 4", "tp2 without",
+                                                                                       "--sequence-parallel"]),
+    (_one_stage(Strategy(dp=8, ep=2)), ["experts"]),
+    (_one_stage(Strategy(dp=8, zero=3, shard=4)), ["HSDP"]),
+    (_one_stage(Strategy(dp=8, swap=0.5)), ["swaps activations"]),
+    (_one_stage(Strategy(dp=8, zero=3, offload="optim")), ["offloads the optimizer"]),
     (_one_stage(Strategy(dp=8, zero=1)), ["ZeRO-1"]),
     (_one_stage(Strategy(dp=8, recompute="selective")), ["selective"]),
     (_one_stage(Strategy(dp=2, tp=2, cp=2)), ["cp2", "tp2"]),
@@ -368,6 +381,66 @@ def _one_stage(*strategies: Strategy, ranks=tuple(range(8)), **plan_fields) -> P
 def test_plans_galvatron_cannot_represent(tmp_path, plan, needles):
     expect_error(lambda: save_galvatron_config(plan, SMALL, tmp_path / "g.json"), *needles)
     assert not (tmp_path / "g.json").exists()
+
+
+def test_layers_without_replicas_fit_either_default_dp_type(tmp_path):
+    plan = _one_stage(*[Strategy(dp=8, zero=2)] * 4, *[Strategy(tp=8)] * 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GalvatronVocabWarning)
+        assert galvatron_config(plan, SMALL)["default_dp_type"] == "zero2"
+        save_galvatron_config(plan, SMALL, tmp_path / "g.json")
+        assert load_galvatron_config(tmp_path / "g.json", SMALL, ONE_NODE, 1024) == plan
+    expect_error(lambda: galvatron_limits(DEFAULT_LIMITS, False, "zero1"), "ddp, zero2")
+
+
+def test_sequence_parallel_plans_export_with_galvatrons_launch_flag(tmp_path):
+    """Megatron SP on every tensor-parallel layer is Galvatron's --sequence-parallel: the file is written, the
+    flag is among the launch flags, and the file read with the flag is the plan."""
+    plan = _one_stage(*[Strategy(dp=4, tp=2, sp=True)] * 4, *[Strategy(dp=8)] * 4)
+    out = tmp_path / "g.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GalvatronVocabWarning)
+        save_galvatron_config(plan, SMALL, out)
+        assert load_galvatron_config(out, SMALL, ONE_NODE, 1024, sequence_parallel=True) == plan
+        assert load_galvatron_config(out, SMALL, ONE_NODE, 1024) != plan  # without the flag: no sp
+    assert launch_flags(plan) == ("--mixed_precision", "bf16", "--sequence-parallel")
+    assert launch_flags(_one_stage(Strategy(dp=4, tp=2), precision="fp16")) == ("--mixed_precision", "fp16")
+    first = plan.pipelines[0].stages[0].strategy(0)
+    assert galvatron_problem(plan, SMALL, sequence_parallel=False) == f"layer 0 {strategy_problem(first, False)}"
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("default_dp_type, zeros", [("ddp", {0, 3}), ("zero2", {0, 2, 3})])
+def test_galvatron_limits_keep_the_layer_strategies_galvatron_can_say(sequence_parallel, default_dp_type, zeros):
+    limits = galvatron_limits(replace(DEFAULT_LIMITS, **HIERARCHY), sequence_parallel, default_dp_type)
+    kept = block_strategies(SMALL.stack[0], ONE_NODE, 8, 8, 1024, limits)
+    assert all(strategy_problem(s, sequence_parallel) is None for s in kept)
+    assert {(s.tp, s.cp, s.sp) for s in kept} == {(1, 1, False), (1, 2, False), (1, 4, False), (1, 8, False),
+                                                 *((tp, 1, sequence_parallel) for tp in (2, 4, 8))}
+    assert {s.zero for s in kept} == zeros and {s.recompute for s in kept} == {"none", "full"}
+    assert {s.zero for s in kept if s.tp == 8} == {0}  # no replica: nothing to shard
+    assert {(s.swap, s.offload, s.ep) for s in kept} == {(0.0, "none", 1)}
+    assert len(kept) == 3 * 2 * 2 + 3 * 2 * 2 + 2  # dp>1 layouts x zero 0/3 x recompute, + tp8 (dp 1) x recompute
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_search_restricted_to_galvatron_finds_plans_that_round_trip(tmp_path, sequence_parallel):
+    """gpt3-2.7b on 8 GPUs of 20 GiB: unrestricted, the search picks an interleaved pipeline Galvatron cannot
+    run; restricted, it finds a plan that Galvatron's file says exactly."""
+    cluster = ONE_NODE.with_memory(20.0)
+    free = search(GPT27, cluster, 2048, 32).plan
+    assert free is not None and "interleaved" in (galvatron_problem(free, GPT27) or "")
+    plan = search(GPT27, cluster, 2048, 32, limits=galvatron_limits(DEFAULT_LIMITS, sequence_parallel),
+                  restrict=expressible(GPT27, sequence_parallel)).plan
+    assert plan is not None and galvatron_problem(plan, GPT27, sequence_parallel) is None
+    layers = [s for stage in plan.pipelines[0].stages for s in stage.strategies]
+    assert all(s.sp == (sequence_parallel and s.tp > 1) for s in layers)
+    assert not sequence_parallel or any(s.tp > 1 for s in layers)  # the flag mattered
+    out = tmp_path / "g.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GalvatronVocabWarning)
+        save_galvatron_config(plan, GPT27, out)
+        assert load_galvatron_config(out, GPT27, cluster, 2048, sequence_parallel=sequence_parallel) == plan
 
 
 def test_save_checks_the_model_and_the_vocabulary_layout(tmp_path):
@@ -466,9 +539,11 @@ def _forward_s(cal: Calibration, model: ModelSpec, batch: int, seq: int) -> floa
 def test_calibration_from_shipped_profiles():
     galv = load_galvatron_profiles(DATA / "gpt_hf", HARDWARE, "A100-80GB", profile=GPT_PROFILE)
     cal = to_calibration(galv, GPT67, ONE_NODE, A100)
-    # Only the four constants the profiles speak to change.
+    # Only the four constants the profiles speak to change, and the memory profile's terms join.
+    assert cal.memory is not None
     assert replace(cal, gemm_efficiency=A100.gemm_efficiency, nvlink_efficiency=A100.nvlink_efficiency,
-                   network_efficiency=A100.network_efficiency, overlap_efficiency=A100.overlap_efficiency) == A100
+                   network_efficiency=A100.network_efficiency, overlap_efficiency=A100.overlap_efficiency,
+                   memory=None) == A100
     # gemm_efficiency: plait's block forward now sits in the middle of Galvatron's measured points.
     ratios = [_forward_s(cal, GPT67, b, s) / (ms * 1e-3 * b)
               for (b, s), ms in galv.layer_times[0].forward_ms_per_sample.items()]
@@ -488,7 +563,8 @@ def test_calibration_from_shipped_profiles():
     # overlap_efficiency: 1 / Galvatron's slowdown coefficient.
     assert cal.overlap_efficiency == pytest.approx(1 / 1.125552573612729)
     notes = explain_calibration(galv, GPT67, ONE_NODE, A100)
-    assert set(notes) == {"gemm_efficiency", "nvlink_efficiency", "network_efficiency", "overlap_efficiency"}
+    assert set(notes) == {"gemm_efficiency", "nvlink_efficiency", "network_efficiency", "overlap_efficiency",
+                          "memory"}
     assert "sp_time" in notes["nvlink_efficiency"] and "2x8" in notes["network_efficiency"]
     # The same profile on the two-node cluster: in-node NVLink is the same node, so the same value.
     assert to_calibration(galv, GPT67, TWO_NODES, A100).nvlink_efficiency == cal.nvlink_efficiency
@@ -497,7 +573,7 @@ def test_calibration_from_shipped_profiles():
 def test_calibration_keeps_base_where_profiles_say_nothing():
     galv = load_galvatron_profiles(DATA / "llama_fa", None, "A100-80GB")
     cal = to_calibration(galv, LLAMA7, ONE_NODE, A100)
-    assert replace(cal, gemm_efficiency=A100.gemm_efficiency) == A100
+    assert replace(cal, gemm_efficiency=A100.gemm_efficiency, memory=None) == A100
     notes = explain_calibration(galv, LLAMA7, ONE_NODE, A100)
     assert "non-positive points skipped" in notes["gemm_efficiency"]  # llama_fa has negative bsz1/4/5 times
     assert notes["overlap_efficiency"].startswith("kept")

@@ -140,7 +140,8 @@ def _count_bytes(rank: int, world: int, store_dir: str, inputs: torch.Tensor, ou
     torch.manual_seed(0)
     moe = MoE(PRESETS[MODEL].stack[1])
     moe.eval()
-    runtime_experts.shard_experts(moe, dist.device_mesh.init_device_mesh("cpu", (world,)))
+    mesh = dist.device_mesh.init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("edp", "ep", "etp"))
+    runtime_experts.shard_experts(moe, mesh)
     moe.exchange = runtime_experts.AllToAll(dist.group.WORLD)
     x = inputs[rank::world]
     result = {}

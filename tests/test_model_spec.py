@@ -297,12 +297,12 @@ def test_activation_fractions_tp8(shape: str) -> None:
 
 
 def test_flash_llama_activation_terms_by_hand() -> None:
-    m = TINY_LLAMA  # flash attention, no dropout, SwiGLU, GQA
+    m = TINY_LLAMA  # flash attention, no dropout, SwiGLU (gate, up, silu(gate), product), GQA
     assert m.attention == "flash"
     a = m.activation_bytes("none")
     h, q, kv, f = 64, 64, 16, 96
     assert a.replicated == 8 * h and a.replicated_masks == 0
-    assert a.sharded == (2 * q + 2 * kv) + 2 * kv + 2 * q + 3 * 2 * f + LSE_BYTES * 8
+    assert a.sharded == (2 * q + 2 * kv) + 2 * kv + 2 * q + 4 * 2 * f + LSE_BYTES * 8
     assert a.quadratic_per_seq_token == 0 and a.sharded_quadratic_masks == 0
     assert m.activation_bytes("selective") == a  # flash already recomputes the scores
     assert m.activation_bytes("full") == ActivationBytes(2 * h, 0, 0, 0, 0)
@@ -495,6 +495,8 @@ def test_inline_unknown_key() -> None:
 
 def test_inline_bad_enum_values() -> None:
     expect_error(lambda: parse_inline("gpt:layers=2,hidden=64,heads=4,vocab=100,attention=sdpa"), "sdpa")
+    assert parse_inline("gpt:layers=2,hidden=64,heads=4,vocab=100,attention=triton").attention == "triton"
+    assert parse_inline("gpt:layers=2,hidden=64,heads=4,vocab=100").attention == "flash"  # the default
     expect_error(lambda: parse_inline("gpt:layers=2,hidden=64,heads=4,vocab=100,dropout=maybe"), "maybe")
 
 

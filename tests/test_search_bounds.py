@@ -62,3 +62,12 @@ def test_configuration_bound_holds_for_every_plan_it_simulates(case: tuple, pp: 
 
     _partition_search(cfg, cluster.gpu.memory_bytes, judge)
     assert seen and all(bound <= t * (1 + 1e-12) for t in seen)
+
+
+def test_megatron_grid_gives_moe_models_tensor_parallelism_with_sequence_parallelism():
+    """MoE layers need sp with tp > 1, so the grid's tp > 1 layouts of an MoE model all carry sp=1 (none
+    without it) and exist at all."""
+    layouts = [s for group in grid_layouts(PRESETS["tiny-moe"], dgx(1, 8, "A100-80GB"), 256, 64) for s in group]
+    with_tp = [s for s in layouts if not s.startswith("tp=1,")]
+    assert with_tp and all(",sp=1," in s for s in with_tp)
+    assert any(s.startswith("tp=1,") and ",sp=0," in s for s in layouts)

@@ -150,9 +150,8 @@ def _kind_problem(plan: Plan, model: ModelSpec) -> str | None:
 
 
 def _expert_problem(plan: Plan, model: ModelSpec) -> str | None:
-    """The first MoE layer whose expert layout the runtime does not run: expert tensor parallelism, several
-    pipelines (their experts' gradients would cross pipelines), or degrees that do not lay out its experts
-    (`plait.plan.expert_problem`)."""
+    """The first MoE layer whose expert layout the runtime does not run: several pipelines (their experts'
+    gradients would cross pipelines), or degrees that do not lay out its experts (`plait.plan.expert_problem`)."""
     if "moe" not in model.kind_counts():
         return None
     if len(plan.pipelines) > 1:
@@ -163,9 +162,6 @@ def _expert_problem(plan: Plan, model: ModelSpec) -> str | None:
             if block.kind != "moe":
                 continue
             where = f"layer {layer} (moe, {s.short()})"
-            if s.expert_tp > 1:
-                return (f"{where}: expert tensor parallelism (etp > 1; etp defaults to tp) is not executable yet; "
-                        "set etp=1")
             if (why := expert_problem(s, block)) is not None:
                 return f"{where}: {why}"
     return None

@@ -22,7 +22,9 @@ Strategy file (`galvatron_config_*.json`, written by Galvatron's search engine `
 
 Megatron sequence parallelism and the training precision are launch flags of Galvatron
 (`--sequence-parallel`, `--mixed_precision`), not fields of the file: `load_galvatron_config` takes them as
-arguments (the precision is also read from a `_bf16`/`_fp16`/`_fp32` token of the file name).
+arguments (the precision is also read from a `_bf16`/`_fp16`/`_fp32` token of the file name), and
+`launch_flags` gives them for a plan written out. `galvatron_problem` says why a plan cannot be written;
+`galvatron_limits` and `expressible` restrict a search to plans that can.
 
 Profiles (written by Galvatron's `ModelProfiler` and `HardwareProfiler`):
 
@@ -35,7 +37,12 @@ Profiles (written by Galvatron's `ModelProfiler` and `HardwareProfiler`):
   fp32 parameters (model states / 4), `tp_activation_per_bsz_dict`: {tp: MiB of activations one block
   keeps per sequence on one device of a TP group of that size, `checkpoint`: the same with full
   recomputation}}, either flat (one sequence length) or keyed by sequence length. `_sp` = measured with
-  Megatron sequence parallelism.
+  Megatron sequence parallelism. `other_memory_pp_off` (one stage), `other_memory_pp_on_first` and
+  `_last` (the edge stages of a pipeline) = {`model_states`: MiB of the embedding's and head's model states,
+  `activation`: MiB per sequence of the peak beside the blocks' saved activations}, each a number (old
+  files: tp 1) or keyed by vocabulary-parallel degree, flat or keyed by sequence length. Galvatron's
+  profiler derives all of these from raw runs (`<pp>_<tp>_<dp>[_c][_vtp][_sp]`: allocated MiB after the
+  step and at the peak, for two layer counts) as differences: they are measurements.
 * `allreduce_bandwidth_<N>nodes_<G>gpus_per_node.json`: `allreduce_size_<n>_consec_<0|1>` = nccl-tests
   "Avg bus bandwidth" in GB/s (1e9 B/s), averaged over Galvatron's default 16-512 MiB message sweep, of
   groups of n consecutive ranks (1) or ranks strided by W/n (0).
@@ -65,19 +72,22 @@ import math
 import re
 import statistics
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from plait.cost.calibration import Calibration
 from plait.cost.comm import SINGLE
 from plait.cost.layer import BlockContext
+from plait.cost.measured_memory import EdgeMemory, MeasuredMemory
 from plait.cost.precision import PRECISIONS
 from plait.cost.price import price
 from plait.errors import PlaitError
 from plait.io import write_atomically
 from plait.plan import Pipeline, Plan, Stage, Strategy, validate_plan
+from plait.planner.space import SpaceLimits
 from plait.spec.cluster import GB, Cluster
 from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
@@ -259,9 +269,12 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
                              "which plait's tp-fastest rank order cannot express; search with "
                              "--disable_tp_consec 1")
         tp, cp = (1, degree) if use_sp[i] else (degree, 1)
+        dp = per_stage // degree
+        # The default dp type shards nothing where the weights have no replica (dp x cp = 1): ZeRO-0.
+        zero = 3 if dp_types[i] else _DP_TYPES[dp_type] if dp * cp > 1 else 0
         strategies.append(Strategy(
-            dp=per_stage // degree, tp=tp, cp=cp, cp_mode="ulysses", sp=sequence_parallel and tp > 1,
-            zero=3 if dp_types[i] else _DP_TYPES[dp_type], recompute="full" if ckpt[i] else "none"))
+            dp=dp, tp=tp, cp=cp, cp_mode="ulysses", sp=sequence_parallel and tp > 1, zero=zero,
+            recompute="full" if ckpt[i] else "none"))
 
     stages = []
     start = 0
@@ -285,53 +298,120 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
     return plan
 
 
-def galvatron_config(plan: Plan, model: ModelSpec, *, strict_vocab: bool = False) -> dict[str, Any]:
-    """The Galvatron strategy dict of `plan` (see save_galvatron_config for what can be represented)."""
+DEFAULT_DP_TYPES = ("ddp", "zero2")
+"""Galvatron's default_dp_type choices (one for the whole model; per-layer SDP adds ZeRO-3): ZeRO-0 or 2."""
+
+
+def strategy_problem(s: Strategy, sequence_parallel: bool) -> str | None:
+    """What in one layer's strategy a Galvatron 2.4.0 strategy file cannot say (None: it can), for a run
+    launched with (`sequence_parallel`) or without Galvatron's `--sequence-parallel` flag, which turns
+    Megatron sequence parallelism on for every tensor-parallel layer."""
+    if s.sp and not sequence_parallel:
+        return ("uses Megatron sequence parallelism, which Galvatron turns on for every tensor-parallel layer "
+                "with its --sequence-parallel launch flag (plait: --galvatron-sequence-parallel)")
+    if sequence_parallel and s.tp > 1 and not s.sp:
+        return (f"has tp{s.tp} without Megatron sequence parallelism, which Galvatron's --sequence-parallel "
+                "launch flag turns on for every tensor-parallel layer")
+    if s.cp > 1 and (s.tp > 1 or s.cp_mode != "ulysses"):
+        return (f"combines cp{s.cp} ({s.cp_mode}) with tp{s.tp}; a Galvatron block uses either tensor "
+                "parallelism or Ulysses sequence parallelism")
+    if s.zero == 1:
+        return "uses ZeRO-1, which Galvatron lacks (ddp, zero2 or zero3); use zero 0, 2 or 3"
+    if s.recompute == "selective":
+        return "uses selective recomputation; Galvatron recomputes whole blocks or nothing"
+    if s.ep > 1 or s.etp or s.moe_comm != "alltoall":
+        return "lays out experts (ep, etp, LSH-MoE), which Galvatron 2.4.0 has no model or strategy for"
+    if s.shard:
+        return f"shards ZeRO over groups of {s.shard} (HSDP), which Galvatron lacks"
+    if s.swap or s.offload != "none":
+        return "swaps activations or offloads the optimizer to host memory, which Galvatron lacks"
+    return None
+
+
+def uses_sequence_parallel(plan: Plan) -> bool:
+    """Whether any layer of `plan` uses Megatron sequence parallelism (Galvatron: `--sequence-parallel`)."""
+    return any(s.sp for pipe in plan.pipelines for stage in pipe.stages for s in stage.strategies)
+
+
+def galvatron_problem(plan: Plan, model: ModelSpec, sequence_parallel: bool | None = None) -> str | None:
+    """Why `plan` cannot be written as a Galvatron strategy file (None: it can). `sequence_parallel`: whether
+    Galvatron runs with `--sequence-parallel` (None: as the plan says, `uses_sequence_parallel`). Layers
+    whose weights have no replica (dp x cp = 1) shard nothing and fit either default_dp_type."""
+    if sequence_parallel is None:
+        sequence_parallel = uses_sequence_parallel(plan)
     if len(plan.pipelines) != 1:
-        raise PlaitError(f"the plan has {len(plan.pipelines)} pipelines; Galvatron runs one pipeline whose "
-                         "stages hold their data parallelism")
+        return (f"the plan has {len(plan.pipelines)} pipelines; Galvatron runs one pipeline whose stages hold "
+                "their data parallelism")
     if plan.chunks != 1 or plan.schedule == "interleaved":
-        raise PlaitError("Galvatron has no interleaved (virtual) pipeline; use schedule 1f1b or gpipe with "
-                         "chunks=1")
+        return "Galvatron has no interleaved (virtual) pipeline; use schedule 1f1b or gpipe with chunks=1"
     if not plan.overlap_grad_reduce:
-        raise PlaitError("Galvatron always overlaps gradient reduction with backward; set "
-                         "overlap_grad_reduce=true")
+        return "Galvatron always overlaps gradient reduction with backward; set overlap_grad_reduce=true"
     pipe = plan.pipelines[0]
     pp = len(pipe.stages)
     per_stage = len(pipe.stages[0].ranks)
     if pipe.stages[-1].layers[1] != model.layers:
-        raise PlaitError(f"the plan covers {pipe.stages[-1].layers[1]} layers but {model.name} has "
-                         f"{_layers_text(model)}; save it with the model it was made for")
+        return (f"the plan covers {pipe.stages[-1].layers[1]} layers but {model.name} has "
+                f"{_layers_text(model)}; save it with the model it was made for")
+    zeros = set()
     for k, stage in enumerate(pipe.stages):
         expected = tuple(range(k * per_stage, (k + 1) * per_stage))
         if stage.ranks != expected:
-            raise PlaitError(f"stage {k} uses ranks {list(stage.ranks)}; Galvatron places stage {k} of {pp} "
-                             f"equal stages on ranks {expected[0]}..{expected[-1]} in order")
-    tp_sizes, use_sp, dp_types, ckpt, zeros = [], [], [], [], set()
+            return (f"stage {k} uses ranks {list(stage.ranks)}; Galvatron places stage {k} of {pp} equal stages "
+                    f"on ranks {expected[0]}..{expected[-1]} in order")
+        for layer in range(*stage.layers):
+            s = stage.strategy(layer)
+            if (problem := strategy_problem(s, sequence_parallel)) is not None:
+                return f"layer {layer} {problem}"
+            if s.dp * s.cp > 1:
+                zeros.add(s.zero)
+    if {0, 2} <= zeros:
+        return ("the plan mixes ZeRO-0 and ZeRO-2 blocks; Galvatron's default_dp_type (ddp or zero2) is one for "
+                "the whole model")
+    return None
+
+
+def _layer_expressible(s: Strategy, sequence_parallel: bool) -> bool:
+    return strategy_problem(s, sequence_parallel) is None
+
+
+def galvatron_limits(limits: SpaceLimits, sequence_parallel: bool, default_dp_type: str = "ddp") -> SpaceLimits:
+    """`limits` narrowed to the layer strategies and schedules a Galvatron 2.4.0 strategy file can say, for a
+    run with (`sequence_parallel`) or without `--sequence-parallel`: no virtual pipeline stages, ZeRO of the
+    `default_dp_type` (ddp: 0, zero2: 2) or 3 (SDP), and `strategy_problem`'s per-layer rules."""
+    if default_dp_type not in DEFAULT_DP_TYPES:
+        raise PlaitError(f"default_dp_type must be one of {', '.join(DEFAULT_DP_TYPES)}, got {default_dp_type!r}")
+    return replace(limits, zero_stages=(_DP_TYPES[default_dp_type], 3), interleaved=False,
+                   allow=partial(_layer_expressible, sequence_parallel=sequence_parallel))
+
+
+def expressible(model: ModelSpec, sequence_parallel: bool) -> Callable[[Plan], bool]:
+    """The predicate a search restricted to plans Galvatron can run takes (`search(restrict=...)`)."""
+    return lambda plan: galvatron_problem(plan, model, sequence_parallel) is None
+
+
+def launch_flags(plan: Plan) -> tuple[str, ...]:
+    """The Galvatron launch flags that run `plan` as plait prices it beside its strategy file (which records
+    neither): the training precision, and Megatron sequence parallelism where the plan uses it."""
+    flags = ("--mixed_precision", plan.precision)
+    return (*flags, "--sequence-parallel") if uses_sequence_parallel(plan) else flags
+
+
+def galvatron_config(plan: Plan, model: ModelSpec, *, strict_vocab: bool = False) -> dict[str, Any]:
+    """The Galvatron strategy dict of `plan` (see save_galvatron_config for what can be represented)."""
+    if (problem := galvatron_problem(plan, model)) is not None:
+        raise PlaitError(problem)
+    pipe = plan.pipelines[0]
+    tp_sizes, use_sp, dp_types, ckpt = [], [], [], []
+    zeros = set()
     for stage in pipe.stages:
         for layer in range(*stage.layers):
             s = stage.strategy(layer)
-            if s.sp:
-                raise PlaitError(f"layer {layer} uses Megatron sequence parallelism, which Galvatron sets with "
-                                 "its --sequence-parallel launch flag, not in the strategy file; save the plan "
-                                 "without sp and launch Galvatron with that flag")
-            if s.cp > 1 and (s.tp > 1 or s.cp_mode != "ulysses"):
-                raise PlaitError(f"layer {layer} combines cp{s.cp} ({s.cp_mode}) with tp{s.tp}; a Galvatron "
-                                 "block uses either tensor parallelism or Ulysses sequence parallelism")
-            if s.zero == 1:
-                raise PlaitError(f"layer {layer} uses ZeRO-1, which Galvatron lacks (ddp, zero2 or zero3); "
-                                 "use zero 0, 2 or 3")
-            if s.recompute == "selective":
-                raise PlaitError(f"layer {layer} uses selective recomputation; Galvatron recomputes whole "
-                                 "blocks or nothing")
             tp_sizes.append(s.cp if s.cp > 1 else s.tp)
             use_sp.append(int(s.cp > 1))
             dp_types.append(int(s.zero == 3))
             ckpt.append(int(s.recompute == "full"))
-            zeros.add(s.zero)
-    if {0, 2} <= zeros:
-        raise PlaitError("the plan mixes ZeRO-0 and ZeRO-2 blocks; Galvatron's default_dp_type (ddp or zero2) "
-                         "is one for the whole model")
+            if s.dp * s.cp > 1:
+                zeros.add(s.zero)
     default_dp_type = "zero2" if 2 in zeros else "ddp"
     first = pipe.stages[0].strategy(0)
     vtp, vsp = (first.cp, 1) if first.cp > 1 else (first.tp, 0)
@@ -348,7 +428,7 @@ def galvatron_config(plan: Plan, model: ModelSpec, *, strict_vocab: bool = False
 
     # Key order and encoding as Galvatron's SearchEngine.save_results writes them.
     return {
-        "pp_deg": pp,
+        "pp_deg": len(pipe.stages),
         "tp_sizes_enc": enc(tp_sizes),
         "tp_consecutive_flags": enc([1] * len(tp_sizes)),
         "dp_types_enc": enc(dp_types),
@@ -369,13 +449,14 @@ def save_galvatron_config(plan: Plan, model: ModelSpec, path: str | Path, *,
                           strict_vocab: bool = False) -> None:
     """Write `plan` as a Galvatron strategy file (json.dump with indent 4, as Galvatron writes it).
 
-    Representable: one pipeline of stages with equal device counts on ascending contiguous ranks (stage k
-    on ranks k*W/pp..), schedule 1f1b or gpipe without model chunks, per block tp, or Ulysses cp without
-    tp, zero 0/2/3 (not 0 and 2 together: Galvatron's default_dp_type is global), recompute none or full,
-    no Megatron sp (a launch flag in Galvatron), gradient reduction overlapped. Anything else raises
-    PlaitError. The precision is not part of the file (Galvatron's --mixed_precision). vtp/vsp/embed_sdp
-    are taken from the first block; a last block with another layout gives a GalvatronVocabWarning (or,
-    with `strict_vocab`, a PlaitError).
+    Representable (`galvatron_problem` says why not): one pipeline of stages with equal device counts on
+    ascending contiguous ranks (stage k on ranks k*W/pp..), schedule 1f1b or gpipe without model chunks, per
+    block tp, or Ulysses cp without tp, zero 0/2/3 (not 0 and 2 together: Galvatron's default_dp_type is
+    global), recompute none or full, Megatron sp on every tp > 1 block or on none (Galvatron's
+    --sequence-parallel launch flag, `launch_flags`), no experts, HSDP, swapping or offload, gradient
+    reduction overlapped. The precision is not part of the file either (Galvatron's --mixed_precision).
+    vtp/vsp/embed_sdp are taken from the first block; a last block with another layout gives a
+    GalvatronVocabWarning (or, with `strict_vocab`, a PlaitError).
     """
     config = galvatron_config(plan, model, strict_vocab=strict_vocab)
     write_atomically(Path(path), json.dumps(config, indent=4))
@@ -411,6 +492,19 @@ class LayerMemory:
 
 
 @dataclass(frozen=True)
+class OtherMemory:
+    """Measured memory of everything but the blocks (embedding, head, loss) at one pipeline position."""
+
+    position: str  # "whole" (other_memory_pp_off: one stage), "first" or "last" (pp_on: the edge stages)
+    seq_len: int | None  # None: the file does not say
+    sequence_parallel: bool  # `_sp` keys
+    model_states_mib: Mapping[int, float]
+    """Vocabulary-parallel degree -> MiB of the edges' model states on one device (old flat files: tp 1)."""
+    activation_mib_per_sample: Mapping[int, float]
+    """Vocabulary-parallel degree -> MiB per sequence of the peak beside the blocks' saved activations."""
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     """Galvatron's communication measurements on a cluster of `nodes` x `gpus_per_node` GPUs."""
 
@@ -439,12 +533,15 @@ class GalvatronCalibration:
     hardware: tuple[HardwareProfile, ...]
     overlap_coefficient: float | None  # slowdown (>= 1) of work that overlaps other work
     files: tuple[str, ...]  # the files read
+    other_memory: tuple[OtherMemory, ...] = ()  # the memory profile's other_memory_* entries
 
 
 _TIME_KEY = re.compile(r"^layertype_(\d+)(?:_bsz(\d+))?(?:_seq(\d+))?$")
 _OTHER_KEY = re.compile(r"^layertype_other(?:_(\d+))?_bsz(\d+)(?:_seq(\d+))?$")
 _RAW_TIME_KEY = re.compile(r"^layernum\[[\d,]+\]_bsz(\d+)$")
 _MEMORY_KEY = re.compile(r"^layertype_(\d+)(_sp)?$")
+_OTHER_MEMORY_KEY = re.compile(r"^other_memory_pp_(off|on_first|on_last)(_sp)?$")
+_POSITIONS = {"off": "whole", "on_first": "first", "on_last": "last"}
 _ALLREDUCE_KEY = re.compile(r"^allreduce_size_(\d+)_consec_([01])$")
 _P2P_KEY = re.compile(r"^pp_size_(\d+)$")
 _SP_TIME_KEY = re.compile(r"^(allreduce|all2all)_size_(\d+)_(\d+)MB_time$")
@@ -515,13 +612,46 @@ def _layer_memory(entry: Any, layer_type: int, seq: int | None, sp: bool, key: s
                        None if ckpt is None else _number(ckpt, f"{key}.checkpoint", path))
 
 
-def _read_memory(path: Path, file_seq: int | None) -> tuple[LayerMemory, ...]:
+def _mib_by_tp(value: Any, key: str, path: Path) -> dict[int, float]:
+    """{tp: MiB} of an other_memory term: one number (old files: tp 1) or an object keyed by TP degree."""
+    if not isinstance(value, dict):
+        return {1: _number(value, key, path)}
+    out: dict[int, float] = {}
+    for tp, v in value.items():
+        if not str(tp).isdigit() or int(tp) < 1:
+            raise PlaitError(f"Galvatron memory profile {str(path)!r}: {key} has key {tp!r}; expected TP degrees")
+        out[int(tp)] = _number(v, f"{key}.{tp}", path)
+    return dict(sorted(out.items()))
+
+
+def _other_memory(entry: Any, position: str, seq: int | None, sp: bool, key: str, path: Path) -> OtherMemory:
+    if not (isinstance(entry, dict) and "model_states" in entry and "activation" in entry):
+        raise PlaitError(f"Galvatron memory profile {str(path)!r}: {key} lacks model_states or activation")
+    return OtherMemory(position, seq, sp, _mib_by_tp(entry["model_states"], f"{key}.model_states", path),
+                       _mib_by_tp(entry["activation"], f"{key}.activation", path))
+
+
+def _read_memory(path: Path, file_seq: int | None) -> tuple[tuple[LayerMemory, ...], tuple[OtherMemory, ...]]:
+    """The per-block entries (`layertype_<i>[_sp]`) and the other_memory_* entries of a memory profile, flat
+    (one sequence length: the file name's) or keyed by sequence length (`[512,512]` for several layer types:
+    the length is then not one number and stays None)."""
     raw = _read_json(path, "Galvatron memory profile")
     out: list[LayerMemory] = []
+    others: list[OtherMemory] = []
     for key, value in raw.items():
+        if m := _OTHER_MEMORY_KEY.match(key):
+            position, sp = _POSITIONS[m.group(1)], bool(m.group(2))
+            if not isinstance(value, dict):
+                raise PlaitError(f"Galvatron memory profile {str(path)!r}: {key} is not an object")
+            if "model_states" in value:
+                others.append(_other_memory(value, position, file_seq, sp, key, path))
+            else:
+                others += [_other_memory(entry, position, int(seq) if str(seq).isdigit() else None, sp,
+                                         f"{key}.{seq}", path) for seq, entry in value.items()]
+            continue
         m = _MEMORY_KEY.match(key)
         if not m:
-            continue  # raw per-strategy runs and other_memory_* (embedding and head) are not read
+            continue  # the raw per-strategy runs, from which Galvatron's profiler derived the entries read
         layer_type, sp = int(m.group(1)), bool(m.group(2))
         if isinstance(value, dict) and "parameter_size" in value:
             out.append(_layer_memory(value, layer_type, file_seq, sp, key, path))
@@ -533,7 +663,8 @@ def _read_memory(path: Path, file_seq: int | None) -> tuple[LayerMemory, ...]:
                 out.append(_layer_memory(entry, layer_type, int(seq), sp, f"{key}.{seq}", path))
         else:
             raise PlaitError(f"Galvatron memory profile {str(path)!r}: {key} is not an object")
-    return tuple(sorted(out, key=lambda x: (x.layer_type, x.sequence_parallel, x.seq_len or 0)))
+    return (tuple(sorted(out, key=lambda x: (x.layer_type, x.sequence_parallel, x.seq_len or 0))),
+            tuple(sorted(others, key=lambda x: (x.position, x.sequence_parallel, x.seq_len or 0))))
 
 
 def _read_hardware(hardware_dir: Path) -> tuple[tuple[HardwareProfile, ...], float | None, list[str]]:
@@ -620,7 +751,7 @@ def load_galvatron_profiles(model_dir: str | Path, hardware_dir: str | Path | No
     memory_path = model_dir / f"memory_profiling_{profile}.json"
     file_seq = _name_int(r"seqlen(\d+)", profile) or seq_len
     times = _read_times(time_path, file_seq)
-    memory = _read_memory(memory_path, file_seq) if memory_path.exists() else ()
+    memory, other_memory = _read_memory(memory_path, file_seq) if memory_path.exists() else ((), ())
     files = [str(time_path)] + ([str(memory_path)] if memory_path.exists() else [])
     hardware: tuple[HardwareProfile, ...] = ()
     overlap = None
@@ -632,7 +763,7 @@ def load_galvatron_profiles(model_dir: str | Path, hardware_dir: str | Path | No
         gpu_name=gpu_name, precision=token.group(1) if token else None,
         hidden=_name_int(r"hidden(\d+)", profile), heads=_name_int(r"head(\d+)", profile),
         layer_times=times, layer_memory=memory, hardware=hardware, overlap_coefficient=overlap,
-        files=tuple(files))
+        files=tuple(files), other_memory=other_memory)
 
 
 # ==== calibration ===================================================================================
@@ -832,6 +963,42 @@ def _derive(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluster,
     return out
 
 
+def measured_memory(galv: GalvatronCalibration, model: ModelSpec) -> tuple[MeasuredMemory | None, str]:
+    """The memory terms of Galvatron's memory profile in plait's units (cost/measured_memory.py), and what
+    was read; None where the profile has no entry without sequence parallelism at a known sequence length.
+
+    Per layer type (plait's layer kind, `layer_types`), at the profile's longest sequence length: model-state
+    bytes per parameter = 4 x parameter_size MiB over plait's parameters of the block; activation bytes per
+    token = tp_activation_per_bsz_dict[tp] MiB per sequence / sequence length, and its `checkpoint` entry for
+    full recomputation at every tp (the block input, replicated over the TP group). Edges: other_memory_pp_off
+    (one stage), _pp_on_first and _pp_on_last, activation MiB per sequence by vocabulary-parallel degree /
+    sequence length. Entries measured with sequence parallelism (`_sp`) are not read: plait prices those
+    layouts analytically. The model must match the profile (`_check_model`)."""
+    types = layer_types(model)
+    states: dict[str, float] = {}
+    acts: dict[tuple[str, int, str], float] = {}
+    read = []
+    for mem in sorted((m for m in galv.layer_memory if not m.sequence_parallel and m.seq_len),
+                      key=lambda m: m.seq_len or 0):  # the longest length last, so it wins
+        kind, seq = types[mem.layer_type][0][0].kind, mem.seq_len or 1
+        states[kind] = 4 * mem.parameter_mib * MIB / _mean_params(types[mem.layer_type])
+        for tp, mib in mem.activation_mib_per_sample.items():
+            acts[(kind, tp, "none")] = mib * MIB / seq
+            if mem.checkpoint_activation_mib_per_sample is not None:
+                acts[(kind, tp, "full")] = mem.checkpoint_activation_mib_per_sample * MIB / seq
+        read.append(f"layertype_{mem.layer_type} at {seq}")
+    if not states:
+        return None, "kept: no memory profile without sequence parallelism at a known sequence length"
+    edges = {o.position: EdgeMemory(o.model_states_mib.get(1, 0.0) * MIB,
+                                    {tp: mib * MIB / o.seq_len for tp, mib in o.activation_mib_per_sample.items()})
+             for o in sorted(galv.other_memory, key=lambda o: o.seq_len or 0)
+             if not o.sequence_parallel and o.seq_len}
+    kinds = ", ".join(f"{k} {v:.2f} B/param" for k, v in states.items())
+    why = (f"from the memory profile ({', '.join(read)} tokens; edges: {', '.join(edges) or 'none'}): model "
+           f"states {kinds}; activations per token by tp")
+    return MeasuredMemory(states, acts, edges), why
+
+
 def to_calibration(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluster,
                    base: Calibration) -> Calibration:
     """plait calibration constants derived from Galvatron profiles; constants they say nothing about stay
@@ -854,17 +1021,20 @@ def to_calibration(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluste
       under Galvatron's newer model (only compute slowed; exposed = comm (1 - 1/c)); its older layer model
       (both slowed) would give 2 - c, less than (c - 1)^2 apart.
 
-    Not mapped: memory profiles (plait derives memory from the model shape; they are only used to check
-    that the profile belongs to `model`), p2p bandwidth (plait prices p2p with the same link
+    * memory: the memory profile's measured terms (`measured_memory`): a block's saved activations per
+      token by tp and recompute, model-state bytes per parameter, the embedding's and head's transients.
+
+    Not mapped: p2p bandwidth (plait prices p2p with the same link
     efficiencies), all-to-all times, latencies. Raises PlaitError when the cluster's GPU type is not the
     one the profiles were measured on, or the profile is of another model shape.
     """
     values = {k: v for k, (v, _) in _derive(galv, model, cluster, base).items() if v is not None}
-    return replace(base, **values)
+    return replace(base, **values, memory=measured_memory(galv, model)[0])
 
 
 def explain_calibration(galv: GalvatronCalibration, model: ModelSpec, cluster: Cluster,
                         base: Calibration) -> dict[str, str]:
     """For each constant to_calibration considers: the value it sets (or that it keeps base) and why."""
-    return {k: (f"{v:.3f}: {why}" if v is not None else why)
-            for k, (v, why) in _derive(galv, model, cluster, base).items()}
+    out = {k: (f"{v:.3f}: {why}" if v is not None else why)
+           for k, (v, why) in _derive(galv, model, cluster, base).items()}
+    return out | {"memory": measured_memory(galv, model)[1]}

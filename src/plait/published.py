@@ -3,7 +3,8 @@
 Files follow the schema of `shared/data/published/training-runs.json`: each run gives the model shape,
 the parallel layout, the GPU type and count, and the reported figures (hardware or model TFLOP/s per GPU,
 MFU/HFU, iteration time, tokens/s). GPT-style rows are Megatron GPT (LayerNorm, GeLU, dropout, learned
-positions) with the unfused attention of their time unless a row says `"attention": "flash"`. A row whose
+positions) with the unfused attention of their time unless a row names its kernel (`"attention": "flash"`, or
+`"triton"` for the Triton FlashAttention that llm-foundry's MPT benchmarks ran). A row whose
 model gives a `"preset"` (the MoE rows) is that preset of `plait.spec.model` at the row's sequence length, and
 its layout may give the expert degrees `ep` and `etp` and the plan's `expert_load`.
 """

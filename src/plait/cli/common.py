@@ -46,6 +46,9 @@ SlowOpt = Annotated[str | None, typer.Option("--slow", help="straggling devices 
 MemoryOpt = Annotated[float | None, typer.Option("--memory-gib", help="device memory override, GiB")]
 GalvatronProfileOpt = Annotated[str | None, typer.Option(
     "--galvatron-profile", help="calibrate from Galvatron profiles: GPU:MODEL_DIR[:HARDWARE_DIR]")]
+GalvatronSpOpt = Annotated[bool, typer.Option(
+    "--galvatron-sequence-parallel", help="Galvatron runs with --sequence-parallel (Megatron SP on every "
+                                          "tensor-parallel layer)")]
 ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="calibrate from a `plait profile` file")]
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32")]
 ReportOpt = Annotated[str | None, typer.Option("--report", help="also write an HTML report page")]
@@ -153,38 +156,57 @@ def load_calibration(spec: str | None, model: ModelSpec, cluster: Cluster, seq_l
     return to_calibration(profiles, model, cluster, calibration_for(cluster.gpu.name))
 
 
-def read_plan(path: Path, model: ModelSpec, cluster: Cluster, seq_len: int | None) -> Plan:
-    """A plait plan file, or a Galvatron `galvatron_config_*.json` (recognised by its keys)."""
+@contextmanager
+def warnings_as_notes() -> Iterator[None]:
+    """Print the warnings the block issues as one-line notes on stderr (not Python's warning format)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for w in caught:
+                err.print(f"[yellow]note:[/] {escape(str(w.message))}", highlight=False)
+
+
+def read_plan(path: Path, model: ModelSpec, cluster: Cluster, seq_len: int | None,
+              galvatron_sp: bool = False) -> Plan:
+    """A plait plan file, or a Galvatron `galvatron_config_*.json` (recognised by its keys; `galvatron_sp`:
+    Galvatron ran it with --sequence-parallel)."""
     if path.suffix == ".json" and path.is_file():
         try:
             raw = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             raw = None
         if isinstance(raw, dict) and "pp_deg" in raw and "tp_sizes_enc" in raw:
-            import warnings
-
             from plait.galvatron import load_galvatron_config
 
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                plan = load_galvatron_config(path, model, cluster, seq_len or model.max_seq_len)
-            for w in caught:
-                err.print(f"[yellow]note:[/] {escape(str(w.message))}", highlight=False)
-            return plan
+            with warnings_as_notes():
+                return load_galvatron_config(path, model, cluster, seq_len or model.max_seq_len,
+                                             sequence_parallel=galvatron_sp)
+    if galvatron_sp:
+        raise PlaitError(f"--galvatron-sequence-parallel applies to a Galvatron galvatron_config_*.json, but "
+                         f"{str(path)!r} is not one; drop the option (a plait plan says sp per layer)")
     plan = load_plan(path)
     if seq_len is not None and seq_len != plan.seq_len:
         plan = Plan.model_validate({**plan.model_dump(), "seq_len": seq_len})
     return plan
 
 
-def plan_of(plan: Path | None, strategy: str | None, m: ModelSpec, c: Cluster, seq_len: int | None) -> Plan:
-    """The validated plan that `--plan FILE` or `--strategy` gives (exactly one of them)."""
+def plan_of(plan: Path | None, strategy: str | None, m: ModelSpec, c: Cluster, seq_len: int | None,
+            galvatron_sp: bool = False) -> Plan:
+    """The validated plan that `--plan FILE` or `--strategy` gives (exactly one of them); `galvatron_sp`:
+    a Galvatron config given with --plan ran with --sequence-parallel."""
     if (plan is None) == (strategy is None):
         raise PlaitError("give exactly one of --plan FILE or --strategy \"tp=..,pp=..,dp=..\"")
+    if galvatron_sp and plan is None:
+        raise PlaitError("--galvatron-sequence-parallel applies to a Galvatron config given with --plan; with "
+                         "--strategy write sp=1 instead")
     if seq_len is not None and seq_len <= 0:
         raise PlaitError(f"--seq-len must be a positive number of tokens, got {seq_len}")
-    p = read_plan(plan, m, c, seq_len) if plan is not None else uniform_plan(strategy or "", m, c,
-                                                                             seq_len or m.max_seq_len)
+    p = read_plan(plan, m, c, seq_len, galvatron_sp) if plan is not None else \
+        uniform_plan(strategy or "", m, c, seq_len or m.max_seq_len)
     validate_plan(p, m, c)
     return p
 

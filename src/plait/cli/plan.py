@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -11,9 +12,10 @@ import typer
 from rich import box
 from rich.table import Table
 
-from plait.cli.common import (MAX_GLOBAL_BATCH, ClusterOpt, GalvatronProfileOpt, JsonOpt, MemoryOpt, ModelOpt,
-                              PrecisionOpt, ProfileOpt, SeqLenOpt, SlowOpt, app, check_precision, load_inputs,
-                              one_line_errors, optional_output, out, print_json, search_progress)
+from plait.cli.common import (MAX_GLOBAL_BATCH, ClusterOpt, GalvatronProfileOpt, GalvatronSpOpt, JsonOpt, MemoryOpt,
+                              ModelOpt, PrecisionOpt, ProfileOpt, SeqLenOpt, SlowOpt, app, check_precision,
+                              load_inputs, one_line_errors, optional_output, out, print_json, search_progress,
+                              warnings_as_notes)
 from plait.cli.tables import fmt_s, print_plan, print_report
 from plait.errors import PlaitError
 from plait.io import write_files
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
 
 GalvatronOutOpt = Annotated[str | None, typer.Option(
     "--galvatron-out", help="also write the plan as a Galvatron galvatron_config JSON")]
+GalvatronExpressibleOpt = Annotated[bool, typer.Option(
+    "--galvatron-expressible", help="only plans a Galvatron 2.4.0 strategy file can say (see --galvatron-out)")]
 RunnableOpt = Annotated[bool, typer.Option(
     "--runnable", help="only plans `plait train` executes (see plait.executable)")]
 PlanReportOpt = Annotated[str | None, typer.Option(
@@ -54,6 +58,8 @@ class _Problem:
     runnable: bool
     expert_load: float = 1.0
     lsh: bool = False
+    galvatron: bool = False  # only plans Galvatron can run
+    galvatron_sp: bool = False  # ... launched with --sequence-parallel
 
 
 @dataclass
@@ -82,6 +88,8 @@ def plan_cmd(
     precision: PrecisionOpt = "bf16",
     galvatron_profile: GalvatronProfileOpt = None,
     galvatron_out: GalvatronOutOpt = None,
+    galvatron_expressible: GalvatronExpressibleOpt = False,
+    galvatron_sp: GalvatronSpOpt = False,
     runnable: RunnableOpt = False,
     profile: ProfileOpt = None,
     report_out: PlanReportOpt = None,
@@ -100,7 +108,9 @@ def plan_cmd(
         m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile, seq_len)
         seq = seq_len if seq_len is not None else m.max_seq_len
         _check_options(seq, global_batch, baseline, precision, expert_load)
-        problem = _Problem(m, c, cal, seq, global_batch, precision, runnable, expert_load, lsh)
+        _check_galvatron(galvatron_expressible, galvatron_sp, baseline, bool(slow), lsh)
+        problem = _Problem(m, c, cal, seq, global_batch, precision, runnable, expert_load, lsh,
+                           galvatron_expressible, galvatron_sp)
         found = _find(problem, baseline, compare, bool(slow), host_memory, collected)
         if found.chosen is None:
             raise _nothing_fits(problem, found.closest)
@@ -110,7 +120,20 @@ def plan_cmd(
     if as_json:
         print_json(obj)
         return
-    _print_result(problem, chosen, found, baseline, compare, plan_file, page_path)
+    _print_result(problem, chosen, found, baseline, compare, plan_file, page_path, galvatron_file)
+
+
+def _check_galvatron(expressible: bool, sequence_parallel: bool, baseline: str | None, slow: bool, lsh: bool
+                     ) -> None:
+    """--galvatron-expressible restricts the search; options that plan otherwise are refused with it."""
+    if sequence_parallel and not expressible:
+        raise PlaitError("--galvatron-sequence-parallel says how Galvatron will run the searched plan; give it "
+                         "with --galvatron-expressible")
+    if expressible:
+        for given, option in ((baseline is not None, "--baseline"), (slow, "--slow"), (lsh, "--lsh")):
+            if given:
+                raise PlaitError(f"--galvatron-expressible restricts the search, which {option} goes beyond; "
+                                 f"drop one of them")
 
 
 def _check_options(seq: int, global_batch: int, baseline: str | None, precision: str, expert_load: float) -> None:
@@ -167,16 +190,26 @@ def _run_baseline(q: _Problem, baseline: str, update) -> _Found:
 
 def _search(q: _Problem, slow: bool, host_memory: bool, collected: Alternatives | None, update) -> _Found:
     """The search on the healthy cluster; with slow devices, the plan re-shaped around them."""
+    import math
+
     from plait.planner.engine import DEFAULT_LIMITS, search
-    from plait.planner.space import HIERARCHY
+    from plait.planner.space import HIERARCHY, SpaceLimits
 
     healthy = replace(q.c, speed=()) if slow else q.c
     limits = replace(DEFAULT_LIMITS, **HIERARCHY) if host_memory else DEFAULT_LIMITS
     if q.lsh:
         limits = replace(limits, moe_comm=("alltoall", "lsh"))
-    result = search(q.m, healthy, q.seq, q.global_batch, precision=q.precision, progress=update, cal=q.cal,
-                    runnable=q.runnable, record=collected.record if collected else None, limits=limits,
-                    expert_load=q.expert_load)
+    spaces: list[tuple[SpaceLimits, Callable[[Plan], bool] | None]] = [(limits, None)]
+    if q.galvatron:  # once per Galvatron default_dp_type (one for the whole model); the faster plan wins
+        from plait.galvatron import DEFAULT_DP_TYPES, expressible, galvatron_limits
+
+        spaces = [(galvatron_limits(limits, q.galvatron_sp, t), expressible(q.m, q.galvatron_sp))
+                  for t in DEFAULT_DP_TYPES]
+    results = [search(q.m, healthy, q.seq, q.global_batch, precision=q.precision, progress=update, cal=q.cal,
+                      runnable=q.runnable, record=collected.record if collected else None, limits=space,
+                      expert_load=q.expert_load, restrict=restrict) for space, restrict in spaces]
+    result = min(results, key=lambda r: r.report.iteration_time_s if r.report and r.report.fits else math.inf)
+    result = replace(result, search_time_s=sum(r.search_time_s for r in results))
     chosen = None
     if result.plan is not None:
         chosen = min((x for x in (result.best_layerwise, result.best_uniform) if x is not None and x.report.fits),
@@ -239,7 +272,13 @@ def _write_outputs(q: _Problem, chosen: Candidate, obj: dict, found: _Found, pla
     if galvatron_file is not None:
         from plait.galvatron import galvatron_config
 
-        files.append((galvatron_file, json.dumps(galvatron_config(chosen.plan, q.m), indent=4)))
+        try:
+            with warnings_as_notes():
+                config = galvatron_config(chosen.plan, q.m)
+        except PlaitError as exc:
+            raise PlaitError(f"--galvatron-out: the plan found cannot be written for Galvatron: {exc}; search "
+                             "with --galvatron-expressible for plans it can run") from None
+        files.append((galvatron_file, json.dumps(config, indent=4)))
     if plan_file is not None:
         files.append((plan_file, chosen.plan.file_text(plan_file)))
     if page_path is not None:
@@ -250,7 +289,7 @@ def _write_outputs(q: _Problem, chosen: Candidate, obj: dict, found: _Found, pla
 
 
 def _print_result(q: _Problem, chosen: Candidate, found: _Found, baseline: str | None, compare: bool,
-                  plan_file: Path | None, page_path: Path | None) -> None:
+                  plan_file: Path | None, page_path: Path | None, galvatron_file: Path | None = None) -> None:
     from plait.executable import unsupported
 
     print_plan(chosen.plan, q.c.world_size)
@@ -260,6 +299,11 @@ def _print_result(q: _Problem, chosen: Candidate, found: _Found, baseline: str |
     if (reason := unsupported(chosen.plan, q.m)) is not None:
         out.print(f"[yellow]note:[/] `plait train` cannot run this plan yet ({reason}); --runnable restricts the "
                   "search to plans it runs")
+    if galvatron_file is not None:
+        from plait.galvatron import launch_flags
+
+        out.print(f"Galvatron config written to {galvatron_file}; launch Galvatron with "
+                  f"{' '.join(launch_flags(chosen.plan))}")
     out.print(f"searched in {found.elapsed:.2f} s" + (f"; plan written to {plan_file}" if plan_file else "")
               + (f"; report page: {page_path}" if page_path else ""))
     if compare:

@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from plait.cli.common import (ClusterOpt, GalvatronProfileOpt, JsonOpt, MemoryOpt, ModelOpt, PlanOpt, ProfileOpt,
-                              ReportOpt, SeqLenOpt, SlowOpt, StrategyOpt, app, draw_picture, load_inputs,
+from plait.cli.common import (ClusterOpt, GalvatronProfileOpt, GalvatronSpOpt, JsonOpt, MemoryOpt, ModelOpt, PlanOpt,
+                              ProfileOpt, ReportOpt, SeqLenOpt, SlowOpt, StrategyOpt, app, draw_picture, load_inputs,
                               one_line_errors, optional_output, out, plan_of, print_json)
 from plait.cli.tables import fmt_s, print_report
 from plait.plan import Plan
@@ -32,6 +32,7 @@ def simulate_cmd(
     slow: SlowOpt = None,
     memory_gib: MemoryOpt = None,
     galvatron_profile: GalvatronProfileOpt = None,
+    galvatron_sp: GalvatronSpOpt = False,
     profile: ProfileOpt = None,
     report_out: ReportOpt = None,
 ) -> None:
@@ -41,7 +42,7 @@ def simulate_cmd(
         timeline_path = optional_output(timeline, "timeline.png", "--timeline")
         page_path = optional_output(report_out, "report.html", "--report")
         m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile, seq_len)
-        p = plan_of(plan, strategy, m, c, seq_len)
+        p = plan_of(plan, strategy, m, c, seq_len, galvatron_sp)
         report, healthy, result = simulate_result(p, m, c, cal, timeline is not None or page_path is not None,
                                                   bool(slow))
         if page_path is not None:

@@ -11,10 +11,14 @@ from typing import Annotated
 import typer
 
 from plait.cli.common import PlanOpt, SeqLenOpt, app, one_line_errors, optional_output, read_plan
+from plait.cli.multinode import (NnodesOpt, NodeRankOpt, PartitionOpt, RdzvEndpointOpt, SlurmOpt, TimeLimitOpt,
+                                 write_sbatch)
 from plait.errors import PlaitError
 from plait.plan import Plan, uniform_plan, validate_plan
+from plait.runtime.nodes import Nodes, check_world, node_notes, parse_nodes, torchrun_args
 from plait.spec.model import ModelSpec, load_model
 
+TrainModelOpt = Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama:/t5: spec")]
 DataOpt = Annotated[Path | None, typer.Option(
     "--data", help="text file (byte-level), .bin/.npy token file, or dataset (.jsonl/.parquet files, a "
     "save_to_disk directory); default synthetic")]
@@ -37,6 +41,8 @@ AdaptiveOpt = Annotated[bool, typer.Option(
     "--adaptive", help="detect straggling ranks and re-plan around them while training")]
 InjectSlowOpt = Annotated[str | None, typer.Option(
     "--inject-slow", help="simulated stragglers RANK:FACTOR@STEP[,...] (FACTOR 1: recovered)")]
+SwitchViaOpt = Annotated[str, typer.Option(
+    "--switch-via", help="--adaptive: how a plan switch moves state: network (old to new owners) | dcp (save, load)")]
 ReplanProfileOpt = Annotated[Path | None, typer.Option(
     "--profile", help="a `plait profile` file the re-planner prices plans with")]
 VarlenOpt = Annotated[str | None, typer.Option(
@@ -49,10 +55,12 @@ CpModeOpt = Annotated[str, typer.Option(
 
 @app.command(name="train")
 def train_cmd(
-    model: Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama:/t5: spec")],
-    plan: PlanOpt = None,
+    ctx: typer.Context, model: TrainModelOpt, plan: PlanOpt = None,
     strategy: Annotated[str | None, typer.Option("--strategy", help='e.g. "dp=2,tp=2,gbs=8"')] = None,
-    nproc: Annotated[int | None, typer.Option("--nproc", help="ranks to launch (default: the plan's)")] = None,
+    nproc: Annotated[int | None, typer.Option(
+        "--nproc", "--gpus-per-node", help="ranks to launch on each node (default: the plan's)")] = None,
+    nnodes: NnodesOpt = 1, node_rank: NodeRankOpt = 0, rdzv_endpoint: RdzvEndpointOpt = None,
+    slurm: SlurmOpt = None, partition: PartitionOpt = None, time_limit: TimeLimitOpt = "01:00:00",
     steps: Annotated[int, typer.Option("--steps", help="optimizer steps")] = 10,
     seq_len: SeqLenOpt = None,
     global_batch: Annotated[int | None, typer.Option("--global-batch", "-b", help="sequences per step")] = None,
@@ -70,6 +78,7 @@ def train_cmd(
     adaptive: AdaptiveOpt = False,
     inject_slow: InjectSlowOpt = None,
     profile: ReplanProfileOpt = None,
+    switch_via: SwitchViaOpt = "network",
     varlen: VarlenOpt = None,
     lengths: LengthsOpt = None,
     capacity: Annotated[int, typer.Option("--capacity", help="--varlen: tokens a rank holds at once")] = 1024,
@@ -94,25 +103,24 @@ def train_cmd(
         metrics_file = optional_output(metrics_out, "metrics.jsonl", "--metrics-out")
         if seq_len is not None:
             preflight.check_seq_len(seq_len, m)
-        inside, world = _torchrun_world(nproc)
+        inside, world, nodes = _job(nproc, nnodes, node_rank, rdzv_endpoint, slurm, plan)
         if varlen is not None:
             cfg, world = _varlen_config(m, model, varlen, world or 1, steps, global_batch, seed, lr, dtype, data,
                                         metrics_file, lengths, capacity, sp, cp_mode, plan or strategy,
-                                        checkpoint_dir or hf_checkpoint or adaptive or inject_slow or resume_from)
-            if not inside:
-                preflight.check_host_memory(m, world)
-            _launch(replace(cfg, timeout_s=timeout, data_dtype=data_dtype), world, inside, max_restarts)
+                                        checkpoint_dir or hf_checkpoint or adaptive or inject_slow or resume_from
+                                        or slurm)
+            _launch(replace(cfg, timeout_s=timeout, data_dtype=data_dtype), world, inside, max_restarts, m, nodes)
             return
         p, world = _train_plan(plan, strategy, m, world, steps, seq_len, global_batch)
+        if _check_nodes(ctx, p, nodes, world, checkpoint_dir, slurm, partition, time_limit):
+            return
         cfg = _train_config(p, m, model, world, steps=steps, seed=seed, lr=lr, dtype=dtype, data=data,
                             metrics_file=metrics_file, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                             timeout=timeout, resume_from=resume_from, hf_checkpoint=hf_checkpoint, adaptive=adaptive,
-                            inject_slow=inject_slow, profile=profile)
+                            inject_slow=inject_slow, profile=profile, switch_via=switch_via)
         cfg = replace(cfg, data_dtype=data_dtype)
         _check_restarts(m, checkpoint_dir, checkpoint_every, resume_from, max_restarts)
-        if not inside:
-            preflight.check_host_memory(m, world)
-    _launch(cfg, world, inside, max_restarts)
+    _launch(cfg, world, inside, max_restarts, m, nodes)
 
 
 def _torchrun_world(nproc: int | None) -> tuple[bool, int | None]:
@@ -121,6 +129,35 @@ def _torchrun_world(nproc: int | None) -> tuple[bool, int | None]:
 
     inside = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     return inside, int(os.environ["WORLD_SIZE"]) if inside else nproc
+
+
+def _job(nproc: int | None, nnodes: int, node_rank: int, endpoint: str | None,
+         slurm: str | None, plan: Path | None) -> tuple[bool, int | None, Nodes]:
+    """(inside a torchrun job already, its ranks: the job's or --nnodes x --nproc, the nodes to launch on)."""
+    inside, world = _torchrun_world(nproc)
+    if inside and (nnodes > 1 or slurm):
+        raise PlaitError("this already runs inside a torchrun job; drop --nnodes/--slurm or run plait train alone")
+    if nnodes > 1 and nproc is None and plan is None:
+        raise PlaitError(f"--nnodes {nnodes} without --plan needs --nproc (or --gpus-per-node), the ranks of each "
+                         "node")
+    nodes = Nodes(nnodes) if slurm and nnodes >= 1 else parse_nodes(nnodes, node_rank, endpoint)
+    return inside, world * nnodes if world and not inside else world, nodes
+
+
+def _check_nodes(ctx: typer.Context, p: Plan, nodes: Nodes, world: int, checkpoint_dir: Path | None, slurm: str | None,
+                 partition: str | None, time_limit: str) -> bool:
+    """Check that the plan fills the nodes (and print what to know about them); with --slurm write the
+    sbatch script instead of training. True when the script was written."""
+    from plait.cli.common import err
+
+    nproc = check_world(p, nodes, world)
+    if slurm is not None:
+        path = write_sbatch(slurm, ctx, nodes.count, nproc, partition, time_limit)
+        err.print(f"wrote {path}: submit it with `sbatch {path}`", highlight=False, soft_wrap=True)
+        return True
+    for line in node_notes(p, nodes, nproc, checkpoint_dir):
+        err.print(f"[yellow]note:[/] {line}", highlight=False, soft_wrap=True)
+    return False
 
 
 def _train_plan(plan: Path | None, strategy: str | None, m: ModelSpec, world: int | None, steps: int,
@@ -164,8 +201,9 @@ def _check_dtype(dtype: str) -> None:
 def _train_config(p: Plan, m: ModelSpec, model: str, world: int, *, steps: int, seed: int, lr: float, dtype: str,
                   data: Path | None, metrics_file: Path | None, checkpoint_dir: Path | None, checkpoint_every: int,
                   timeout: float, resume_from: Path | None, hf_checkpoint: Path | None, adaptive: bool,
-                  inject_slow: str | None, profile: Path | None):
+                  inject_slow: str | None, profile: Path | None, switch_via: str = "network"):
     """The TrainConfig of a run with plan `p` (PlaitError on bad options)."""
+    from plait.runtime.preflight import check_switch_via
     from plait.runtime.train import TrainConfig
 
     _check_data(data)
@@ -177,7 +215,8 @@ def _train_config(p: Plan, m: ModelSpec, model: str, world: int, *, steps: int, 
                       checkpoint_every=checkpoint_every, timeout_s=timeout,
                       resume_from=str(resume_from) if resume_from else None,
                       hf_checkpoint=str(hf_checkpoint) if hf_checkpoint else None, adaptive=adaptive,
-                      inject_slow=inject_slow, profile=str(profile) if profile else None)
+                      inject_slow=inject_slow, profile=str(profile) if profile else None, switch_via=switch_via)
+    check_switch_via(switch_via)
     if inject_slow is not None:
         from plait.runtime.stragglers import parse_injections
 
@@ -251,18 +290,25 @@ def _varlen_config(m, model: str, method: str, world: int, steps: int, global_ba
                       sp=sp, cp_mode=cp_mode)
     check_config(cfg, m, world)
     if other:
-        raise PlaitError("--checkpoint-dir, --resume-from, --hf-checkpoint, --adaptive and --inject-slow do not "
-                         "combine with --varlen yet; drop them")
+        raise PlaitError("--checkpoint-dir, --resume-from, --hf-checkpoint, --adaptive, --inject-slow and --slurm "
+                         "do not combine with --varlen yet; drop them")
     return cfg, world
 
 
-def _launch(cfg, world: int, inside: bool, max_restarts: int) -> None:
-    """Run `cfg` on `world` ranks: here when already inside torchrun, else through a new torchrun job."""
+def _launch(cfg, world: int, inside: bool, max_restarts: int, m: ModelSpec, nodes: Nodes) -> None:
+    """Run `cfg` on `world` ranks: here when already inside torchrun, else through a new torchrun job
+    (this node's share of it)."""
     import os
     import subprocess
     import tempfile
 
+    from plait.runtime import preflight
     from plait.runtime.launch import ERROR_DIR_ENV
+
+    nproc = world // nodes.count
+    if not inside:
+        with one_line_errors():
+            preflight.check_host_memory(m, nproc)
 
     with tempfile.TemporaryDirectory(prefix="plait-train.") as tmp:
         config_path = os.path.join(tmp, "config.json")
@@ -272,8 +318,8 @@ def _launch(cfg, world: int, inside: bool, max_restarts: int) -> None:
 
             code = worker_main([config_path])
         else:
-            cmd = [sys.executable, "-m", "plait.runtime.launch", "--standalone", f"--nproc-per-node={world}",
-                   f"--max-restarts={max_restarts}", "-m", "plait.runtime.worker", config_path]
+            cmd = [sys.executable, "-m", "plait.runtime.launch",
+                   *torchrun_args(nodes, nproc, cfg.timeout_s, max_restarts), "-m", "plait.runtime.worker", config_path]
             env = {**os.environ, "OMP_NUM_THREADS": "1", ERROR_DIR_ENV: tmp}
             code = subprocess.run(cmd, check=False, env=env).returncode
     raise typer.Exit(code)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from plait.cost.measured import Measured
+    from plait.cost.measured_memory import MeasuredMemory
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,20 @@ class Calibration:
     performance degradation because of tail effect", 2025). Chosen on the fitted FSDP rows of
     benchmarks/data/published_runs.json (held-out rows untouched) inside that physical range: from the SM
     share alone (0.18 on H100, 0.22 on A100) to the forum's 0.7."""
-    fsdp_collective_overhead_s: float = 2e-3
+    fsdp_collective_overhead_s: float = 1.5e-3
     """Seconds each per-layer ZeRO-2/3 collective adds to its micro-batch pass beyond its transfer: FSDP's
     pre/post-forward and backward hooks in eager PyTorch, the flat-parameter copies around each gather and
     reduce-scatter, and the all-gather rate limiter (limit_all_gathers) that makes the compute stream wait for
     the previous unit's memory. Chosen with overlap_contention on the fitted FSDP rows (0.001-0.003 s span
-    fitted medians of 5-9%); it matters where layers are small or micro-batches short."""
+    fitted medians of 3-9%); re-chosen (from 2e-3) once llm-foundry's rows were priced with their Triton
+    attention (`attention: triton`): 1.5e-3 gives the smallest fitted maximum (17.7%, median 4.8%) of the grid
+    overlap_contention 0.3-0.6 x 1-3 ms; it matters where layers are small or micro-batches short."""
     measured: Measured | None = None
     """Costs measured by `plait profile` on this device type (`plait.cost.measured`), preferred to the
     analytic formulas wherever they cover a case."""
+    memory: MeasuredMemory | None = None
+    """Memory terms measured on this device type (Galvatron's memory profile, `plait.cost.measured_memory`),
+    preferred to the analytic activation and model-state bytes wherever they cover a case."""
 
 
 DEFAULT_CALIBRATION = Calibration()

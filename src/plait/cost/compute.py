@@ -45,13 +45,30 @@ def elementwise_time(bytes_moved: float, gpu: GPU, cal: Calibration, kernels: in
     return bytes_moved / (gpu.hbm_bandwidth * cal.memory_efficiency) + kernels * cal.kernel_overhead_s
 
 
+TRITON_FLASH_FWD_SLOWDOWN = 1.4
+"""Forward time of the Triton FlashAttention (flash_attn_triton.py) over FlashAttention-2's at the same shape
+(dimensionless): "FlashAttention-2 is around 1.3-1.5x faster than FlashAttention in Triton in the forward pass"
+(Dao 2023, FlashAttention-2, Section 4.1, A100 80GB, head_dim 64/128, sequence 512-16K); the midpoint."""
+TRITON_FLASH_BWD_SLOWDOWN = 2.0
+"""Backward time of the Triton FlashAttention over FlashAttention-2's (dimensionless): "around 2x faster in the
+backward pass" (Dao 2023, Section 4.1)."""
+
+
 def flash_attention_time(batch_heads: int, seq_q: int, seq_kv: int, head_dim: int, causal: bool,
-                         cal: Calibration, peak_flops: float) -> tuple[float, float]:
-    """(forward, backward) seconds of a fused attention kernel over `batch_heads` (sequence, head) pairs."""
+                         cal: Calibration, peak_flops: float, kernel: str = "flash") -> tuple[float, float]:
+    """(forward, backward) seconds of a fused attention kernel over `batch_heads` (sequence, head) pairs.
+
+    `kernel` "flash" is FlashAttention-2 class; "triton" is the Triton FlashAttention, slower by
+    TRITON_FLASH_FWD/BWD_SLOWDOWN, whose tiles span a power-of-two head dimension (BLOCK_HEADDIM =
+    next_power_of_2(head_dim) in flash_attn_triton.py), so a head_dim of 112 computes 128 columns."""
     work = cal.causal_work_fraction if causal else 1.0
+    fwd_slow, bwd_slow = 1.0, 1.0
+    if kernel == "triton":
+        head_dim = max(16, 1 << (head_dim - 1).bit_length())
+        fwd_slow, bwd_slow = TRITON_FLASH_FWD_SLOWDOWN, TRITON_FLASH_BWD_SLOWDOWN
     flops = 4.0 * batch_heads * seq_q * seq_kv * head_dim * work  # QK^T and PV
-    fwd = flops / (peak_flops * cal.flash_fwd_efficiency) + cal.kernel_overhead_s
-    bwd = 2.5 * flops / (peak_flops * cal.flash_bwd_efficiency) + cal.kernel_overhead_s  # 5 GEMMs vs 2
+    fwd = fwd_slow * flops / (peak_flops * cal.flash_fwd_efficiency) + cal.kernel_overhead_s
+    bwd = bwd_slow * 2.5 * flops / (peak_flops * cal.flash_bwd_efficiency) + cal.kernel_overhead_s  # 5 GEMMs vs 2
     return fwd, bwd
 
 

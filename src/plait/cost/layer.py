@@ -24,7 +24,7 @@ from plait.cost.memory import model_state_bytes
 from plait.cost.precision import PrecisionBytes
 from plait.plan import Strategy
 from plait.spec.cluster import Cluster
-from plait.spec.layers import Block
+from plait.spec.layers import FUSED_ATTENTION, Block
 from plait.spec.model import ModelSpec
 
 
@@ -150,13 +150,14 @@ def _attention_time(block: Block, s: Strategy, ctx: BlockContext) -> tuple[float
     peak = ctx.prec.peak_flops(gpu)
     seq = block.seq(ctx.seq_len)
     heads = block.heads // s.tp
-    if block.attention == "flash":
+    if block.attention in FUSED_ATTENTION:
         keys = block.keys(ctx.seq_len)
         causal = block.causal and keys == seq
-        f, b = flash_attention_time(ctx.seqs * heads, seq // s.cp, keys, block.head_dim, causal, cal, peak)
+        f, b = flash_attention_time(ctx.seqs * heads, seq // s.cp, keys, block.head_dim, causal, cal, peak,
+                                    block.attention)
         if block.kind == "cross_decoder":
             cf, cb = flash_attention_time(ctx.seqs * heads, seq // s.cp, block.memory_seq(ctx.seq_len),
-                                          block.head_dim, False, cal, peak)
+                                          block.head_dim, False, cal, peak, block.attention)
             f, b = f + cf, b + cb
         return f, b
     passes = 2 if block.kind == "cross_decoder" else 1
@@ -332,6 +333,10 @@ def block_activation_bytes(block: Block, s: Strategy, ctx: BlockContext, recompu
         if measured_block(block, ctx) else None  # type: ignore[union-attr]
     if measured is not None and not s.sp:  # measured in fp32: 16-bit keeps half (masks aside)
         return tokens * measured.activation_bytes_per_token * eb / MEASURED_ACTIVATION_BYTES
+    on_gpu = ctx.cal.memory.block_activation(block.kind, s.tp, recompute or s.recompute, eb) \
+        if ctx.cal.memory is not None and not s.sp and block.kind != "moe" else None
+    if on_gpu is not None:  # Galvatron's memory profile (cost/measured_memory.py)
+        return tokens * on_gpu
     a = block.activation_bytes(recompute or s.recompute)  # type: ignore[arg-type]
     replicated_div = s.tp if s.sp else 1
     scale = eb / 2  # the formulas count 16-bit activations

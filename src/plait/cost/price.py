@@ -95,6 +95,7 @@ def price(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
         w, g, o, reduce_t, gather_t = (a + b for a, b in zip((w, g, o, reduce_t, gather_t), terms, strict=True))
         if s.zero == 3 and group.size > 1:  # ZeRO-3 keeps the current and the prefetched layer unsharded
             gathered += 2 * held * (ctx.prec.param + ctx.prec.grad)
+    w, g, o = (x * _measured_states(block.kind, ctx) for x in (w, g, o))
     working = block_activation_bytes(block, s, ctx, "none") if s.recompute != "none" else 0.0
     activation = block_activation_bytes(block, s, ctx)
     g, o, host = offload.offloaded_states(g, o, s, ctx.prec)
@@ -128,11 +129,32 @@ def price_edge(edge: Edge, s: Strategy, ctx: BlockContext, pipelined: bool = Fal
     time = BlockTime(forward=et.forward, backward=et.backward, recompute=0.0, tp_comm=et.tp_comm, cp_comm=0.0,
                      zero_comm=zero_fwd + zero_bwd, forward_comm=et.tp_comm / 2 + zero_fwd)
     w, g, o, reduce_t, gather_t = _states_and_sync(params, s, ctx)
-    working = head_activation_bytes(s, ctx) if edge == "head" else 0.0
+    w, g, o = (x * _measured_states(ctx.model.block.kind, ctx) for x in (w, g, o))
+    working = _edge_working(edge, s, ctx, pipelined)
     g, o, host = offload.offloaded_states(g, o, s, ctx.prec)
     gather_t += offload.weights_back_time(params, s, ctx.cluster, ctx.prec, _shards(s, ctx))
     return LayerCost(time=time, params=params, weights=w, gradients=g, optimizer=o, activation=0.0,
                      working=working, buffers=0.0, grad_reduce=reduce_t, param_gather=gather_t, host=host)
+
+
+def _measured_states(kind: str, ctx: BlockContext) -> float:
+    """Factor on the analytic model-state bytes of a layer of `kind` that gives the measured bytes per
+    parameter (Galvatron's memory profile; 1 without one or where it lacks the kind)."""
+    mem = ctx.cal.memory
+    if mem is None or kind not in mem.states_bytes_per_param:
+        return 1.0
+    p = ctx.prec
+    return mem.states_bytes_per_param[kind] / (p.param + p.grad + p.optimizer)
+
+
+def _edge_working(edge: Edge, s: Strategy, ctx: BlockContext, pipelined: bool) -> float:
+    """Transient bytes of the embedding (none in the formulas) or the head's logits for one micro-batch: the
+    measured edge memory where the calibration has it (cost/measured_memory.py), else `head_activation_bytes`."""
+    mem = ctx.cal.memory
+    per_token = mem.edge_activation(edge, pipelined, s.tp, ctx.prec.activation) if mem is not None else None
+    if per_token is not None:
+        return per_token * ctx.seqs * ctx.seq_len / s.cp
+    return head_activation_bytes(s, ctx) if edge == "head" else 0.0
 
 
 def _edge_zero_sync(edge: Edge, params: float, s: Strategy, et: EdgeTime, ctx: BlockContext

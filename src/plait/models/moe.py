@@ -78,7 +78,8 @@ def _local(param: Tensor) -> Tensor:
 
 class Experts(nn.Module):
     """E SwiGLU experts stored as stacked weights: w1 (gate) and w3 (up) [E, F, H], w2 (down) [E, H, F].
-    Under expert parallelism they are DTensors sharded along the expert dimension."""
+    Under expert parallelism they are DTensors sharded along the expert dimension, and under expert tensor
+    parallelism also along F (each rank's outputs are then partial sums, `plait.runtime.experts`)."""
 
     def __init__(self, experts: int, hidden: int, ffn: int) -> None:
         super().__init__()

@@ -52,6 +52,12 @@ def _splits_every_layer(model: ModelSpec, tp: int, sp: bool, seq_len: int) -> bo
     return all(strategy_problem(s, b, tp, 1, seq_len) is None for b in model.distinct_blocks)
 
 
+def _sp_choices(model: ModelSpec, tp: int, seq_len: int) -> tuple[int, ...]:
+    """Sequence-parallel settings (0, 1) that tensor parallelism of degree `tp` runs every layer kind with
+    (MoE layers need sp with tp > 1; sp means nothing without tp); empty when neither does."""
+    return tuple(sp for sp in ((0, 1) if tp > 1 else (0,)) if _splits_every_layer(model, tp, bool(sp), seq_len))
+
+
 def _expert_layouts(model: ModelSpec, devices: int, tp: int) -> list[tuple[int, int]]:
     """(ep, etp) pairs valid for every MoE layer of `model` on a stage of `devices` ranks ((1, 0) without)."""
     pools = [[(ep, etp) for ep, etp, _ in expert_layouts(b, devices, tp)]  # default limits: plain all-to-all
@@ -72,7 +78,7 @@ def grid_layouts(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch:
     elif kind == "megatron-grid":
         shapes = [(tp, pp, ("none", "selective", "full"), (0, 1))
                   for tp in divisors(min(n, cluster.gpus_per_node))
-                  if _splits_every_layer(model, tp, False, seq_len)
+                  if _sp_choices(model, tp, seq_len)
                   for pp in divisors(n // tp) if pp <= model.layers]
     else:
         raise PlaitError(f"unknown baseline {kind!r}; choose one of {', '.join(BASELINES)}")
@@ -84,8 +90,7 @@ def grid_layouts(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch:
                 if zero and dp == 1:
                     continue
                 for (sp, vpp), (ep, etp) in product(product(
-                        (0, 1) if tp > 1 and _splits_every_layer(model, tp, True, seq_len) else (0,),
-                        (1, 2, 4) if pp > 1 else (1,)), experts):
+                        _sp_choices(model, tp, seq_len), (1, 2, 4) if pp > 1 else (1,)), experts):
                     if pp * vpp > model.layers:
                         continue
                     group = []

@@ -456,9 +456,16 @@ def _partition_search(cfg: _Config, capacity: float, judge: Judge) -> Candidate 
     return current[0]
 
 
-def _accept(plan: Plan, model: ModelSpec, runnable: bool, record: Callable[[Plan], None] | None) -> bool:
+def _allowed(plan: Plan, model: ModelSpec, runnable: bool, restrict: Callable[[Plan], bool] | None) -> bool:
+    """Whether the search may return `plan`: one the runtime executes (with `runnable`) that `restrict`
+    accepts."""
+    return not (runnable and unsupported(plan, model) is not None) and (restrict is None or restrict(plan))
+
+
+def _accept(plan: Plan, model: ModelSpec, runnable: bool, restrict: Callable[[Plan], bool] | None,
+            record: Callable[[Plan], None] | None) -> bool:
     """Whether the search may price `plan` (and tell `record` it does)."""
-    if runnable and unsupported(plan, model) is not None:
+    if not _allowed(plan, model, runnable, restrict):
         return False
     if record:
         record(plan)
@@ -468,9 +475,12 @@ def _accept(plan: Plan, model: ModelSpec, runnable: bool, record: Callable[[Plan
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, *,
            precision: str = "bf16", limits: SpaceLimits = DEFAULT_LIMITS, cal: Calibration | None = None,
            include_uniform: bool = True, runnable: bool = False, progress: Progress | None = None,
-           record: Callable[[Plan], None] | None = None, expert_load: float = 1.0) -> SearchResult:
+           record: Callable[[Plan], None] | None = None, expert_load: float = 1.0,
+           restrict: Callable[[Plan], bool] | None = None) -> SearchResult:
     """Search the fastest plan for `model` on `cluster` (see the module docstring). With `runnable`, only
-    plans this version's runtime executes (`plait.executable`). `record` sees every plan the search prices."""
+    plans this version's runtime executes (`plait.executable`); with `restrict`, only plans it accepts (give
+    `limits` whose layer strategies it accepts, e.g. `plait.galvatron.galvatron_limits`, so that the layer
+    DP searches among them). `record` sees every plan the search prices."""
     if seq_len <= 0 or global_batch <= 0:  # callers validate; this guards the Python API
         raise PlaitError(f"seq_len and global_batch must be positive, got {seq_len} and {global_batch}")
     cal = cal or calibration_for(cluster.gpu.name)
@@ -495,7 +505,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
             continue
         for m in _micro_batch_counts(global_batch, pp):
             configs.append((pp, m, "1f1b", 1))
-            if pp > 1 and m % pp == 0 and 2 * pp <= model.layers:
+            if limits.interleaved and pp > 1 and m % pp == 0 and 2 * pp <= model.layers:
                 configs.append((pp, m, "interleaved", 2))
     cfgs = [_Config(model, cluster, cal, seq_len, global_batch, pp, m, schedule, chunks, precision, limits,
                     expert_load) for pp, m, schedule, chunks in configs]
@@ -513,7 +523,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
                 if not variant.any_priced:
                     continue
                 cand = _partition_search(variant, capacity, judge)
-                if cand is not None and runnable and unsupported(cand.plan, model):
+                if cand is not None and not _allowed(cand.plan, model, runnable, restrict):
                     continue
                 if cand is not None and (best is None or (cand.key, i) < best[:2]):
                     best = (cand.key, i, cand)
@@ -525,7 +535,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     if include_uniform:
         best_uniform, n = run_baseline("megatron-grid", model, cluster, seq_len, global_batch,
                                        progress=(lambda d, t: progress("uniform", d, t)) if progress else None,
-                                       cal=cal, accept=lambda p: _accept(p, model, runnable, record),
+                                       cal=cal, accept=lambda p: _accept(p, model, runnable, restrict, record),
                                        expert_load=expert_load)
         evaluated += n
     if best_layerwise is not None:  # the report with its p2p time apart from the bubble

@@ -11,6 +11,7 @@ optimizer offloaded to the host CPU (where ZeRO shards it, or on a single replic
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from plait.plan import Strategy, strategy_problem
@@ -40,6 +41,8 @@ class SpaceLimits:
     # (opt in: it approximates the experts' outputs, so it changes the model's numerics)
     swap: tuple[float, ...] = (0.0,)  # shares of saved activations swapped to host (HIERARCHY: SWAP_SHARES)
     offload: tuple[str, ...] = ("none",)  # optimizer offload choices ("none", "optim")
+    interleaved: bool = True  # whether pipelines may hold several model chunks per device (virtual stages)
+    allow: Callable[[Strategy], bool] | None = None  # only layer strategies it accepts (None: all valid ones)
 
 
 HIERARCHY = {"swap": SWAP_SHARES, "offload": ("none", "optim")}
@@ -79,7 +82,7 @@ def block_strategies(block: Block, cluster: Cluster, devices: int, micro_batch: 
                                          moe_comm=comm)  # type: ignore[arg-type]
                             if ep == 1 and etp == 0 or not strategy_problem(s, block, devices, micro_batch, seq_len):
                                 out += below_device(s, limits)
-    return out
+    return [s for s in out if limits.allow(s)] if limits.allow else out
 
 
 def below_device(s: Strategy, limits: SpaceLimits) -> list[Strategy]:

@@ -29,8 +29,9 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _LOAD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
 
 
-def _state(chunks: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> tuple[dict, list[tuple]]:
-    """The merged state of every chunk and each chunk's own keys."""
+def local_state(chunks: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> tuple[dict, list[tuple]]:
+    """This rank's merged state of every chunk ({"model": ..., "optim": ...} by fully qualified name, DTensor
+    shards as they are) and each chunk's own keys."""
     model_sd: dict = {}
     optim_sd: dict = {}
     keys = []
@@ -151,7 +152,7 @@ def save(directory: str | Path, step: int, chunks: list[torch.nn.Module],
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    state, _ = _state(chunks, optimizers)
+    state, _ = local_state(chunks, optimizers)
     failure = None
     try:
         dcp.save(state, checkpoint_id=str(tmp))
@@ -194,7 +195,7 @@ def _replace_dir(new: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-_TIED = ("output.weight", "tok_embeddings.weight")
+TIED = ("output.weight", "tok_embeddings.weight")
 """A head tied to the embedding is saved once under the embedding's name by a plan that keeps both on one
 stage; a plan that splits them onto two stages reads the head's copy from there."""
 
@@ -206,14 +207,14 @@ def _names(state: dict, path: Path) -> dict[tuple[str, str], str]:
     names = {}
     for top, entries in state.items():
         for key in entries:
-            alias = key.replace(*_TIED)
+            alias = key.replace(*TIED)
             names[top, key] = alias if alias != key and f"{top}.{key}" not in saved else key
     return names
 
 
 def load(path: Path, chunks: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
     """Load a checkpoint into this rank's chunks and optimizers, resharding to the current plan."""
-    state, keys = _state(chunks, optimizers)
+    state, keys = local_state(chunks, optimizers)
     try:
         names = _names(state, path)
         request = {top: {names[top, k]: v for k, v in entries.items()} for top, entries in state.items()}
@@ -222,6 +223,12 @@ def load(path: Path, chunks: list[torch.nn.Module], optimizers: list[torch.optim
         raise PlaitError(f"cannot load checkpoint {str(path)!r}: {_reason(exc)}") from None
     for (top, key), name in names.items():  # tensors were filled in place; other values were replaced
         state[top][key] = request[top][name]
+    apply_state(state, keys, chunks, optimizers)
+
+
+def apply_state(state: dict, keys: list[tuple], chunks: list[torch.nn.Module],
+                optimizers: list[torch.optim.Optimizer]) -> None:
+    """Set each chunk's model and optimizer state from a `local_state` whose values were filled in."""
     for m, o, (model_keys, optim_keys) in zip(chunks, optimizers, keys):
         set_state_dict(m, o, model_state_dict={k: state["model"][k] for k in model_keys},
                        optim_state_dict={k: state["optim"][k] for k in optim_keys}, options=_LOAD_OPTIONS)

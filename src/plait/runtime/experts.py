@@ -1,18 +1,28 @@
-"""Expert parallelism of MoE layers (`plait.models.moe.MoE`) over the ranks of a stage.
+"""Expert parallelism and expert tensor parallelism of MoE layers (`plait.models.moe.MoE`) over the ranks
+of a stage.
 
 Megatron's parallel folding: the experts are laid out over the stage's ranks independently of the
-attention's dp/cp/tp, expert-parallel fastest (etp = 1 here), then expert data parallel. Each rank of an ep
-group holds E/ep consecutive experts (DTensors sharded along the expert dimension over the "ep" dimension
-of an ("edp", "ep") mesh, so checkpoints reshard across ep degrees); assignments travel to their expert's rank and back in two
-differentiable all-to-alls with uneven splits, after the per-expert counts are exchanged. Under
-`moe_comm=lsh` the assignments are first compressed to LSH-MoE centroids (`plait.runtime.lsh`), and only
-those travel.
+attention's dp/cp/tp, expert tensor parallel (etp) fastest, then expert parallel (ep), then expert data
+parallel (edp), as the dims ("edp", "ep", "etp") of the stage's expert mesh. Each rank holds E/ep
+consecutive experts, and of each 1/etp of its width: w1/w3 [E, F, H] and w2 [E, H, F] are DTensors sharded
+along the experts over "ep" and along F (w1/w3 column-wise, w2 row-wise) over "etp", so checkpoints
+reshard across ep and etp degrees. Assignments travel to their expert's rank of the ep group (the ranks
+sharing edp and etp) and back in two differentiable all-to-alls with uneven splits, after the per-expert
+counts are exchanged. With etp > 1 the etp group all-gathers the routed tokens after that dispatch (each
+etp rank computes its slice of F for every token of its experts, a partial sum of each output) and
+reduce-scatters the outputs before the combine (each rank keeps the sum for its own tokens). Both are
+differentiable (an all-gather's backward is a reduce-scatter and vice versa) and run as all-to-alls with
+uneven splits moving the same bytes, since torch's all-gather and reduce-scatter take equal parts only.
+Under `moe_comm=lsh` the assignments are first compressed to LSH-MoE centroids (`plait.runtime.lsh`), and
+only those travel, through the etp group as well.
 
 Gradients, with every rank's loss the mean over its own tokens (as dp and cp ranks have; sp ranks share one
 loss and each holds a part of its tokens): the weights that see only this rank's tokens (router, shared
-experts) sum over the stage's ranks and the experts over their expert-data-parallel replicas, both divided
-by the data-parallel degree dp x cp, as the dense weights' average over the data group is. By hand after
-the backward (zero=0), or with ZeRO by FSDP2 units over the stage's ranks and over the edp group.
+experts) sum over the stage's ranks and the experts over their expert-data-parallel replicas (the ranks
+with the same ep and etp coordinates: every token reaches each expert slice once within an edp slice of
+the stage), both divided by the data-parallel degree dp x cp, as the dense weights' average over the data
+group is. By hand after the backward (zero=0), or with ZeRO by FSDP2 units over the stage's ranks and over
+the edp group.
 """
 
 from __future__ import annotations
@@ -33,6 +43,13 @@ Sync = tuple[list[nn.Parameter], dist.ProcessGroup | None, float | None]
 """Gradients reduced by hand: (parameters, group, weight), see `parallelize.sync_gradients`."""
 
 
+def by_expert(counts: Tensor) -> Tensor:
+    """The order that sorts rows grouped by source rank, then expert (`counts` [sources, experts] rows of
+    each) by expert, then source rank (stable)."""
+    sources, local = counts.shape
+    return torch.arange(local).repeat(sources).repeat_interleave(counts.flatten()).argsort(stable=True)
+
+
 class AllToAll:
     """`plait.models.moe.Exchange` over an expert-parallel group: rank j holds experts [j*E/ep, (j+1)*E/ep)."""
 
@@ -48,9 +65,7 @@ class AllToAll:
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         got = all_to_all(tokens, self.group, recv, send)  # by source rank, then expert
-        local = recv_counts.shape[1]
-        expert = torch.arange(local).repeat(self.ep).repeat_interleave(recv_counts.flatten())
-        order = expert.argsort(stable=True)
+        order = by_expert(recv_counts)
         return got.index_select(0, order), recv_counts.sum(0), (order, send, recv)
 
     def gather(self, outputs: Tensor, handle: tuple[Tensor, list[int], list[int]]) -> Tensor:
@@ -59,15 +74,68 @@ class AllToAll:
         return all_to_all(outputs.index_select(0, order.argsort()), self.group, send, recv)
 
 
+def all_gather_rows(x: Tensor, group: dist.ProcessGroup, rows: list[int]) -> Tensor:
+    """Differentiable all-gather of uneven parts: x [rows[me], ...] -> every rank's part, by rank
+    [sum(rows), ...]; its backward reduce-scatters the gradients."""
+    n = dist.get_world_size(group)
+    return all_to_all(x.expand(n, *x.shape).reshape(-1, *x.shape[1:]), group, rows, [x.shape[0]] * n)
+
+
+def reduce_scatter_rows(x: Tensor, group: dist.ProcessGroup, rows: list[int]) -> Tensor:
+    """Differentiable reduce-scatter of uneven parts: x [sum(rows), ...] (every rank's part, by rank) -> the
+    sum over the ranks of this rank's part [rows[me], ...]; its backward all-gathers the gradients."""
+    n, mine = dist.get_world_size(group), rows[dist.get_rank(group)]
+    return all_to_all(x, group, [mine] * n, rows).view(n, mine, *x.shape[1:]).sum(0)
+
+
+class ExpertTensorParallel:
+    """`plait.models.moe.Exchange` with each expert's width split over an etp group: the tokens of this
+    rank's experts (after `inner`, the ep all-to-all, if any) are all-gathered over the group, and the
+    experts' partial outputs reduce-scattered back."""
+
+    def __init__(self, group: dist.ProcessGroup, inner: AllToAll | None) -> None:
+        self.group, self.inner = group, inner
+        self.etp = dist.get_world_size(group)
+
+    def scatter(self, tokens: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, tuple[object, Tensor, list[int]]]:
+        """tokens [A, H] sorted by expert, counts [E] -> (the tokens of every etp rank for this rank's
+        experts, sorted by local expert, their counts [E/ep], the handle `gather` needs)."""
+        inner = None
+        if self.inner is not None:
+            tokens, counts, inner = self.inner.scatter(tokens, counts)
+        every = [torch.empty_like(counts) for _ in range(self.etp)]
+        dist.all_gather(every, counts, group=self.group)
+        gathered = torch.stack(every)  # [etp rank, local expert]
+        rows = gathered.sum(1).tolist()
+        order = by_expert(gathered)
+        mine = all_gather_rows(tokens, self.group, rows).index_select(0, order)
+        return mine, gathered.sum(0), (inner, order, rows)
+
+    def gather(self, outputs: Tensor, handle: tuple[object, Tensor, list[int]]) -> Tensor:
+        """The partial outputs of this rank's expert slices -> the outputs of this rank's assignments."""
+        inner, order, rows = handle
+        mine = reduce_scatter_rows(outputs.index_select(0, order.argsort()), self.group, rows)
+        return mine if self.inner is None else self.inner.gather(mine, inner)
+
+
 def moe_layers(model: nn.Module, layers: list[str]) -> list[MoE]:
     """The MoE feed-forwards of the named layers of a model chunk."""
     return [m for name in layers for m in model.layers[name].modules() if isinstance(m, MoE)]
 
 
-def shard_experts(moe: MoE, ep_mesh: DeviceMesh) -> None:
-    """Keep this rank's experts: each weight becomes a DTensor sharded along the experts over `ep_mesh`."""
-    for name, param in list(moe.experts.named_parameters()):
-        local = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+EXPERT_SHARDS = (("w1", 1), ("w3", 1), ("w2", 2))
+"""Each expert weight and its dimension of the expert's width F, split over the etp group (w1/w3 [E, F, H]
+column-wise, w2 [E, H, F] row-wise)."""
+
+
+def shard_experts(moe: MoE, mesh: DeviceMesh) -> None:
+    """Keep this rank's experts and its slice of their width: each weight becomes a DTensor sharded along
+    the experts over "ep" and along F over "etp" (the dims of the ("edp", "ep", "etp") `mesh` above 1)."""
+    dims = tuple(d for d in ("ep", "etp") if mesh[d].size() > 1)
+    for name, width in EXPERT_SHARDS:
+        param = getattr(moe.experts, name)
+        placements = [Shard(0) if d == "ep" else Shard(width) for d in dims]
+        local = distribute_tensor(param.detach(), mesh[dims], placements, src_data_rank=None)
         setattr(moe.experts, name, nn.Parameter(local))
 
 
@@ -81,8 +149,9 @@ def _zero(module: nn.Module, mesh: DeviceMesh, zero: int, data: int) -> None:
 
 def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dist.ProcessGroup | None,
              grad_accumulation: int) -> list[Sync]:
-    """Expert parallelism on the MoE layers among `layers` (segment `seg`'s strategy): shard their
-    experts, route through all-to-alls (of LSH-MoE centroids under moe_comm=lsh), set the auxiliary loss's gradient weight (`grad_accumulation`
+    """Expert (tensor) parallelism on the MoE layers among `layers` (segment `seg`'s strategy): shard their
+    experts, route through all-to-alls and the etp group's all-gather and reduce-scatter (of LSH-MoE
+    centroids under moe_comm=lsh), set the auxiliary loss's gradient weight (`grad_accumulation`
     micro-batches whose mean loss the caller backpropagates; 1 under a pipeline schedule, which scales
     gradients itself); with ZeRO, shard the router, shared experts and experts with FSDP2. Returns the
     MoE weights whose gradients are reduced by hand (zero=0)."""
@@ -94,9 +163,11 @@ def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dis
     data = s.dp * s.cp
     syncs: list[Sync] = []
     for moe in moes:
-        if s.ep > 1:
-            shard_experts(moe, groups.mesh["ep"])
-            moe.exchange = AllToAll(groups.mesh.get_group("ep"))
+        if s.ep > 1 or s.expert_tp > 1:
+            shard_experts(moe, groups.mesh)
+            moe.exchange = AllToAll(groups.mesh.get_group("ep")) if s.ep > 1 else None
+        if s.expert_tp > 1:
+            moe.exchange = ExpertTensorParallel(groups.mesh.get_group("etp"), moe.exchange)
         if s.moe_comm == "lsh":
             moe.compressor = LshCompressor()
         moe.sequence_group = groups.sequence

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -22,8 +23,9 @@ ERROR_DIR_ENV = "PLAIT_ERROR_DIR"
 
 @dataclass(frozen=True)
 class Failure:
-    """What one rank reported before it exited: `kind` is "error" (bad input) or "timeout" (a collective
-    that waited `timeout_s` seconds)."""
+    """What one rank reported before it exited: `kind` is "error" (bad input, its own or another node's
+    rank's), "timeout" (a collective that waited `timeout_s` seconds) or "lost" (a peer closed the
+    connection without saying why)."""
 
     rank: int
     message: str
@@ -87,7 +89,11 @@ def summary(reported: list[Failure], exitcodes: dict[int, int], world: int) -> t
         hint = " (the kernel kills a process that runs out of host memory: use a smaller model or fewer ranks)" \
             if -code == signal.SIGKILL else ""
         return f"rank {rank} was killed by {name}{hint}", 2
-    rank, code = min(exitcodes.items()) if exitcodes else (0, 1)
+    lost = [f for f in reported if f.kind == "lost"]
+    crashed = {r: c for r, c in exitcodes.items() if r not in {f.rank for f in lost}}
+    if lost and not crashed:  # the rank that went away is on another node
+        return lost[0].message, 2
+    rank, code = min(crashed.items()) if crashed else (0, 1)
     return f"rank {rank} failed with exit code {code}; its error is printed above", 1
 
 
@@ -96,11 +102,19 @@ def main(argv: list[str]) -> int:
     an unexpected crash, whose traceback the rank printed)."""
     import logging
 
-    os.environ["LOGLEVEL"] = "CRITICAL"  # torchrun's own failure logs: the summary below replaces them
+    # torchrun's own failure logs, and the store's C++ retry logs while nodes meet: the summary below
+    # replaces them; the ranks get the caller's settings back.
+    quiet = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL"}
+    saved = {name: os.environ.get(name) for name in quiet}
+    os.environ.update(quiet)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    del os.environ["LOGLEVEL"]
+    for name, value in saved.items():
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     args = parse_args(argv)
     try:
@@ -108,11 +122,39 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as exc:
         directory = os.environ.get(ERROR_DIR_ENV)
         reported = read_failures(Path(directory)) if directory else []
-        world = int(str(args.nproc_per_node)) if str(args.nproc_per_node).isdigit() else len(exc.failures)
+        world = int(str(args.nproc_per_node)) * int(str(args.nnodes).split(":")[-1]) \
+            if str(args.nproc_per_node).isdigit() else len(exc.failures)
         message, code = summary(reported, {r: f.exitcode for r, f in exc.failures.items()}, world)
         print(f"error: {message}", file=sys.stderr)
         return code
+    except Exception as exc:
+        message = rendezvous_failure(exc, args.rdzv_endpoint, int(str(args.nnodes).split(":")[-1]),
+                                     args.rdzv_conf)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 2
     return 0
+
+
+def rendezvous_failure(exc: Exception, endpoint: str, nnodes: int, conf: str) -> str | None:
+    """The one line for a job whose nodes did not meet (None when `exc` is something else): node 0's
+    rendezvous store at `endpoint` unreachable or its port taken, or nodes that did not join within the
+    rendezvous timeout of `conf` ("timeout=SECONDS")."""
+    text = str(exc)
+    seconds = dict(item.partition("=")[::2] for item in conf.split(",") if item).get("timeout", "?")
+    if "trying to connect to" in text:
+        return (f"cannot reach node 0's rendezvous at {endpoint} within {seconds} s: start node 0 (--node-rank 0) "
+                "too, check the address and port (a firewall?), or raise --timeout")
+    if "address already in use" in text.lower() or "EADDRINUSE" in text:
+        return (f"port {endpoint.rpartition(':')[2]} of --rdzv-endpoint {endpoint} is taken on node 0; choose a "
+                "free port")
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined:
+        missing = int(joined.group(2)) - int(joined.group(1))
+        return (f"{missing} of {nnodes - 1} other nodes did not join the rendezvous at {endpoint} within {seconds} "
+                "s: start `plait train ... --node-rank R` on each of them, or raise --timeout")
+    return None
 
 
 if __name__ == "__main__":

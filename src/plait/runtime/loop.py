@@ -20,6 +20,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from plait.errors import PlaitError
+
 
 class Stepper(Protocol):
     """One path's steps: its batches (fixed global batches, or documents packed per step), its plan for each
@@ -123,7 +125,7 @@ def open_metrics(path: str | None, start: int):
 def _maybe_fail(step: int, rank: int) -> None:
     """Fault injection for restart tests: PLAIT_FAIL_AT_STEP=k kills rank PLAIT_FAIL_RANK (default 1) at
     step k, once (PLAIT_FAIL_MARKER names a file that records it happened); with PLAIT_FAIL_MODE=hang the
-    rank stops answering instead."""
+    rank stops answering instead, with PLAIT_FAIL_MODE=error it fails with a PlaitError."""
     at = os.environ.get("PLAIT_FAIL_AT_STEP")
     marker = os.environ.get("PLAIT_FAIL_MARKER")
     if at is None or marker is None or int(at) != step or rank != int(os.environ.get("PLAIT_FAIL_RANK", "1")):
@@ -132,4 +134,6 @@ def _maybe_fail(step: int, rank: int) -> None:
         Path(marker).write_text(str(step))
         if os.environ.get("PLAIT_FAIL_MODE") == "hang":
             time.sleep(10**6)
+        if os.environ.get("PLAIT_FAIL_MODE") == "error":
+            raise PlaitError(f"injected failure on rank {rank} at step {step}")
         os._exit(1)

@@ -21,8 +21,8 @@ from plait.layout import Layout
 from plait.plan import Plan, Strategy
 from plait.spec.degrees import MESH_DIMS, Degrees
 
-EXPERT_MESH_DIMS = ("edp", "ep")
-"""Names of the device-mesh dimensions of an MoE layer's experts, slowest first (etp = 1)."""
+EXPERT_MESH_DIMS = ("edp", "ep", "etp")
+"""Names of the device-mesh dimensions of an MoE layer's experts, slowest first (Megatron's order)."""
 from plait.spec.model import ModelSpec
 
 
@@ -31,10 +31,11 @@ class ExpertGroups:
     """This rank's groups for the MoE layers of a segment (Megatron's parallel folding over the stage's
     ranks, `Degrees.expert_group`)."""
 
-    mesh: DeviceMesh | None  # dims ("edp", "ep") over the stage's ranks; None when the stage is one rank
+    mesh: DeviceMesh | None  # dims ("edp", "ep", "etp") over the stage's ranks; None when the stage is one rank
     stage: DeviceMesh | None  # the stage's ranks as one dimension ("stage"), for ZeRO on the router and
     # shared experts; None when the stage is one rank
-    edp: dist.ProcessGroup | None  # ranks holding the same experts (their gradients' reduction), None if alone
+    edp: dist.ProcessGroup | None  # ranks holding the same expert shards (their gradients' reduction), None if
+    # alone
     sequence: dist.ProcessGroup | None  # ranks holding parts of the same sequences (cp x sp), None if whole
 
 
@@ -156,12 +157,14 @@ class _Groups:
         degrees = strategy.degrees
         mesh = stage = None
         if len(ranks) > 1:
-            mesh = self.named_mesh(torch.tensor(ranks).view(degrees.edp, degrees.ep), EXPERT_MESH_DIMS)
+            grid = torch.tensor(ranks).view(degrees.edp, degrees.ep, degrees.etp)
+            mesh = self.named_mesh(grid, EXPERT_MESH_DIMS)
             stage = self.named_mesh(torch.tensor(ranks), ("stage",))
         split = degrees.cp * degrees.tp if strategy.sp or degrees.cp > 1 else 1
-        edp = [self.group(degrees.expert_group(ranks, "edp", i)) for i in range(degrees.ep)]
+        shards = degrees.ep * degrees.etp  # positions 0..shards-1 hold every (ep, etp) shard once
+        edp = [self.group(degrees.expert_group(ranks, "edp", i)) for i in range(shards)]
         sequence = [self.group(ranks[i: i + split]) for i in range(0, len(ranks), split)]
-        return ExpertGroups(mesh, stage, edp[degrees.expert_coords(position)[1]], sequence[position // split])
+        return ExpertGroups(mesh, stage, edp[position % shards], sequence[position // split])
 
     def named_mesh(self, grid: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
         """A device mesh of the ranks in `grid` with dimension `names`, built once."""

@@ -24,6 +24,9 @@ STATE_BYTES_PER_PARAM = 16
 """Host bytes per parameter of the training state summed over every rank: weights, gradients, two moments."""
 RANK_BASE_BYTES = 300 * 2**20
 """Host bytes of one rank's process before the model (Python, torch, the process group)."""
+SWITCH_VIA = ("network", "dcp")
+"""How a plan switch moves state (`plait.runtime.stragglers`): from old to new owners over the network, or a
+DCP save and resharded load."""
 
 
 def check_numbers(*, lr: float, seed: int, timeout_s: float) -> None:
@@ -35,6 +38,12 @@ def check_numbers(*, lr: float, seed: int, timeout_s: float) -> None:
         raise PlaitError(f"--seed must be an integer from 0 to 2^63-1, got {seed}")
     if not (math.isfinite(timeout_s) and 0 < timeout_s <= 86400):
         raise PlaitError(f"--timeout must be a number of seconds in (0, 86400], got {timeout_s}")
+
+
+def check_switch_via(value: str) -> None:
+    """Refuse a --switch-via other than those of `SWITCH_VIA`."""
+    if value not in SWITCH_VIA:
+        raise PlaitError(f"--switch-via must be {' or '.join(SWITCH_VIA)}, got {value!r}")
 
 
 def check_seq_len(seq_len: int, model: ModelSpec) -> None:

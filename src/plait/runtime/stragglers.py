@@ -15,10 +15,11 @@ speed, re-plan in the background, and switch plans between two steps without sto
   rank learns the new plan at the next step boundary (if it is predicted `MIN_GAIN` faster). Without a
   profile of this machine (`--profile`) the planner keeps the current parallel degrees and moves data,
   layers and devices only: a cost model of another device cannot be trusted to change degrees.
-* Switching: the model and optimizer state are saved with DCP and loaded under the new plan (resharded to
-  the new owners), and the new plan's process groups are built; the data and learning rate depend only on
-  the step, so the loss continues as if nothing happened. The switch directory must be visible to every
-  rank (one machine, or a shared file system).
+* Switching: the new plan's model and process groups are built, and the model and optimizer state move
+  from the old plan's owners to the new ones over the network (`plait.runtime.migrate`, the default), or,
+  with `--switch-via dcp`, through a DCP save and a resharded load from a directory that every rank must
+  see (one machine, or a shared file system). The data and learning rate depend only on the step, so the
+  loss continues as if nothing happened.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ SHIFT = 0.3
 """Change of a rank's speed factor that triggers re-planning (Malleus: 0.3x)."""
 MIN_GAIN = 0.1
 """A new plan must be predicted this much faster than the current one to be switched to (a switch costs a
-checkpoint round trip, and speed estimates are noisy)."""
+state transfer, and speed estimates are noisy)."""
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,12 @@ class Adaptive:
         self.collected: dict | None = None  # the re-plan collected in this step
         self._probe: tuple[torch.nn.Module, torch.Tensor] | None = None
         self.probes: dict[int, list[float]] = {}  # left-out rank -> its probe's raw factors since left out
-        box = [tempfile.mkdtemp(prefix="plait-switch-") if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        self.directory = Path(box[0])
+        self.switch_record: dict | None = None  # the record of the switch under way
+        self.directory: Path | None = None  # --switch-via dcp: where switches save and load
+        if cfg.switch_via == "dcp":
+            box = [tempfile.mkdtemp(prefix="plait-switch-") if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            self.directory = Path(box[0])
 
     # ---- every step ------------------------------------------------------------------------------------
 
@@ -196,7 +200,8 @@ class Adaptive:
         if decision[0] is None:
             return None
         new = Plan.model_validate_json(decision[0])
-        record["switch"] = {"to": _describe(new), "plan": json.loads(decision[0])}
+        record["switch"] = {"to": _describe(new), "plan": json.loads(decision[0]), "via": self.cfg.switch_via}
+        self.switch_record = record["switch"]  # `switch` adds its seconds and the bytes sent over the network
         return new
 
     def _calibrate_probes(self, factors: list[float], plan: Plan) -> list[float]:
@@ -277,15 +282,31 @@ class Adaptive:
     # ---- switching ---------------------------------------------------------------------------------------
 
     def switch(self, placed, new: Plan, done: int, build: Callable[[Plan], object]):
-        """Move the state of `placed` to `new`'s owners (DCP save, rebuild, resharded load); collective."""
-        from plait.runtime import checkpoint
+        """Build `new` and move the state of `placed` to its owners (over the network, or a DCP save and
+        resharded load with `--switch-via dcp`); collective."""
+        from plait.runtime import checkpoint, migrate
 
-        path = checkpoint.save(self.directory, done, placed.chunks, placed.optimizers)
-        fresh = build(new)
-        checkpoint.load(path, fresh.chunks, fresh.optimizers)
-        dist.barrier()
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
+        t0 = time.perf_counter()
+        if self.directory is None:
+            fresh = build(new)
+            built = time.perf_counter() - t0
+            sent = torch.tensor([migrate.move(placed.chunks, placed.optimizers, fresh.chunks, fresh.optimizers)],
+                                dtype=torch.float64)
+            dist.all_reduce(sent)
+            details = {"sent_bytes": int(sent)}
+        else:
+            path = checkpoint.save(self.directory, done, placed.chunks, placed.optimizers)
+            t1 = time.perf_counter()
+            fresh = build(new)
+            built = time.perf_counter() - t1
+            checkpoint.load(path, fresh.chunks, fresh.optimizers)
+            dist.barrier()
+            if self.rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            details = {}
+        if self.switch_record is not None:  # seconds: rank 0's
+            state_s = time.perf_counter() - t0 - built
+            self.switch_record |= details | {"build_seconds": built, "state_seconds": state_s}
         self.window.clear()
         self.probes.clear()
         return fresh
@@ -293,7 +314,7 @@ class Adaptive:
     def close(self) -> None:
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
-        if self.rank == 0:
+        if self.rank == 0 and self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 

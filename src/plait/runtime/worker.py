@@ -5,8 +5,10 @@ per run (tests and benchmarks)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch.distributed as dist
@@ -15,11 +17,47 @@ from plait.errors import PlaitError
 from plait.runtime.launch import Failure, report_failure
 from plait.runtime.train import COLLECTIVE_TIMEOUT_S, TrainConfig, init_distributed, run
 
+FAILURE_KEY = "plait/failure/"
+"""Store key prefix under which a failing rank posts its Failure (JSON) for the ranks of other nodes."""
+PEER_LOST_TEXTS = ("connection closed by peer", "connection reset by peer", "broken pipe")
+"""What gloo's errors say when another rank's process went away (lower case)."""
+
 
 def is_timeout(exc: BaseException) -> bool:
     """Whether `exc` is a collective or store operation that gave up waiting for another rank."""
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and ("timed out" in text or isinstance(exc, dist.DistError) and "timeout" in text)
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that failed because another rank closed its connection."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(s in text for s in PEER_LOST_TEXTS)
+
+
+def _post(failure: Failure) -> None:
+    """Record `failure` in the job's store too, where ranks on other nodes find it (best effort: the store
+    may be gone)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{FAILURE_KEY}{failure.rank}", json.dumps(asdict(failure)))
+    except Exception:  # noqa: BLE001 - the failure is reported locally anyway
+        pass
+
+
+def _peer_failure(rank: int) -> Failure | None:
+    """The error another rank posted before it stopped, named by rank and node (None when none did)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        for other in range(dist.get_world_size()):
+            if other != rank and store.check([f"{FAILURE_KEY}{other}"]):
+                posted = Failure(**json.loads(store.get(f"{FAILURE_KEY}{other}")))
+                if posted.kind == "error":
+                    return Failure(rank, f"rank {other} on node {other // per_node}: {posted.message}")
+    except Exception:  # noqa: BLE001 - the store went away with the failed node
+        return None
+    return None
 
 
 def main(argv: list[str]) -> int:
@@ -57,6 +95,10 @@ def main(argv: list[str]) -> int:
         _exit_reported(Failure(rank, f"rank {rank} ran out of host memory; use a smaller model, fewer ranks or a "
                                      "smaller --global-batch"))
     except Exception as exc:
+        if is_peer_lost(exc):
+            _exit_reported(_peer_failure(rank) or Failure(
+                rank, f"rank {rank} lost its connection to another rank, which stopped without saying why; see "
+                      "that rank's output (on another node: that node's launcher)", "lost"))
         if not is_timeout(exc):
             raise
         _exit_reported(Failure(rank, f"rank {rank} timed out in a collective", "timeout", timeout_s))
@@ -70,6 +112,8 @@ def _exit_reported(failure: Failure) -> None:
     collective with this one, so tearing the process group down could wait, and the communication threads
     would abort the interpreter's exit with a message of their own."""
     report_failure(failure)
+    if dist.is_initialized():
+        _post(failure)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(2)

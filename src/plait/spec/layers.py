@@ -27,7 +27,11 @@ from plait.errors import PlaitError
 Kind = Literal["decoder", "moe", "encoder", "cross_decoder", "vision", "patch_embed", "projector"]
 KINDS: tuple[str, ...] = ("decoder", "moe", "encoder", "cross_decoder", "vision", "patch_embed", "projector")
 Recompute = Literal["none", "selective", "full"]
-Attention = Literal["flash", "eager"]
+Attention = Literal["flash", "eager", "triton"]
+"""Attention kernel: "flash" (FlashAttention-2-class fused kernel, the default), "triton" (the Triton
+FlashAttention of flash_attn_triton.py, e.g. llm-foundry's `attn_impl: triton`), "eager" (unfused)."""
+FUSED_ATTENTION: tuple[str, ...] = ("flash", "triton")
+"""Attention kernels that never write the score matrix (they keep a log-sum-exp per query and head)."""
 Norm = Literal["layernorm", "rmsnorm"]
 
 MASK_BYTES = 1
@@ -35,6 +39,17 @@ MASK_BYTES = 1
 LSE_BYTES = 4
 """Bytes per (token, head) of the fp32 log-sum-exp a flash-attention kernel saves for backward."""
 ROUTER_BYTES = 4
+"""Bytes per (token, expert) of the fp32 router logits and probabilities an MoE layer keeps for backward."""
+GATED_MLP_SAVED = 4
+"""ffn-wide tensors a gated MLP (SwiGLU/GeGLU) keeps for backward: the gate and up projections, the activated
+gate (the product's backward reads it) and the product (input of the down projection). Unfused, as plait's
+runtime (models/llama.py, models/moe.py) and Galvatron 2.4.0 (core/runtime/tensor_parallel/transformer.py,
+`swiglu`) run it; Galvatron's memory profile of llama-7b measures 301.3 MiB per 2048-token sequence at tp=1
+(37.7 bytes per token per hidden unit), which this count gives within 0.4% and three tensors miss by 14%
+(docs/benchmarks/galvatron-memory.md). Megatron's fused bias-SwiGLU recomputes the activation (three)."""
+UNGATED_MLP_SAVED = 2
+"""ffn-wide tensors a two-matrix MLP keeps for backward: the activation's input and output (Korthikanti
+et al. 2022, Table 2: 8sbh + 8sbh at ffn = 4h)."""
 """Bytes per (token, expert) of the fp32 router logits and probabilities an MoE layer keeps for backward."""
 IMAGE_CHANNELS = 3
 """Input channels of an image (RGB)."""
@@ -317,7 +332,7 @@ class Block:
         proj_in = 2 * self.o_dim
         if self.latent:  # the latents into the up-projections (and their norms)
             replicated += 2 * 2 * (self.q_lora + self.kv_lora)
-        mlp_width = 3 if self.gated_mlp else 2  # SwiGLU: gate, up, product; GeLU: in, out
+        mlp_width = GATED_MLP_SAVED if self.gated_mlp else UNGATED_MLP_SAVED
         mlp = mlp_width * 2 * self.ffn  # a moe layer's ffn is its shared experts' width
         sharded = q_k + v + proj_in + mlp
         if self.kind == "moe":  # router probabilities; the routed experts' activations: routed_activation_bytes
@@ -335,16 +350,16 @@ class Block:
             if self.dropout:
                 quadratic += 2 * heads  # attention-dropout output
                 quad_masks = heads * MASK_BYTES
-        elif self.attention == "flash":
+        elif self.attention in FUSED_ATTENTION:
             sharded += LSE_BYTES * heads
         return ActivationBytes(replicated, sharded, quadratic, drop_masks, quad_masks)
 
     def routed_activation_bytes(self) -> tuple[int, int]:
         """(input, hidden) bytes a routed expert keeps for backward per (token, expert) pair, 16-bit: the
-        token's hidden state into the expert, and its MLP activations (SwiGLU: gate, up, product)."""
+        token's hidden state into the expert, and its MLP activations (GATED_MLP_SAVED, UNGATED_MLP_SAVED)."""
         if self.kind != "moe":
             return 0, 0
-        return 2 * self.hidden, (3 if self.gated_mlp else 2) * 2 * self.expert_ffn
+        return 2 * self.hidden, (GATED_MLP_SAVED if self.gated_mlp else UNGATED_MLP_SAVED) * 2 * self.expert_ffn
 
     # ---- communication volumes (elements per token) ---------------------------------------
     @property

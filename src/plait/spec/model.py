@@ -422,8 +422,8 @@ _INLINE_EXAMPLES = {
 
 def _inline_value(text: str, key: str, raw: str) -> object:
     if key == "attention":
-        if raw not in ("flash", "eager"):
-            raise PlaitError(f"inline model {text!r}: attention must be flash or eager, got {raw!r}")
+        if raw not in ("flash", "eager", "triton"):
+            raise PlaitError(f"inline model {text!r}: attention must be flash, triton or eager, got {raw!r}")
         return raw
     if key == "vision":
         if raw not in stacks.VISION_TOWERS:
