@@ -19,7 +19,16 @@ from plait.runtime.nodes import Nodes, check_world, node_notes, parse_nodes, tor
 from plait.spec.model import ModelSpec, load_model
 
 TrainModelOpt = Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama:/t5: spec")]
-DataOpt = Annotated[Path | None, typer.Option("--data", help="text file (byte-level tokens); default synthetic")]
+DataOpt = Annotated[Path | None, typer.Option(
+    "--data", help="text file (byte-level), .bin/.npy token file, or dataset (.jsonl/.parquet files, a "
+    "save_to_disk directory); default synthetic")]
+TokenizerOpt = Annotated[Path | None, typer.Option(
+    "--tokenizer", help="--data dataset: a local tokenizer directory (tokenizer.json)")]
+TextFieldOpt = Annotated[str, typer.Option("--text-field", help="--data dataset: the column holding the text")]
+DataDtypeOpt = Annotated[str | None, typer.Option(
+    "--data-dtype", help="--data .bin: uint16 | uint32 | ... (default: from the name, else uint16)")]
+DataCacheOpt = Annotated[Path | None, typer.Option(
+    "--data-cache", help="where tokenized datasets are cached (default ~/.cache/plait/tokens)")]
 CheckpointDirOpt = Annotated[Path | None, typer.Option(
     "--checkpoint-dir", help="save (DCP) here and resume from the newest readable checkpoint in it")]
 ResumeFromOpt = Annotated[Path | None, typer.Option(
@@ -75,13 +84,21 @@ def train_cmd(
     capacity: Annotated[int, typer.Option("--capacity", help="--varlen: tokens a rank holds at once")] = 1024,
     sp: Annotated[int | None, typer.Option("--sp", help="--varlen static: the sequence-parallel degree")] = None,
     cp_mode: CpModeOpt = "ulysses",
+    tokenizer: TokenizerOpt = None,
+    text_field: TextFieldOpt = "text",
+    data_dtype: DataDtypeOpt = None,
+    data_cache: DataCacheOpt = None,
 ) -> None:
     """Train with a plan on this machine's ranks (launches torchrun), or inside an existing torchrun job.
     With --varlen, train on variable-length documents whose parallel layout is planned every step."""
     from plait.runtime import preflight
+    from plait.runtime.data import prepare_data
 
     with one_line_errors():
         m = load_model(model)
+        source, data_dtype = prepare_data(str(data) if data else None, m.vocab, str(tokenizer) if tokenizer else None,
+                                          text_field, data_dtype, str(data_cache) if data_cache else None)
+        data = Path(source) if source else None
         preflight.check_numbers(lr=lr, seed=seed, timeout_s=timeout)
         metrics_file = optional_output(metrics_out, "metrics.jsonl", "--metrics-out")
         if seq_len is not None:
@@ -92,7 +109,7 @@ def train_cmd(
                                         metrics_file, lengths, capacity, sp, cp_mode, plan or strategy,
                                         checkpoint_dir or hf_checkpoint or adaptive or inject_slow or resume_from
                                         or slurm)
-            _launch(replace(cfg, timeout_s=timeout), world, inside, max_restarts, m, nodes)
+            _launch(replace(cfg, timeout_s=timeout, data_dtype=data_dtype), world, inside, max_restarts, m, nodes)
             return
         p, world = _train_plan(plan, strategy, m, world, steps, seq_len, global_batch)
         if _check_nodes(ctx, p, nodes, world, checkpoint_dir, slurm, partition, time_limit):
@@ -101,6 +118,7 @@ def train_cmd(
                             metrics_file=metrics_file, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                             timeout=timeout, resume_from=resume_from, hf_checkpoint=hf_checkpoint, adaptive=adaptive,
                             inject_slow=inject_slow, profile=profile, switch_via=switch_via)
+        cfg = replace(cfg, data_dtype=data_dtype)
         _check_restarts(m, checkpoint_dir, checkpoint_every, resume_from, max_restarts)
     _launch(cfg, world, inside, max_restarts, m, nodes)
 

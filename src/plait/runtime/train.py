@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -30,7 +29,8 @@ from plait.models.hf_weights import load_hf_safetensors
 from plait.models.vision import IGNORE_INDEX, image_targets
 from plait.plan import Plan
 from plait.runtime import checkpoint, memory, swap
-from plait.runtime.data import Batch, TokenSource, shard
+from plait.runtime.data import SAMPLES_LOG_ENV, TokenSource, log_samples
+from plait.runtime.loop import lr_at, step_optimizers, train_loop
 from plait.runtime.optim import make_optimizer
 from plait.runtime.parallelize import parallelize_chunk, sync_gradients
 from plait.runtime.placement import Placement, check_executable, place
@@ -54,7 +54,8 @@ class TrainConfig:
     warmup: int = 2
     clip: float = 1.0
     dtype: str = "fp32"
-    data: str | None = None
+    data: str | None = None  # a text file, or a token file (.bin/.npy; datasets are tokenized into one first)
+    data_dtype: str | None = None  # a .bin token file's element type (default: from its name, else uint16)
     metrics_out: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only after the last step
@@ -80,14 +81,6 @@ class TrainConfig:
     @staticmethod
     def from_json(text: str) -> TrainConfig:
         return TrainConfig(**json.loads(text))
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak over the run."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_checkpoint: str | None = None,
@@ -337,8 +330,8 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
     if cfg.varlen:
         from plait.runtime.varlen import run_varlen
 
-        return run_varlen(cfg, report)
-    rank, world = dist.get_rank(), dist.get_world_size()
+        return run_varlen(cfg, report, before_step)
+    world = dist.get_world_size()
     spec = load_model(cfg.model)
     plan = Plan.model_validate(cfg.plan)
     check_executable(plan, spec, world)
@@ -347,102 +340,116 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
                          "--adaptive and --inject-slow")
     if cfg.dtype not in ("fp32", "bf16"):
         raise PlaitError(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
-    # bf16: fp32 master weights and optimizer, bf16 autocast for the forward (and so the backward) math.
-    autocast = torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16,
-                              enabled=cfg.dtype == "bf16")
     torch.manual_seed(cfg.seed)
     reserve = memory.current_bytes()  # before any model state
     adaptive = Adaptive(cfg, spec, world) if cfg.adaptive or cfg.inject_slow else None
-    clock = adaptive.clock if adaptive else None
-    placed = apply_plan(cfg, spec, plan, clock, hand_sync=adaptive is not None)
-    start = resume(cfg, spec, placed, rank)
-    source = TokenSource(spec.vocab, plan.seq_len, plan.global_batch, cfg.seed, cfg.data)
-    metrics: list[dict] = []
-    out = open_metrics(cfg.metrics_out, start) if rank == 0 else None
-    try:
-        for step in range(start, cfg.steps):
-            _maybe_fail(step, rank)
-            if before_step:
-                before_step(step)
-            if adaptive:
-                adaptive.before_step(step)
-            t0 = time.perf_counter()
-            params, where = placed.params, placed.where
-            for optimizer in placed.optimizers:
-                for group in optimizer.param_groups:
-                    group["lr"] = lr_at(step, cfg)
-            batch = source.batch(step)
-            batch = Batch(batch.inputs, image_targets(batch.targets, spec))
-            loss_sum = torch.zeros(2, dtype=torch.float64)
-            meter = memory.SavedActivations(params) if step == start else contextlib.nullcontext()
-            for chunk in placed.chunks:  # token-wise swapping's byte counts, per step
-                if getattr(chunk, "swap_meter", None) is not None:
-                    chunk.swap_meter.reset()
-            grads = 0.0
-            grad_norm = 0.0
-            if not where.idle:
-                # Micro-batch k of a pipeline holds sequences [k, k + B) of the global batch; a layout with
-                # data-parallel degree dp gives each of its dp parts B/dp of them.
-                micro, (in_first, in_count), (out_first, out_count), sl = placed.rows()
-                inputs = [shard(batch, k + in_first, in_count).inputs for k in micro]
-                targets = [shard(batch, k + out_first, out_count).targets[:, sl[0]: sl[1]] for k in micro]
-                with meter:
-                    _forward_backward(placed, inputs, targets, out_count, loss_sum, autocast, clock)
-            elif adaptive:
-                adaptive.probe()
-            _shard_grads_like_params(params)
-            if step == start:
-                grads = memory.tensor_bytes(p.grad for p in params)
-            t1 = time.perf_counter()
-            for sync in placed.manual_sync:
-                sync()
-            if placed.tied is not None and placed.tied.grad is not None:
-                _sum_tied_grad(placed.tied, where.tied_group)
-            t2 = time.perf_counter()
-            if not where.idle:
-                grad_norm = clip_grads(params, cfg.clip, where.pp_group, uncounted=None if where.first else placed.tied)
-            t3 = time.perf_counter()
-            for optimizer in placed.optimizers:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            t4 = time.perf_counter()
-            dist.all_reduce(loss_sum)
-            elapsed = time.perf_counter() - t0
-            record = {"step": step, "loss": float(loss_sum[0] / loss_sum[1]), "step_time_s": elapsed,
-                      "tokens_per_s": plan.global_batch * plan.seq_len / elapsed, "lr": lr_at(step, cfg),
-                      "grad_norm": grad_norm, "peak_memory_bytes": memory.peak_bytes(),
-                      "phases_s": {"forward_backward": t1 - t0, "gradient_sync": t2 - t1, "clip": t3 - t2,
-                                   "optimizer": t4 - t3}}
-            if (swapped := swap.step_metrics(placed.chunks)) is not None:
-                record["swap"] = swapped
-            if step == start:  # the peak's terms on every rank, as `plait simulate` predicts them
-                mine = memory.terms(memory.tensor_bytes(params), grads,
-                                    memory.optimizer_state_bytes(placed.optimizers), getattr(meter, "peak", 0.0),
-                                    reserve, memory.peak_bytes())
-                by_rank: list[dict | None] = [None] * world
-                dist.all_gather_object(by_rank, mine)
-                record["memory_terms"] = by_rank
-            done = step + 1
-            if adaptive:
-                new = adaptive.after_step(step, placed, record)
-                if new is not None:  # every rank switches at the same step
-                    t5 = time.perf_counter()
-                    placed = adaptive.switch(placed, new, done, lambda p: apply_plan(cfg, spec, p, clock, True))
-                    record["switch"]["seconds"] = time.perf_counter() - t5
-                    plan = new
-            if rank == 0:
-                publish(record, metrics, out, report)
-            if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
-                checkpoint.save(cfg.checkpoint_dir, done, placed.chunks, placed.optimizers, spec)
-    finally:
-        if out:
-            out.close()
-        if adaptive:
-            adaptive.close()
-    return metrics
+    placed = apply_plan(cfg, spec, plan, adaptive.clock if adaptive else None, hand_sync=adaptive is not None)
+    start = resume(cfg, spec, placed.chunks, placed.optimizers, dist.get_rank())
+    source = TokenSource(spec.vocab, plan.seq_len, plan.global_batch, cfg.seed, cfg.data, cfg.data_dtype)
+    return train_loop(cfg, PlanSteps(cfg, spec, placed, source, adaptive, start, reserve), start, report, before_step)
 
 
-def resume(cfg: TrainConfig, spec: ModelSpec, placed: Placed, rank: int) -> int:
+class PlanSteps:
+    """Steps of fixed-length global batches under one plan at a time (`Stepper`): the plan changes only when
+    the straggler monitor (`adaptive`) switches it at a step boundary."""
+
+    def __init__(self, cfg: TrainConfig, spec: ModelSpec, placed: Placed, source: TokenSource,
+                 adaptive: Adaptive | None, start: int, reserve: float) -> None:
+        self.cfg, self.spec, self.placed, self.source, self.adaptive = cfg, spec, placed, source, adaptive
+        self.start, self.reserve = start, reserve
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.clock = adaptive.clock if adaptive else None
+        # bf16: fp32 master weights and optimizer, bf16 autocast for the forward (and so the backward) math.
+        self.autocast = torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16,
+                                       enabled=cfg.dtype == "bf16")
+        self.samples_log = os.environ.get(SAMPLES_LOG_ENV)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.placed.optimizers
+
+    def before_step(self, step: int) -> None:
+        if self.adaptive:
+            self.adaptive.before_step(step)
+
+    def train_step(self, step: int, t0: float) -> dict:
+        cfg, spec, placed, source, start = self.cfg, self.spec, self.placed, self.source, self.start
+        params, where, plan = placed.params, placed.where, placed.plan
+        loss_sum = torch.zeros(2, dtype=torch.float64)
+        meter = memory.SavedActivations(params) if step == start else contextlib.nullcontext()
+        for chunk in placed.chunks:  # token-wise swapping's byte counts, per step
+            if getattr(chunk, "swap_meter", None) is not None:
+                chunk.swap_meter.reset()
+        grads = 0.0
+        grad_norm = 0.0
+        if not where.idle:
+            # Micro-batch k of a pipeline holds sequences [k, k + B) of the global batch; a layout with
+            # data-parallel degree dp gives each of its dp parts B/dp of them.
+            micro, (in_first, in_count), (out_first, out_count), sl = placed.rows()
+            inputs = [source.rows(step, k + in_first, in_count).inputs for k in micro]
+            targets = [image_targets(source.rows(step, k + out_first, out_count).targets, spec)[:, sl[0]: sl[1]]
+                       for k in micro]
+            if self.samples_log:
+                read = {i for k in micro for first, count in ((k + in_first, in_count), (k + out_first, out_count))
+                        for i in source.sample_ids(step, first, count)}
+                log_samples(self.samples_log, self.rank, step, sorted(read))
+            with meter:
+                _forward_backward(placed, inputs, targets, out_count, loss_sum, self.autocast, self.clock)
+        elif self.adaptive:
+            self.adaptive.probe()
+        _shard_grads_like_params(params)
+        if step == start:
+            grads = memory.tensor_bytes(p.grad for p in params)
+        t1 = time.perf_counter()
+        for sync in placed.manual_sync:
+            sync()
+        if placed.tied is not None and placed.tied.grad is not None:
+            _sum_tied_grad(placed.tied, where.tied_group)
+        t2 = time.perf_counter()
+        if not where.idle:
+            grad_norm = clip_grads(params, cfg.clip, where.pp_group, uncounted=None if where.first else placed.tied)
+        t3 = time.perf_counter()
+        step_optimizers(placed.optimizers)
+        t4 = time.perf_counter()
+        dist.all_reduce(loss_sum)
+        elapsed = time.perf_counter() - t0
+        record = {"step": step, "loss": float(loss_sum[0] / loss_sum[1]), "step_time_s": elapsed,
+                  "tokens_per_s": plan.global_batch * plan.seq_len / elapsed, "lr": lr_at(step, cfg),
+                  "grad_norm": grad_norm, "peak_memory_bytes": memory.peak_bytes(),
+                  "phases_s": {"forward_backward": t1 - t0, "gradient_sync": t2 - t1, "clip": t3 - t2,
+                               "optimizer": t4 - t3}}
+        if (swapped := swap.step_metrics(placed.chunks)) is not None:
+            record["swap"] = swapped
+        if step == start:  # the peak's terms on every rank, as `plait simulate` predicts them
+            mine = memory.terms(memory.tensor_bytes(params), grads, memory.optimizer_state_bytes(placed.optimizers),
+                                getattr(meter, "peak", 0.0), self.reserve, memory.peak_bytes())
+            by_rank: list[dict | None] = [None] * self.world
+            dist.all_gather_object(by_rank, mine)
+            record["memory_terms"] = by_rank
+        return record
+
+    def after_step(self, step: int, record: dict) -> None:
+        """Switch plans around stragglers when the monitor says so (every rank at the same step)."""
+        if not self.adaptive:
+            return
+        new = self.adaptive.after_step(step, self.placed, record)
+        if new is not None:
+            t5 = time.perf_counter()
+            cfg, spec, clock = self.cfg, self.spec, self.clock
+            self.placed = self.adaptive.switch(self.placed, new, step + 1,
+                                               lambda p: apply_plan(cfg, spec, p, clock, True))
+            record["switch"]["seconds"] = time.perf_counter() - t5
+
+    def save(self, done: int) -> None:
+        checkpoint.save(self.cfg.checkpoint_dir, done, self.placed.chunks, self.placed.optimizers, self.spec)
+
+    def close(self) -> None:
+        if self.adaptive:
+            self.adaptive.close()
+
+
+def resume(cfg: TrainConfig, spec: ModelSpec, chunks: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer],
+           rank: int) -> int:
     """Load the checkpoint to start from and return the steps it was saved after (0: none): --resume-from,
     else the newest checkpoint of --checkpoint-dir that loads; rank 0 prints a note for each one skipped."""
     def note(line: str) -> None:
@@ -451,14 +458,14 @@ def resume(cfg: TrainConfig, spec: ModelSpec, placed: Placed, rank: int) -> int:
 
     if cfg.resume_from:
         path = Path(cfg.resume_from)
-        checkpoint.load(path, placed.chunks, placed.optimizers)
+        checkpoint.load(path, chunks, optimizers)
         return checkpoint.step_of(path)
     if not cfg.checkpoint_dir:
         return 0
     candidates = checkpoint.resumable(cfg.checkpoint_dir, spec, note)
     for path in candidates:
         try:
-            checkpoint.load(path, placed.chunks, placed.optimizers)
+            checkpoint.load(path, chunks, optimizers)
         except PlaitError as exc:
             note(f"{exc}; using the next older checkpoint")
             continue
@@ -467,47 +474,6 @@ def resume(cfg: TrainConfig, spec: ModelSpec, placed: Placed, rank: int) -> int:
         raise PlaitError(f"no checkpoint in {cfg.checkpoint_dir!r} could be loaded; delete them or give another "
                          "--checkpoint-dir")
     return 0
-
-
-def publish(record: dict, metrics: list[dict], out, report) -> None:
-    """Rank 0's end of a step: keep the record, append it to the metrics file, hand it to `report`."""
-    metrics.append(record)
-    if out:
-        out.write(json.dumps(record) + "\n")
-        out.flush()
-    if report:
-        report(record)
-
-
-def open_metrics(path: str | None, start: int):
-    """The metrics file for appending, keeping only the records of steps before `start` (a resumed run
-    neither loses nor repeats a step)."""
-    if not path:
-        return None
-    file = Path(path)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    kept = []
-    if file.exists() and start > 0:
-        kept = [line for line in file.read_text().splitlines() if line and json.loads(line)["step"] < start]
-    file.write_text("".join(line + "\n" for line in kept))
-    return file.open("a")
-
-
-def _maybe_fail(step: int, rank: int) -> None:
-    """Fault injection for restart tests: PLAIT_FAIL_AT_STEP=k kills rank PLAIT_FAIL_RANK (default 1) at
-    step k, once (PLAIT_FAIL_MARKER names a file that records it happened); with PLAIT_FAIL_MODE=hang the
-    rank stops answering instead, with PLAIT_FAIL_MODE=error it fails with a PlaitError."""
-    at = os.environ.get("PLAIT_FAIL_AT_STEP")
-    marker = os.environ.get("PLAIT_FAIL_MARKER")
-    if at is None or marker is None or int(at) != step or rank != int(os.environ.get("PLAIT_FAIL_RANK", "1")):
-        return
-    if not os.path.exists(marker):
-        Path(marker).write_text(str(step))
-        if os.environ.get("PLAIT_FAIL_MODE") == "hang":
-            time.sleep(10**6)
-        if os.environ.get("PLAIT_FAIL_MODE") == "error":
-            raise PlaitError(f"injected failure on rank {rank} at step {step}")
-        os._exit(1)
 
 
 def init_distributed(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:

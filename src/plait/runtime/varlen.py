@@ -29,11 +29,12 @@ from torch import Tensor, nn
 
 from plait.errors import PlaitError
 from plait.models import build_model
-from plait.runtime import memory
+from plait.runtime import checkpoint, memory
 from plait.runtime.data import BYTE_VOCAB, TokenSource
 from plait.runtime.optim import make_optimizer
 from plait.runtime.packing import IGNORE, Packed, contiguous, document_mask, pack, zigzag
 from plait.runtime.ring import RingLayout, ring_attention
+from plait.runtime.token_files import is_token_file
 from plait.runtime.ulysses import Ulysses
 from plait.spec.model import ModelSpec, load_model
 
@@ -65,13 +66,13 @@ class StepLayout:
 class DocumentSource:
     """Every step's documents: `global_batch` lengths drawn (seeded by step) from `lengths` and clipped to
     [1, max_length] (the model's positions); each document holds length + 1 tokens (inputs and next-token
-    targets) read from a text file's bytes, or seeded random tokens."""
+    targets) read from a text file's bytes or a token file, or seeded random tokens."""
 
     def __init__(self, lengths: np.ndarray, global_batch: int, seed: int, vocab: int, max_length: int,
-                 path: str | None = None) -> None:
+                 path: str | None = None, dtype: str | None = None) -> None:
         self.pool, self.global_batch, self.seed, self.vocab = lengths, global_batch, seed, vocab
         self.max_length = max_length
-        self.text = TokenSource(vocab, max_length, 1, seed, path).tokens if path else None
+        self.text = TokenSource(vocab, max_length, 1, seed, path, dtype) if path else None
 
     def lengths(self, step: int) -> list[int]:
         rng = np.random.default_rng((self.seed, step))
@@ -84,9 +85,9 @@ class DocumentSource:
                 gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 65_537 + i)
                 out.append(torch.randint(0, self.vocab, (n + 1,), generator=gen))
             else:
-                span = max(len(self.text) - (n + 1), 1)
+                span = max(self.text.length - (n + 1), 1)
                 start = (step * self.global_batch + i) * 7_919 % span
-                out.append(self.text[start: start + n + 1])
+                out.append(self.text.span(start, n + 1))
         return out
 
 
@@ -241,79 +242,98 @@ def check_config(cfg, spec: ModelSpec, world: int) -> None:
     if ulysses and spec.heads % min(largest, cfg.sp or largest):
         raise PlaitError(f"Ulysses groups of up to {min(largest, cfg.sp or largest)} ranks need the heads "
                          f"({spec.heads}) to divide among them; use --cp-mode ring or fewer ranks")
-    if cfg.data and spec.vocab < BYTE_VOCAB:
+    if cfg.data and not is_token_file(cfg.data) and spec.vocab < BYTE_VOCAB:
         raise PlaitError(f"the byte-level tokenizer needs a vocabulary of at least {BYTE_VOCAB}; {spec.name} has "
                          f"{spec.vocab}")
-    for name, value in (("--checkpoint-dir", cfg.checkpoint_dir), ("--adaptive", cfg.adaptive),
+    for name, value in (("--adaptive", cfg.adaptive),
                         ("--hf-checkpoint", cfg.hf_checkpoint), ("--inject-slow", cfg.inject_slow)):
         if value:
             raise PlaitError(f"{name} does not combine with --varlen yet; drop one of them")
 
 
-def run_varlen(cfg, report=None) -> list[dict]:
+def run_varlen(cfg, report=None, before_step=None) -> list[dict]:
     """Train `cfg.steps` steps of variable-length documents; returns (on rank 0) one metrics dict per step."""
     from plait.planner.varlen import load_lengths
-    from plait.runtime.train import clip_grads, lr_at, open_metrics, publish
+    from plait.runtime.loop import train_loop
+    from plait.runtime.train import resume
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     spec = load_model(cfg.model)
     check_config(cfg, spec, world)
     torch.manual_seed(cfg.seed)
     source = DocumentSource(load_lengths(cfg.lengths), cfg.global_batch, cfg.seed, spec.vocab,
-                            spec.max_seq_len, cfg.data)
-    model = build_model(spec)
-    model.init_weights(cfg.seed)
-    params = list(model.parameters())
-    optimizer = make_optimizer(params, cfg.lr)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
-    planner = Planner(cfg, spec, source, world)
-    groups = Groups()
-    out = open_metrics(cfg.metrics_out, 0) if rank == 0 else None
-    metrics: list[dict] = []
-    try:
-        for step in range(cfg.steps):
-            t0 = time.perf_counter()
-            layout, waited = planner.layout(step, cfg.steps)
-            groups.prepare(layout)
-            for g in optimizer.param_groups:
-                g["lr"] = lr_at(step, cfg)
-            docs = source.documents(step)
-            total = sum(len(d) - 1 for d in docs)  # target tokens of the global batch
-            loss_sum = torch.zeros((), dtype=torch.float64)
-            t1 = time.perf_counter()
-            for mb in layout.micro_batches:
-                # A rank may serve several groups of a micro-batch one after another (ByteScale's spread
-                # sequences); every rank takes its works in the layout's order, so no two groups wait on
-                # each other.
-                for work in (w for w in mb if rank in w.ranks):
-                    mode = planner.mode
-                    packed = pack([docs[i] for i in work.documents], padding_multiple(len(work.ranks), mode))
-                    group = groups[work.ranks] if len(work.ranks) > 1 else None
-                    with autocast:
-                        logits, targets = run_group(model, packed, work.ranks, mode, group)
-                        loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
-                    (loss / total).backward()
-                    loss_sum += loss.detach().double()
-            t2 = time.perf_counter()
-            sum_gradients(params)
-            grad_norm = clip_grads(params, cfg.clip, None)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            dist.all_reduce(loss_sum)
-            elapsed = time.perf_counter() - t0
-            record = {"step": step, "loss": float(loss_sum / total), "step_time_s": elapsed,
-                      "tokens_per_s": total / elapsed, "tokens": total, "lr": lr_at(step, cfg),
-                      "grad_norm": grad_norm, "peak_memory_bytes": memory.peak_bytes(),
-                      "layout": layout.summary(), "planned_s": layout.planned_s, "solve_s": layout.solve_s,
-                      "plan_wait_s": waited, "phases_s": {"plan_and_groups": t1 - t0, "forward_backward": t2 - t1,
-                                                          "gradient_sync_and_step": elapsed - (t2 - t0)}}
-            if rank == 0:
-                publish(record, metrics, out, report)
-    finally:
-        planner.close()
-        if out:
-            out.close()
-    return metrics
+                            spec.max_seq_len, cfg.data, cfg.data_dtype)
+    steps = DocumentSteps(cfg, spec, source, world)
+    start = resume(cfg, spec, [steps.model], [steps.optimizer], dist.get_rank())
+    return train_loop(cfg, steps, start, report, before_step)
+
+
+class DocumentSteps:
+    """Steps of variable-length documents (`plait.runtime.loop.Stepper`): each step's documents are laid
+    out by the planner (one step ahead, on rank 0) and packed per group; weights replicated on every rank."""
+
+    def __init__(self, cfg, spec: ModelSpec, source: DocumentSource, world: int) -> None:
+        self.cfg, self.spec, self.source, self.rank = cfg, spec, source, dist.get_rank()
+        self.model = build_model(spec)
+        self.model.init_weights(cfg.seed)
+        self.params = list(self.model.parameters())
+        self.optimizer = make_optimizer(self.params, cfg.lr)
+        self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
+        self.planner = Planner(cfg, spec, source, world)
+        self.groups = Groups()
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def train_step(self, step: int, t0: float) -> dict:
+        from plait.runtime.loop import lr_at, step_optimizers
+        from plait.runtime.train import clip_grads
+
+        cfg, rank, model, planner = self.cfg, self.rank, self.model, self.planner
+        layout, waited = planner.layout(step, cfg.steps)  # this step's plan
+        self.groups.prepare(layout)
+        docs = self.source.documents(step)
+        total = sum(len(d) - 1 for d in docs)  # target tokens of the global batch
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        t1 = time.perf_counter()
+        for mb in layout.micro_batches:
+            # A rank may serve several groups of a micro-batch one after another (ByteScale's spread
+            # sequences); every rank takes its works in the layout's order, so no two groups wait on
+            # each other.
+            for work in (w for w in mb if rank in w.ranks):
+                mode = planner.mode
+                packed = pack([docs[i] for i in work.documents], padding_multiple(len(work.ranks), mode))
+                group = self.groups[work.ranks] if len(work.ranks) > 1 else None
+                with self.autocast:
+                    logits, targets = run_group(model, packed, work.ranks, mode, group)
+                    loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
+                (loss / total).backward()
+                loss_sum += loss.detach().double()
+        t2 = time.perf_counter()
+        sum_gradients(self.params)
+        grad_norm = clip_grads(self.params, cfg.clip, None)
+        step_optimizers([self.optimizer])
+        dist.all_reduce(loss_sum)
+        elapsed = time.perf_counter() - t0
+        return {"step": step, "loss": float(loss_sum / total), "step_time_s": elapsed,
+                "tokens_per_s": total / elapsed, "tokens": total, "lr": lr_at(step, cfg),
+                "grad_norm": grad_norm, "peak_memory_bytes": memory.peak_bytes(),
+                "layout": layout.summary(), "planned_s": layout.planned_s, "solve_s": layout.solve_s,
+                "plan_wait_s": waited, "phases_s": {"plan_and_groups": t1 - t0, "forward_backward": t2 - t1,
+                                                    "gradient_sync_and_step": elapsed - (t2 - t0)}}
+
+    def after_step(self, step: int, record: dict) -> None:
+        pass  # the layout changes every step inside train_step; there is no plan to switch between steps
+
+    def save(self, done: int) -> None:
+        checkpoint.save(self.cfg.checkpoint_dir, done, [self.model], [self.optimizer], self.spec)
+
+    def close(self) -> None:
+        self.planner.close()
 
 
 def sum_gradients(params: list[nn.Parameter]) -> None:
