@@ -53,41 +53,35 @@ CpModeOpt = Annotated[str, typer.Option(
     "--cp-mode", help="--varlen flexsp/static: ulysses | ring (how a group splits a row)")]
 
 
+StrategyOpt = Annotated[str | None, typer.Option("--strategy", help='e.g. "dp=2,tp=2,gbs=8"')]
+NprocOpt = Annotated[int | None, typer.Option(
+    "--nproc", "--gpus-per-node", help="ranks to launch on each node (default: the plan's)")]
+StepsOpt = Annotated[int, typer.Option("--steps", help="optimizer steps")]
+GlobalBatchOpt = Annotated[int | None, typer.Option("--global-batch", "-b", help="sequences per step")]
+SeedOpt = Annotated[int, typer.Option("--seed")]
+LrOpt = Annotated[float, typer.Option("--lr", help="peak learning rate")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="fp32 | bf16")]
+MetricsOutOpt = Annotated[str | None, typer.Option("--metrics-out", help="JSON lines, one per step")]
+CheckpointEveryOpt = Annotated[int, typer.Option("--checkpoint-every", help="steps between checkpoints")]
+MaxRestartsOpt = Annotated[int, typer.Option("--max-restarts", help="torchrun restarts after a failure")]
+CapacityOpt = Annotated[int, typer.Option("--capacity", help="--varlen: tokens a rank holds at once")]
+VarlenSpOpt = Annotated[int | None, typer.Option("--sp", help="--varlen static: the sequence-parallel degree")]
+
+
 @app.command(name="train")
 def train_cmd(
-    ctx: typer.Context, model: TrainModelOpt, plan: PlanOpt = None,
-    strategy: Annotated[str | None, typer.Option("--strategy", help='e.g. "dp=2,tp=2,gbs=8"')] = None,
-    nproc: Annotated[int | None, typer.Option(
-        "--nproc", "--gpus-per-node", help="ranks to launch on each node (default: the plan's)")] = None,
-    nnodes: NnodesOpt = 1, node_rank: NodeRankOpt = 0, rdzv_endpoint: RdzvEndpointOpt = None,
+    ctx: typer.Context, model: TrainModelOpt, plan: PlanOpt = None, strategy: StrategyOpt = None,
+    nproc: NprocOpt = None, nnodes: NnodesOpt = 1, node_rank: NodeRankOpt = 0, rdzv_endpoint: RdzvEndpointOpt = None,
     slurm: SlurmOpt = None, partition: PartitionOpt = None, time_limit: TimeLimitOpt = "01:00:00",
-    steps: Annotated[int, typer.Option("--steps", help="optimizer steps")] = 10,
-    seq_len: SeqLenOpt = None,
-    global_batch: Annotated[int | None, typer.Option("--global-batch", "-b", help="sequences per step")] = None,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
-    lr: Annotated[float, typer.Option("--lr", help="peak learning rate")] = 3e-4,
-    dtype: Annotated[str, typer.Option("--dtype", help="fp32 | bf16")] = "fp32",
-    data: DataOpt = None,
-    metrics_out: Annotated[str | None, typer.Option("--metrics-out", help="JSON lines, one per step")] = None,
-    checkpoint_dir: CheckpointDirOpt = None,
-    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="steps between checkpoints")] = 0,
-    resume_from: ResumeFromOpt = None,
-    timeout: TimeoutOpt = 300.0,
-    max_restarts: Annotated[int, typer.Option("--max-restarts", help="torchrun restarts after a failure")] = 0,
-    hf_checkpoint: HfCheckpointOpt = None,
-    adaptive: AdaptiveOpt = False,
-    inject_slow: InjectSlowOpt = None,
-    profile: ReplanProfileOpt = None,
-    switch_via: SwitchViaOpt = "network",
-    varlen: VarlenOpt = None,
-    lengths: LengthsOpt = None,
-    capacity: Annotated[int, typer.Option("--capacity", help="--varlen: tokens a rank holds at once")] = 1024,
-    sp: Annotated[int | None, typer.Option("--sp", help="--varlen static: the sequence-parallel degree")] = None,
-    cp_mode: CpModeOpt = "ulysses",
-    tokenizer: TokenizerOpt = None,
-    text_field: TextFieldOpt = "text",
-    data_dtype: DataDtypeOpt = None,
-    data_cache: DataCacheOpt = None,
+    steps: StepsOpt = 10, seq_len: SeqLenOpt = None, global_batch: GlobalBatchOpt = None, seed: SeedOpt = 0,
+    lr: LrOpt = 3e-4, dtype: DtypeOpt = "fp32", data: DataOpt = None, metrics_out: MetricsOutOpt = None,
+    checkpoint_dir: CheckpointDirOpt = None, checkpoint_every: CheckpointEveryOpt = 0,
+    resume_from: ResumeFromOpt = None, timeout: TimeoutOpt = 300.0, max_restarts: MaxRestartsOpt = 0,
+    hf_checkpoint: HfCheckpointOpt = None, adaptive: AdaptiveOpt = False, inject_slow: InjectSlowOpt = None,
+    profile: ReplanProfileOpt = None, switch_via: SwitchViaOpt = "network",
+    varlen: VarlenOpt = None, lengths: LengthsOpt = None, capacity: CapacityOpt = 1024, sp: VarlenSpOpt = None,
+    cp_mode: CpModeOpt = "ulysses", tokenizer: TokenizerOpt = None, text_field: TextFieldOpt = "text",
+    data_dtype: DataDtypeOpt = None, data_cache: DataCacheOpt = None,
 ) -> None:
     """Train with a plan on this machine's ranks (launches torchrun), or inside an existing torchrun job.
     With --varlen, train on variable-length documents whose parallel layout is planned every step."""
