@@ -56,6 +56,7 @@ def _worker(rank: int, store_file: str, out_file: str) -> None:
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(result, f)
+    dist.barrier()  # neither rank leaves while the other still talks to it
     dist.destroy_process_group()
 
 
