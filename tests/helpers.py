@@ -39,3 +39,34 @@ def assert_bad_input(result, *needles: str) -> None:
     assert result.stdout == ""
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
+
+
+def one_error(proc, *needles: str, others: str = "note:") -> str:
+    """A finished `plait` process (subprocess.CompletedProcess) exited 2 with exactly one `error: ` line on
+    stderr naming every needle and no traceback; every other non-empty stderr line starts with `others`
+    (notes; "" allows any, e.g. a launcher's progress output). Returns the error line."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    for marker in ("Traceback", "ChildFailedError", "frame #"):
+        assert marker not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    assert all(line.startswith(others) for line in lines if line not in errors), proc.stderr
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+def run_workers(configs, nproc: int = 2):
+    """Run `plait.runtime.worker` on each TrainConfig JSON file of `configs` in turn, in one torchrun job of
+    `nproc` ranks (one thread each); returns the finished process after asserting it succeeded."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+           "plait.runtime.worker", *map(str, configs)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import run_workers
 from plait.runtime.loop import lr_at, train_loop
 from plait.runtime.train import TrainConfig
 
@@ -77,9 +78,6 @@ def test_variable_length_runs_resume_through_the_same_loop(tmp_path) -> None:
     """--varlen flexsp on 2 ranks: 4 steps straight, and 2 steps then 2 more resumed from the step-2
     checkpoint, in one torchrun job: the resumed steps train the documents of the uninterrupted run to its
     losses."""
-    import os
-    import subprocess
-    import sys
     from importlib.resources import files
 
     lengths = str(files("plait") / "data" / "wikipedia-lengths-10k.txt")
@@ -93,11 +91,7 @@ def test_variable_length_runs_resume_through_the_same_loop(tmp_path) -> None:
         cfg = TrainConfig(**{**base, "metrics_out": str(tmp_path / f"{name}.jsonl"), **options})
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(cfg.to_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "plait.runtime.worker", *map(str, paths)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_workers(paths)
     whole, first, second = ([json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
                             for name in runs)
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["step-4"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_workers
 from plait.errors import PlaitError
 from plait.spec.cluster import GB, GIB, DGX_HOSTS, GPUS, load_cluster
 
@@ -243,9 +244,6 @@ STEPS = 20
 
 def test_train_swaps_and_offloads_on_two_ranks_with_the_same_losses(tmp_path: Path) -> None:
     import json
-    import os
-    import subprocess
-    import sys
 
     from plait.plan import uniform_plan
     from plait.runtime.train import TrainConfig
@@ -265,11 +263,7 @@ def test_train_swaps_and_offloads_on_two_ranks_with_the_same_losses(tmp_path: Pa
                           data=str(text), metrics_out=str(outs[key]))
         paths.append(tmp_path / f"config-{key}.json")
         paths[-1].write_text(cfg.to_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "plait.runtime.worker", *map(str, paths)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_workers(paths)
     records = {a: [json.loads(line) for line in out.read_text().splitlines()] for a, out in outs.items()}
     base = [r["loss"] for r in records[0.0]]
     assert len(base) == STEPS and all("swap" not in r for r in records[0.0])

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import helpers
 from helpers import assert_bad_input
 from plait.cli import app
 
@@ -51,14 +52,8 @@ def losses(path: Path) -> list[float]:
 
 
 def one_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    """Exit 2 and exactly one `error:` line on stderr (the progress bar and notes aside), no traceback."""
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "frame #" not in proc.stderr, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert len(lines) == 1, proc.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
+    """One `error:` line and exit 2 (the launcher's other output aside), no traceback."""
+    return helpers.one_error(proc, *needles, others="")
 
 
 @pytest.fixture(scope="module")

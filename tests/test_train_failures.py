@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import one_error
+
 STEPS = 6
 BASE = ["--strategy", "dp=2,gbs=4", "--nproc", "2", "--seq-len", "64", "--lr", "0.01"]
 
@@ -25,17 +27,6 @@ def train(*args: str | Path, env: dict | None = None, model: str = "tiny-llama")
 
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def one_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    """Exit 2 and exactly one `error:` line on stderr (notes aside), no traceback."""
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("note:")]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
