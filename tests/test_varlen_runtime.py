@@ -125,6 +125,20 @@ def test_every_layout_method_trains_like_one_process(tmp_path, single, method) -
         assert any(not part.startswith("1x") for r in runs for part in r["layout"].split(" | ")), runs
 
 
+def test_train_varlen_resumes_from_its_checkpoint(tmp_path) -> None:
+    """`plait train --varlen` with --checkpoint-dir: a run stopped after step 1 and started again in the same
+    directory trains steps 1-2 on the uninterrupted run's documents to its losses."""
+    args = ("--varlen", "flexsp", "--capacity", "256")
+    whole = _train(tmp_path, "whole", 2, *args)
+    ck = str(tmp_path / "ck")
+    first = _train(tmp_path, "first", 2, *args, "--checkpoint-dir", ck, "--checkpoint-every", "1", "--steps", "1")
+    resumed = _train(tmp_path, "resumed", 2, *args, "--checkpoint-dir", ck)
+    assert [r["step"] for r in first] == [0] and [r["step"] for r in resumed] == [1, 2]
+    for a, b in zip(whole[1:], resumed):
+        assert a["tokens"] == b["tokens"]
+        assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5, (a["step"], a["loss"], b["loss"])
+
+
 @pytest.mark.parametrize(("extra", "needle"), [
     (["--varlen", "dynamic"], "--varlen must be one of"),
     (["--varlen", "flexsp", "--strategy", "dp=2"], "drop --plan/--strategy"),

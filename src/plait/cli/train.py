@@ -98,12 +98,15 @@ def train_cmd(
         if seq_len is not None:
             preflight.check_seq_len(seq_len, m)
         inside, world, nodes = _job(nproc, nnodes, node_rank, rdzv_endpoint, slurm, plan)
+        _check_restarts(m, checkpoint_dir, checkpoint_every, resume_from, max_restarts)
         if varlen is not None:
             cfg, world = _varlen_config(m, model, varlen, world or 1, steps, global_batch, seed, lr, dtype, data,
                                         metrics_file, lengths, capacity, sp, cp_mode, plan or strategy,
-                                        checkpoint_dir or hf_checkpoint or adaptive or inject_slow or resume_from
-                                        or slurm)
-            _launch(replace(cfg, timeout_s=timeout, data_dtype=data_dtype), world, inside, max_restarts, m, nodes)
+                                        hf_checkpoint or adaptive or inject_slow or slurm)
+            cfg = replace(cfg, timeout_s=timeout, data_dtype=data_dtype, checkpoint_every=checkpoint_every,
+                          checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+                          resume_from=str(resume_from) if resume_from else None)
+            _launch(cfg, world, inside, max_restarts, m, nodes)
             return
         p, world = _train_plan(plan, strategy, m, world, steps, seq_len, global_batch)
         if _check_nodes(ctx, p, nodes, world, checkpoint_dir, slurm, partition, time_limit):
@@ -113,7 +116,6 @@ def train_cmd(
                             timeout=timeout, resume_from=resume_from, hf_checkpoint=hf_checkpoint, adaptive=adaptive,
                             inject_slow=inject_slow, profile=profile, switch_via=switch_via)
         cfg = replace(cfg, data_dtype=data_dtype)
-        _check_restarts(m, checkpoint_dir, checkpoint_every, resume_from, max_restarts)
     _launch(cfg, world, inside, max_restarts, m, nodes)
 
 
@@ -284,8 +286,8 @@ def _varlen_config(m, model: str, method: str, world: int, steps: int, global_ba
                       sp=sp, cp_mode=cp_mode)
     check_config(cfg, m, world)
     if other:
-        raise PlaitError("--checkpoint-dir, --resume-from, --hf-checkpoint, --adaptive, --inject-slow and --slurm "
-                         "do not combine with --varlen yet; drop them")
+        raise PlaitError("--hf-checkpoint, --adaptive, --inject-slow and --slurm do not combine with --varlen yet; "
+                         "drop them")
     return cfg, world
 
 
