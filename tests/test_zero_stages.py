@@ -7,10 +7,12 @@ torch's pipeline stages flip (`follow_zero_stages`)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 WORLD = 2
 
@@ -27,7 +29,8 @@ def _state(unit) -> dict:
     return {"gathered": gathered, "sharded_grad": sharded_grad, "whole_grad": whole}
 
 
-def _worker(rank: int, store_file: str, out_file: str) -> None:
+def _worker(out_file: str) -> None:
+    """Under torchrun with WORLD ranks: each stage's state after one backward, written by rank 0."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -35,7 +38,8 @@ def _worker(rank: int, store_file: str, out_file: str) -> None:
 
     from plait.runtime.zero import follow_zero_stages, micro_batch_flags, shard_unit
 
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (WORLD,))
     result = {}
     for via in ("loop", "pipeline"):
@@ -62,10 +66,13 @@ def _worker(rank: int, store_file: str, out_file: str) -> None:
 
 @pytest.fixture(scope="module")
 def states(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("zero")
-    out = tmp / "out.json"
-    mp.start_processes(_worker, args=(str(tmp / "store"), str(out)), nprocs=WORLD, start_method="spawn")
-    return json.loads(out.read_text())
+    out = tmp_path_factory.mktemp("zero") / "out.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", __file__,
+           str(out)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(Path(out).read_text())
 
 
 @pytest.mark.parametrize("via", ["loop", "pipeline"])
@@ -76,4 +83,4 @@ def test_between_micro_batches_each_stage_keeps_what_it_promises(states, via) ->
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__]))
+    _worker(sys.argv[1])
