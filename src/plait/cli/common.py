@@ -36,7 +36,7 @@ MAX_GLOBAL_BATCH = 65536
 PRECISIONS = ("bf16", "fp16", "fp32")
 
 # Options that several commands take, with the same flags and help text.
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama: spec")]
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama:/t5: spec")]
 ClusterOpt = Annotated[str, typer.Option("--cluster", "-c", help="NODESxGPUSxTYPE (e.g. 2x8xH100-80GB) or YAML")]
 SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", "-s", help="tokens per sequence")]
 PlanOpt = Annotated[Path | None, typer.Option("--plan", help="plan JSON/YAML")]

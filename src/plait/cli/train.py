@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from plait.cli.common import PlanOpt, SeqLenOpt, app, one_line_errors, optional_output, read_plan
+from plait.cli.common import (ModelOpt, PlanOpt, SeqLenOpt, StrategyOpt, app, one_line_errors, optional_output,
+                              read_plan)
 from plait.cli.multinode import (NnodesOpt, NodeRankOpt, PartitionOpt, RdzvEndpointOpt, SlurmOpt, TimeLimitOpt,
                                  write_sbatch)
 from plait.errors import PlaitError
@@ -18,7 +19,6 @@ from plait.plan import Plan, uniform_plan, validate_plan
 from plait.runtime.nodes import Nodes, check_world, node_notes, parse_nodes, torchrun_args
 from plait.spec.model import ModelSpec, load_model
 
-TrainModelOpt = Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama:/t5: spec")]
 DataOpt = Annotated[Path | None, typer.Option(
     "--data", help="text file (byte-level), .bin/.npy token file, or dataset (.jsonl/.parquet files, a "
     "save_to_disk directory); default synthetic")]
@@ -53,7 +53,6 @@ CpModeOpt = Annotated[str, typer.Option(
     "--cp-mode", help="--varlen flexsp/static: ulysses | ring (how a group splits a row)")]
 
 
-StrategyOpt = Annotated[str | None, typer.Option("--strategy", help='e.g. "dp=2,tp=2,gbs=8"')]
 NprocOpt = Annotated[int | None, typer.Option(
     "--nproc", "--gpus-per-node", help="ranks to launch on each node (default: the plan's)")]
 StepsOpt = Annotated[int, typer.Option("--steps", help="optimizer steps")]
@@ -70,7 +69,7 @@ VarlenSpOpt = Annotated[int | None, typer.Option("--sp", help="--varlen static: 
 
 @app.command(name="train")
 def train_cmd(
-    ctx: typer.Context, model: TrainModelOpt, plan: PlanOpt = None, strategy: StrategyOpt = None,
+    ctx: typer.Context, model: ModelOpt, plan: PlanOpt = None, strategy: StrategyOpt = None,
     nproc: NprocOpt = None, nnodes: NnodesOpt = 1, node_rank: NodeRankOpt = 0, rdzv_endpoint: RdzvEndpointOpt = None,
     slurm: SlurmOpt = None, partition: PartitionOpt = None, time_limit: TimeLimitOpt = "01:00:00",
     steps: StepsOpt = 10, seq_len: SeqLenOpt = None, global_batch: GlobalBatchOpt = None, seed: SeedOpt = 0,
