@@ -53,6 +53,8 @@ CpModeOpt = Annotated[str, typer.Option(
     "--cp-mode", help="--varlen flexsp/static: ulysses | ring (how a group splits a row)")]
 
 
+TasksOpt = Annotated[Path | None, typer.Option(
+    "--tasks", help="train a task file's tasks in Spindle's waves (see `plait multitask`) instead of --model")]
 NprocOpt = Annotated[int | None, typer.Option(
     "--nproc", "--gpus-per-node", help="ranks to launch on each node (default: the plan's)")]
 StepsOpt = Annotated[int, typer.Option("--steps", help="optimizer steps")]
@@ -69,7 +71,7 @@ VarlenSpOpt = Annotated[int | None, typer.Option("--sp", help="--varlen static: 
 
 @app.command(name="train")
 def train_cmd(
-    ctx: typer.Context, model: ModelOpt, plan: PlanOpt = None, strategy: StrategyOpt = None,
+    ctx: typer.Context, model: ModelOpt = "", tasks: TasksOpt = None, plan: PlanOpt = None, strategy: StrategyOpt = None,
     nproc: NprocOpt = None, nnodes: NnodesOpt = 1, node_rank: NodeRankOpt = 0, rdzv_endpoint: RdzvEndpointOpt = None,
     slurm: SlurmOpt = None, partition: PartitionOpt = None, time_limit: TimeLimitOpt = "01:00:00",
     steps: StepsOpt = 10, seq_len: SeqLenOpt = None, global_batch: GlobalBatchOpt = None, seed: SeedOpt = 0,
@@ -87,7 +89,20 @@ def train_cmd(
     from plait.runtime import preflight
     from plait.runtime.data import prepare_data
 
+    if tasks is not None:
+        from plait.cli.train_tasks import run_tasks, tasks_config
+
+        with one_line_errors():
+            metrics_file = optional_output(metrics_out, "metrics.jsonl", "--metrics-out")
+            inside, world = _torchrun_world(nproc)
+            cfg, world = tasks_config(tasks, world, steps, seed, lr, metrics_file, timeout, {
+                "--model": model, "--plan": plan, "--strategy": strategy, "--data": data, "--varlen": varlen,
+                "--nnodes": nnodes > 1, "--slurm": slurm, "--adaptive": adaptive, "--hf-checkpoint": hf_checkpoint,
+                "--checkpoint-dir": checkpoint_dir, "--global-batch": global_batch, "--seq-len": seq_len})
+        raise typer.Exit(run_tasks(cfg, world, inside))
     with one_line_errors():
+        if not model:
+            raise PlaitError("give --model (a preset, config.json or spec), or --tasks FILE to train a task file")
         m = load_model(model)
         source, data_dtype = prepare_data(str(data) if data else None, m.vocab, str(tokenizer) if tokenizer else None,
                                           text_field, data_dtype, str(data_cache) if data_cache else None)
@@ -293,18 +308,24 @@ def _varlen_config(m, model: str, method: str, world: int, steps: int, global_ba
 def _launch(cfg, world: int, inside: bool, max_restarts: int, m: ModelSpec, nodes: Nodes) -> None:
     """Run `cfg` on `world` ranks: here when already inside torchrun, else through a new torchrun job
     (this node's share of it)."""
+    from plait.runtime import preflight
+
+    if not inside:
+        with one_line_errors():
+            preflight.check_host_memory(m, world // nodes.count)
+    raise typer.Exit(run_job(cfg, world, inside, max_restarts, nodes))
+
+
+def run_job(cfg, world: int, inside: bool, max_restarts: int, nodes: Nodes) -> int:
+    """Run `cfg` on `world` ranks: here when already inside torchrun, else through a new torchrun job (this
+    node's share of it); returns the job's exit code."""
     import os
     import subprocess
     import tempfile
 
-    from plait.runtime import preflight
     from plait.runtime.launch import ERROR_DIR_ENV
 
     nproc = world // nodes.count
-    if not inside:
-        with one_line_errors():
-            preflight.check_host_memory(m, nproc)
-
     with tempfile.TemporaryDirectory(prefix="plait-train.") as tmp:
         config_path = os.path.join(tmp, "config.json")
         Path(config_path).write_text(cfg.to_json())
@@ -317,4 +338,4 @@ def _launch(cfg, world: int, inside: bool, max_restarts: int, m: ModelSpec, node
                    *torchrun_args(nodes, nproc, cfg.timeout_s, max_restarts), "-m", "plait.runtime.worker", config_path]
             env = {**os.environ, "OMP_NUM_THREADS": "1", ERROR_DIR_ENV: tmp}
             code = subprocess.run(cmd, check=False, env=env).returncode
-    raise typer.Exit(code)
+    return code

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from plait.errors import PlaitError
 from plait.runtime.launch import Failure, report_failure
+from plait.runtime.multitask import MultitaskConfig
 from plait.runtime.train import COLLECTIVE_TIMEOUT_S, TrainConfig, init_distributed, run
 
 FAILURE_KEY = "plait/failure/"
@@ -60,10 +61,25 @@ def _peer_failure(rank: int) -> Failure | None:
     return None
 
 
+def load_config(text: str) -> TrainConfig | MultitaskConfig:
+    """A run's config from its JSON: `plait train --tasks` configs carry the units of a multitask plan."""
+    data = json.loads(text)
+    return MultitaskConfig(**data) if "units" in data else TrainConfig(**data)
+
+
+def run_config(cfg: TrainConfig | MultitaskConfig, report=None) -> list[dict]:
+    """Train `cfg` on this rank (rank 0 returns the metrics)."""
+    if isinstance(cfg, MultitaskConfig):
+        from plait.runtime.multitask import run as run_multitask
+
+        return run_multitask(cfg, report)
+    return run(cfg, report=report)
+
+
 def main(argv: list[str]) -> int:
     """Run every config on this rank; 0 on success, 2 after reporting bad input or a timed-out collective
     (`plait.runtime.launch.report_failure`)."""
-    configs = [TrainConfig.from_json(Path(path).read_text()) for path in argv]
+    configs = [load_config(Path(path).read_text()) for path in argv]
     timeout_s = configs[0].timeout_s if configs else COLLECTIVE_TIMEOUT_S
     init_distributed(timeout_s)
     rank = dist.get_rank()
@@ -77,7 +93,7 @@ def main(argv: list[str]) -> int:
                                TimeElapsedColumn())
                 with bar:
                     task = bar.add_task("", total=cfg.steps)
-                    metrics = run(cfg, report=lambda r, t=task, b=bar: b.update(
+                    metrics = run_config(cfg, report=lambda r, t=task, b=bar: b.update(
                         t, advance=1, description=f"loss {r['loss']:.4f} {r['tokens_per_s']:,.0f} tok/s"))
                 if metrics and "memory_terms" in metrics[0]:
                     from rich.console import Console
@@ -86,7 +102,7 @@ def main(argv: list[str]) -> int:
 
                     Console().print(table(metrics[0]["memory_terms"]))
             else:
-                run(cfg)
+                run_config(cfg)
             dist.barrier()
         return 0
     except PlaitError as exc:
