@@ -89,11 +89,13 @@ def test_task_level_allocator_feeds_the_slowest_task() -> None:
     assert proportional_counts([3.0, 1.0], 8) == (6, 2)
 
 
-def test_example_task_file_plans_and_beats_both_baselines() -> None:
+@pytest.mark.parametrize("cluster", ["4x8xA100-80GB", "8x8xA100-80GB"])
+def test_example_task_file_plans_and_beats_both_baselines(cluster: str) -> None:
     tasks = load_tasks(EXAMPLE)
-    plan = plan_multitask(tasks, load_cluster("4x8xA100-80GB"))
+    plan = plan_multitask(tasks, load_cluster(cluster))
     assert len(tasks.tasks) == 5 and tasks.users("vision") == tuple(t.name for t in tasks.tasks)
-    assert plan.schedule.makespan_s <= min(plan.sequential_s, plan.proportional.makespan_s)
+    assert plan.schedule.makespan_s <= min(plan.sequential_s, plan.proportional.makespan_s,
+                                           plan.task_level.makespan_s)
     assert plan.schedule.makespan_s <= 1.15 * plan.schedule.bound_s
 
 
