@@ -36,9 +36,6 @@ def tasks_config(tasks: Path, nproc: int | None, steps: int, seed: int, lr: floa
         raise PlaitError("--steps and --nproc must be positive")
     world = nproc or 1
     ts = load_tasks(tasks)
-    from plait.runtime.multitask_model import check_runnable
-
-    check_runnable(ts)
     plan = plan_multitask(ts, load_cluster(f"1x{world}x{PLAN_GPU}"), "fp32")
     units = units_of(plan)
     check_units(ts, units, world)
