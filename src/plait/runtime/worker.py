@@ -16,6 +16,7 @@ import torch.distributed as dist
 from plait.errors import PlaitError
 from plait.runtime.launch import Failure, report_failure
 from plait.runtime.multitask import MultitaskConfig
+from plait.runtime.multitask import run as run_multitask
 from plait.runtime.train import COLLECTIVE_TIMEOUT_S, TrainConfig, init_distributed, run
 
 FAILURE_KEY = "plait/failure/"
@@ -70,8 +71,6 @@ def load_config(text: str) -> TrainConfig | MultitaskConfig:
 def run_config(cfg: TrainConfig | MultitaskConfig, report=None) -> list[dict]:
     """Train `cfg` on this rank (rank 0 returns the metrics)."""
     if isinstance(cfg, MultitaskConfig):
-        from plait.runtime.multitask import run as run_multitask
-
         return run_multitask(cfg, report)
     return run(cfg, report=report)
 
