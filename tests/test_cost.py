@@ -151,7 +151,13 @@ def test_model_state_bytes_per_zero_stage() -> None:
     assert model_state_bytes(p, dp, 0, BF16) == (2e9, 4e9, 12e9)
     assert model_state_bytes(p, dp, 1, BF16) == (2e9, 4e9, 12e9 / 8)
     assert model_state_bytes(p, dp, 2, BF16) == (2e9, 4e9 / 8, 12e9 / 8)
-    assert model_state_bytes(p, dp, 3, BF16) == (2e9 / 8, 4e9 / 8, 12e9 / 8)
+    # ZeRO-3 (FSDP): the sharded weights are the fp32 master copy; 16 bytes per parameter in all, not 18.
+    assert model_state_bytes(p, dp, 3, BF16) == (4e9 / 8, 4e9 / 8, 8e9 / 8)
+    assert sum(model_state_bytes(p, 1, 3, BF16)) == 16e9
+    # Offloaded, the master copy goes to the host with the moments and the 16-bit shard stays.
+    assert model_state_bytes(p, dp, 3, BF16, offload=True) == (2e9 / 8, 4e9 / 8, 12e9 / 8)
+    fp32 = PRECISIONS["fp32"]
+    assert model_state_bytes(p, dp, 3, fp32) == (4e9 / 8, 4e9 / 8, 8e9 / 8)
 
 
 def test_block_time_terms() -> None:
@@ -208,8 +214,9 @@ def test_hsdp_shards_inside_the_node_and_all_reduces_the_shards_across_replicas(
     assert ctx(fsdp).dp_group == GroupShape(16, 2, 8) and ctx(fsdp).replica_group == comm.SINGLE
     block, params = m.block, m.block.params
     h, f = price(block, hsdp, c), price(block, fsdp, ctx(fsdp))
-    assert h.weights == pytest.approx(params * 2 / 8) and f.weights == pytest.approx(params * 2 / 16)
-    assert h.optimizer == pytest.approx(params * 12 / 8)
+    # The weights are the fp32 master shard (cost/memory.py), the optimizer the Adam moments.
+    assert h.weights == pytest.approx(params * 4 / 8) and f.weights == pytest.approx(params * 4 / 16)
+    assert h.optimizer == pytest.approx(params * 8 / 8)
     # The shard of 1/8 of the fp32 gradients, all-reduced over the two replicas across the network.
     assert hsdp_all_reduce(params, c) == pytest.approx(comm.all_reduce(params / 8 * 4, GroupShape(2, 2, 1), A100, CAL))
     # HSDP's collectives: a single node's FSDP ones plus that all-reduce (the same compute beside them).

@@ -70,14 +70,16 @@ def test_profile_maps_into_plait_memory_terms():
 
 def test_calibrated_plan_has_galvatrons_measured_activations():
     """Pure ZeRO-3 over 8 GPUs, 4 micro-batches of 16 sequences (2 per device): the device keeps 32 blocks x
-    2 sequences of Galvatron's measured block activations and the head's measured peak for 2 sequences."""
+    2 sequences of Galvatron's measured block activations and the head's measured peak for 2 sequences. Its
+    measured model states (16.03 bytes per parameter) agree with plait's ZeRO-3 default (16: the fp32 shard is
+    the master copy) within 0.2%; at 18 bytes (a sharded 16-bit copy beside the master) they were 12% over."""
     _, cal = _calibration()
     plan = uniform_plan("tp=1,pp=1,dp=8,zero=3,mbs=2,gbs=64", MODEL, CLUSTER, 2048)
     terms = max((d.memory for d in simulate(plan, MODEL, CLUSTER, cal).devices), key=lambda m: m.total)
     assert terms.activations / MIB == pytest.approx(32 * 2 * 301.28173828125 + 2 * 572.53076171875, rel=1e-12)
     default = max((d.memory for d in simulate(plan, MODEL, CLUSTER).devices), key=lambda m: m.total)
     assert (default.weights + default.gradients + default.optimizer) / \
-        (terms.weights + terms.gradients + terms.optimizer) == pytest.approx(18 / 16, rel=2e-3)
+        (terms.weights + terms.gradients + terms.optimizer) == pytest.approx(1.0, abs=2e-3)
 
 
 def test_default_model_agrees_with_the_measured_block():
@@ -114,7 +116,7 @@ def test_cli_simulate_uses_the_memory_profile(tmp_path: Path):
     default = json.loads(subprocess.run(args, capture_output=True, text=True, check=True).stdout)
     calibrated = json.loads(subprocess.run(args + ["--galvatron-profile", ref], capture_output=True, text=True,
                                            check=True).stdout)
-    assert round(default["peak_memory_gib"], 1) == 38.7 and round(calibrated["peak_memory_gib"], 1) == 37.3
+    assert round(default["peak_memory_gib"], 1) == 37.1 and round(calibrated["peak_memory_gib"], 1) == 37.3
     (tmp_path / "configs").mkdir()
     for name in ("computation_profiling_bf16_hidden4096_head32_seqlen2048.json", PROFILE):
         shutil.copy(LLAMA / name, tmp_path / "configs" / name)

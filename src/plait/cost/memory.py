@@ -1,7 +1,8 @@
 """Memory of one device: model states by ZeRO stage and precision, activations, buffers and reserve.
 
 Bytes. Model states follow Rajbhandari et al. 2020 (ZeRO): weights, gradients and optimizer state are each
-divided by the data-parallel degree from ZeRO stage 3, 2 and 1 on. Activations are the per-layer saved
+divided by the data-parallel degree from ZeRO stage 3, 2 and 1 on; at stage 3 the sharded weights are the fp32
+master copy itself (PyTorch FSDP). Activations are the per-layer saved
 tensors (cost/layer.py) times the micro-batches in flight at the device's pipeline position.
 """
 
@@ -41,8 +42,21 @@ class MemoryTerms:
         return asdict(self)
 
 
-def model_state_bytes(params: float, dp: int, zero: int, prec: PrecisionBytes) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes of `params` parameters replicated over `dp` devices."""
+MASTER_WEIGHT_BYTES = 4
+"""Bytes per parameter of the fp32 master copy that mixed precision counts in `PrecisionBytes.optimizer`."""
+
+
+def model_state_bytes(params: float, dp: int, zero: int, prec: PrecisionBytes, offload: bool = False
+                      ) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of `params` parameters replicated over `dp` devices. Under ZeRO-3
+    with 16-bit compute weights and the optimizer on the device, no sharded 16-bit copy is kept: PyTorch FSDP's
+    sharded flat parameter holds the fp32 values, and each all-gather casts them to `param_dtype` (FSDP
+    MixedPrecision; FSDP2 MixedPrecisionPolicy), so the weights are the master copy (MASTER_WEIGHT_BYTES) and
+    the optimizer keeps only the Adam moments: 4 + 4 + 8 = 16 bytes per parameter in bf16, as ZeRO-3's 16, not
+    Megatron's 18. An `offload`ed optimizer takes the master copy to the host, and the 16-bit shard stays."""
+    if zero >= 3 and not offload and prec.param < MASTER_WEIGHT_BYTES:
+        return (params * MASTER_WEIGHT_BYTES / dp, params * prec.grad / dp,
+                params * (prec.optimizer - MASTER_WEIGHT_BYTES) / dp)
     weights = params * prec.param / (dp if zero >= 3 else 1)
     grads = params * prec.grad / (dp if zero >= 2 else 1)
     optimizer = params * prec.optimizer / (dp if zero >= 1 else 1)

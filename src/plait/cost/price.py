@@ -75,7 +75,7 @@ def _states_and_sync(params: float, s: Strategy, ctx: BlockContext, group: comm.
     (default: `ctx.dp_group`, under HSDP its shard group; ZeRO-1's gradient shards are then all-reduced over
     the replicas once per step, ZeRO-2/3's every micro-batch in `zero_sync_time`)."""
     group = group or ctx.dp_group
-    w, g, o = model_state_bytes(params, group.size, s.zero, ctx.prec)
+    w, g, o = model_state_bytes(params, group.size, s.zero, ctx.prec, offload=s.offload != "none")
     reduce_t, gather_t = comm.gradient_sync(params, s.zero, group, ctx.prec.reduce_bytes, ctx.prec.param,
                                             ctx.cluster, ctx.cal)
     if s.zero == 1 and group == ctx.dp_group:
@@ -95,7 +95,7 @@ def price(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
         w, g, o, reduce_t, gather_t = (a + b for a, b in zip((w, g, o, reduce_t, gather_t), terms, strict=True))
         if s.zero == 3 and group.size > 1:  # ZeRO-3 keeps the current and the prefetched layer unsharded
             gathered += 2 * held * (ctx.prec.param + ctx.prec.grad)
-    w, g, o = (x * _measured_states(block.kind, ctx) for x in (w, g, o))
+    w, g, o = (x * _measured_states(block.kind, s, ctx) for x in (w, g, o))
     working = block_activation_bytes(block, s, ctx, "none") if s.recompute != "none" else 0.0
     activation = block_activation_bytes(block, s, ctx)
     g, o, host = offload.offloaded_states(g, o, s, ctx.prec)
@@ -129,7 +129,7 @@ def price_edge(edge: Edge, s: Strategy, ctx: BlockContext, pipelined: bool = Fal
     time = BlockTime(forward=et.forward, backward=et.backward, recompute=0.0, tp_comm=et.tp_comm, cp_comm=0.0,
                      zero_comm=zero_fwd + zero_bwd, forward_comm=et.tp_comm / 2 + zero_fwd)
     w, g, o, reduce_t, gather_t = _states_and_sync(params, s, ctx)
-    w, g, o = (x * _measured_states(ctx.model.block.kind, ctx) for x in (w, g, o))
+    w, g, o = (x * _measured_states(ctx.model.block.kind, s, ctx) for x in (w, g, o))
     working = _edge_working(edge, s, ctx, pipelined)
     g, o, host = offload.offloaded_states(g, o, s, ctx.prec)
     gather_t += offload.weights_back_time(params, s, ctx.cluster, ctx.prec, _shards(s, ctx))
@@ -137,14 +137,13 @@ def price_edge(edge: Edge, s: Strategy, ctx: BlockContext, pipelined: bool = Fal
                      working=working, buffers=0.0, grad_reduce=reduce_t, param_gather=gather_t, host=host)
 
 
-def _measured_states(kind: str, ctx: BlockContext) -> float:
-    """Factor on the analytic model-state bytes of a layer of `kind` that gives the measured bytes per
+def _measured_states(kind: str, s: Strategy, ctx: BlockContext) -> float:
+    """Factor on the analytic model-state bytes of a layer of `kind` under `s` that gives the measured bytes per
     parameter (Galvatron's memory profile; 1 without one or where it lacks the kind)."""
     mem = ctx.cal.memory
     if mem is None or kind not in mem.states_bytes_per_param:
         return 1.0
-    p = ctx.prec
-    return mem.states_bytes_per_param[kind] / (p.param + p.grad + p.optimizer)
+    return mem.states_bytes_per_param[kind] / sum(model_state_bytes(1.0, 1, s.zero, ctx.prec, s.offload != "none"))
 
 
 def _edge_working(edge: Edge, s: Strategy, ctx: BlockContext, pipelined: bool) -> float:
