@@ -12,9 +12,11 @@ speed, re-plan in the background, and switch plans between two steps without sto
 * A shift is a rank whose speed factor (factors below `plait.spec.cluster.SNAP_FACTOR` snapped to 1) moved by at least
   `SHIFT` from the factor the current plan was made for. Rank 0 then runs the straggler planner
   (`plait.planner.straggler`) in a background thread while training goes on, and when it is done every
-  rank learns the new plan at the next step boundary (if it is predicted `MIN_GAIN` faster). Without a
-  profile of this machine (`--profile`) the planner keeps the current parallel degrees and moves data,
-  layers and devices only: a cost model of another device cannot be trusted to change degrees.
+  rank learns the new plan at the next step boundary (if it is predicted `MIN_GAIN` faster). The planner
+  may change the tensor- and pipeline-parallel degrees, shrink a tensor-parallel unit to its healthy
+  members and give slow pipelines fewer micro-batches (any plan the runtime executes); it prices plans with
+  the profile of this machine (`--profile`), else with the analytic cost model. With `--replan-degrees
+  keep` it keeps the current degrees (shrunk units and uneven micro-batches still allowed).
 * Switching: the new plan's model and process groups are built, and the model and optimizer state move
   from the old plan's owners to the new ones over the network (`plait.runtime.migrate`, the default), or,
   with `--switch-via dcp`, through a DCP save and a resharded load from a directory that every rank must
@@ -249,7 +251,7 @@ class Adaptive:
         try:
             result = plan_around_stragglers(self.spec, cluster, plan.seq_len, plan.global_batch,
                                             precision=plan.precision, cal=self.cal, current=plan, runnable=True,
-                                            keep_degrees=not self.cfg.profile, min_gain=MIN_GAIN,
+                                            keep_degrees=self.cfg.replan_degrees == "keep", min_gain=MIN_GAIN,
                                             also=(Plan.model_validate(self.cfg.plan),))
         except Exception as exc:  # noqa: BLE001 -- a failed re-plan must not stop training
             self.replans.append({"factors": factors, "error": str(exc).splitlines()[0][:200]})

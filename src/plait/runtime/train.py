@@ -66,6 +66,7 @@ class TrainConfig:
     inject_slow: str | None = None  # simulated stragglers: "RANK:FACTOR@STEP[,...]" (FACTOR 1 = recovered)
     profile: str | None = None  # a `plait profile` file for the re-planning cost model
     switch_via: str = "network"  # how a plan switch moves state: network | dcp (plait.runtime.stragglers)
+    replan_degrees: str = "any"  # any: re-plans may change tp and pp degrees; keep: only data, layers, devices
     # Variable-length documents (plait.runtime.varlen): the layout method, the file of lengths to draw from,
     # documents per step, tokens a rank holds at once, a static degree, and how a group splits a row.
     varlen: str | None = None
