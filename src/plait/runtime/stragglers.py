@@ -369,7 +369,9 @@ class Adaptive:
 
 
 def _describe(plan: Plan) -> str:
-    """`3 pipelines, pp 1, micro-batches 5,5,6, ranks 0-2` style summary."""
+    """`3 pipeline(s), pp 1, tp 2,1,1, micro-batches 5,5,6, ranks 0,1,2,3` style summary (tp: each pipeline's
+    first layer's)."""
     micro = ",".join(str(p.micro_batches) for p in plan.pipelines)
-    return (f"{len(plan.pipelines)} pipeline(s), pp {len(plan.pipelines[0].stages)}, micro-batches {micro}, "
+    tp = ",".join(str(p.stages[0].strategies[0].tp) for p in plan.pipelines)
+    return (f"{len(plan.pipelines)} pipeline(s), pp {len(plan.pipelines[0].stages)}, tp {tp}, micro-batches {micro}, "
             f"ranks {','.join(map(str, plan.ranks))}")
