@@ -77,7 +77,9 @@ def text(tmp_path_factory):
 
 def test_a_slowed_rank_is_detected_and_planned_around_with_the_same_losses(tmp_path, text) -> None:
     static = _train(tmp_path, text, "static")
-    adaptive = _train(tmp_path, text, "adaptive", "--adaptive")
+    # Without a profile the analytic model (of A100s) may change degrees and, for this tiny model, prefers
+    # leaving healthy ranks out too; keeping the degrees makes the re-plan about the straggler alone.
+    adaptive = _train(tmp_path, text, "adaptive", "--adaptive", "--replan-degrees", "keep")
     speed = adaptive[3]["speed"]  # steps 1-3 slowed: the window sees rank 3 at ~8x
     # Four processes share this machine's cores, so a healthy rank's estimate wobbles by a few tens of percent.
     assert speed[3] > 3 and max(speed[:3]) < 1.6 and speed[3] > 2.5 * max(speed[:3]), speed
