@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 from test_runtime import _losses, assert_same, reference_losses, text, train_together  # noqa: F401
 
-from plait.executable import unsupported
+from plait.executable import shard_shape, unsupported
 from plait.plan import Pipeline, Plan, Stage
 from plait.plan import Strategy as S
-from plait.runtime.placement import shard_shape
 from plait.spec.model import PRESETS
 
 SEQ = 64
@@ -68,3 +67,18 @@ def hetero_runs(tmp_path_factory, text):  # noqa: F811
 def test_pipelines_of_different_shapes_match_single_process(hetero_runs, name) -> None:
     ref, runs = hetero_runs
     assert_same(_losses(runs, name), ref[(CASES[name].model, CASES[name].global_batch)])
+
+
+def test_simulate_prices_the_whole_gradient_reduction() -> None:
+    """A shrunk tp1 unit beside a tp2 unit: every holder all-reduces the whole gradients (and the tp2 unit
+    gathers them first), which the same two pipelines at one shape (tp1 beside tp1) reduce shard by shard."""
+    from plait.simulate import simulate
+    from plait.spec.cluster import local_ranks
+
+    def sync_s(plan: Plan) -> float:
+        report = simulate(plan, PRESETS["tiny-llama"], local_ranks(4), validate=False)
+        return max(d.parts["dp_comm_exposed"] for d in report.devices)
+
+    shrunk = CASES["shrunk tp1 unit beside a tp2 unit, micro-batches 3 and 1, rank 3 left out"]
+    alike = _plan("tiny-llama", [([((0, 4), (0,), S())], 3, 1), ([((0, 4), (2,), S())], 1, 1)])
+    assert sync_s(shrunk) > 1.5 * sync_s(alike)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from plait.plan import Plan, expert_problem, kind_problem
+from plait.plan import Plan, Stage, expert_problem, kind_problem
 from plait.spec.model import ModelSpec
 
 
@@ -76,6 +76,19 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
             return (f"{s.short()}: the runtime swaps activations of layers without recompute, tensor or context "
                     "parallelism; use swap=0 there")
     return None
+
+
+def shard_shape(stage: Stage, layer: int) -> tuple:
+    """What decides how a stage's ranks shard `layer`'s weights and gradients: the stage's width, the
+    tensor-, data- and context-parallel degrees and whether ZeRO shards them. Pipelines whose holders of a
+    layer differ in it reduce its gradients as whole tensors (`plait.runtime.placement.Replicas`)."""
+    s = stage.strategy(layer)
+    return len(stage.ranks), s.tp, s.dp, s.cp, s.zero > 0
+
+
+def holders(plan: Plan, layer: int) -> list[Stage]:
+    """The stage of each pipeline that holds `layer`."""
+    return [next(st for st in pipe.stages if st.layers[0] <= layer < st.layers[1]) for pipe in plan.pipelines]
 
 
 def _unsupported_replicas(plan: Plan, model: ModelSpec) -> str | None:

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.errors import PlaitError
-from plait.executable import unsupported
+from plait.executable import holders, shard_shape, unsupported
 from plait.layout import Layout
-from plait.plan import Plan, Stage, Strategy
+from plait.plan import Plan, Strategy
 from plait.spec.degrees import MESH_DIMS, Degrees
 
 EXPERT_MESH_DIMS = ("edp", "ep", "etp")
@@ -89,13 +89,6 @@ class Replicas:
     group: dist.ProcessGroup | None  # None: this rank alone
     whole: bool = False
     copies: int = 1
-
-
-def shard_shape(stage: Stage, layer: int) -> tuple:
-    """What decides how a stage's ranks shard `layer`'s weights and gradients: the stage's width, the
-    tensor-, data- and context-parallel degrees and whether ZeRO shards them."""
-    s = stage.strategy(layer)
-    return len(stage.ranks), s.tp, s.dp, s.cp, s.zero > 0
 
 
 @dataclass(frozen=True)
@@ -281,15 +274,15 @@ def _replica_groups(plan: Plan, rank: int, groups: _Groups) -> dict[int, Replica
     out: dict[int, Replicas] = {}
     for layer in [-1, *range(layers), layers]:
         at = min(max(layer, 0), layers - 1)
-        holders = [next(st for st in pipe.stages if st.layers[0] <= at < st.layers[1]) for pipe in plan.pipelines]
-        if len({shard_shape(st, at) for st in holders}) > 1:
-            group = groups.group(tuple(r for st in holders for r in st.ranks))
-            mine = next((st for st in holders if rank in st.ranks), None)
+        holding = holders(plan, at)
+        if len({shard_shape(st, at) for st in holding}) > 1:
+            group = groups.group(tuple(r for st in holding for r in st.ranks))
+            mine = next((st for st in holding if rank in st.ranks), None)
             if mine is not None:
                 out[layer] = Replicas(group, whole=True, copies=len(mine.ranks))
             continue
-        for i in range(len(holders[0].ranks)):
-            ranks = tuple(st.ranks[i] for st in holders)
+        for i in range(len(holding[0].ranks)):
+            ranks = tuple(st.ranks[i] for st in holding)
             group = groups.group(ranks)
             if rank in ranks and group is not None:
                 out[layer] = Replicas(group)
