@@ -32,8 +32,9 @@ console = Console(width=150)
 
 
 def train(tmp: Path, name: str, args: argparse.Namespace, *extra: str) -> list[dict]:
-    return plait_train(name, tmp / f"{name}.jsonl", "--model", MODEL, "--strategy", f"{args.strategy},gbs={args.gbs}",
-                       "--nproc", "4", "--steps", str(args.steps), "--seq-len", str(args.seq), *extra)
+    return plait_train(name, tmp / f"{name}.jsonl", "--model", MODEL, "--strategy",
+                       f"{args.strategy},gbs={args.gbs}", "--nproc", "4", "--steps", str(args.steps),
+                       "--seq-len", str(args.seq), *extra)
 
 
 def main() -> None:
@@ -88,13 +89,15 @@ def main() -> None:
         f"{via} {s['seconds']:.2f} = {s['build_seconds']:.2f} + {s['state_seconds']:.2f}"
         for via, s in seconds.items()) + f"; network switch sent {switch['switch']['sent_bytes']:,} bytes")
     healthy = medians["slowed, after the switch"]["adaptive"] / medians["slowed, after the switch"]["healthy"]
-    console.print(f"adaptive step time {ratio:.2f}x the static plan's (target <= 0.6) and {healthy:.2f}x the healthy "
-                  f"run's; losses differ from the static run's by at most {worst:.1e} (relative)")
+    console.print(f"adaptive step time {ratio:.2f}x the static plan's (target <= 0.6) and {healthy:.2f}x the "
+                  f"healthy run's; losses differ from the static run's by at most {worst:.1e} (relative)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": MODEL, "strategy": args.strategy, "factor": args.factor, "slow_at": args.slow_at,
+    args.out.write_text(json.dumps({"model": MODEL, "strategy": args.strategy, "factor": args.factor,
+                                    "slow_at": args.slow_at,
                                     "switch_step": switch["step"], "switch_to": switch["switch"]["to"],
                                     "switch_seconds": seconds,
-                                    "medians": medians, "ratio": ratio, "vs_healthy": healthy, "max_loss_diff": worst}, indent=1) + "\n")
+                                    "medians": medians, "ratio": ratio, "vs_healthy": healthy,
+                                    "max_loss_diff": worst}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

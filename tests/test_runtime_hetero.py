@@ -19,8 +19,8 @@ GBS = 4
 
 def _plan(model: str, pipes: list[tuple[list[tuple[tuple[int, int], tuple[int, ...], S]], int, int]]) -> Plan:
     """Pipelines given as (stages as (layers, ranks, strategy), micro-batches, micro-batch size)."""
-    pipelines = tuple(Pipeline(stages=tuple(Stage(layers=lay, ranks=r, strategies=(s,)) for lay, r, s in stages),
-                               micro_batches=m, micro_batch_sequences=b) for stages, m, b in pipes)
+    pipelines = tuple(Pipeline(stages=tuple(Stage(layers=lay, ranks=r, strategies=(s,)) for lay, r, s in st),
+                               micro_batches=m, micro_batch_sequences=b) for st, m, b in pipes)
     return Plan(model=model, seq_len=SEQ, global_batch=sum(p.samples for p in pipelines), precision="fp32",
                 pipelines=pipelines)
 
@@ -48,7 +48,7 @@ def test_pipelines_shard_their_layers_differently() -> None:
 
 
 def test_what_still_does_not_run_is_refused_in_one_line() -> None:
-    zero_across = _plan("tiny-llama", [([((0, 4), (0,), S(zero=1))], 1, 2), ([((0, 4), (1,), S(zero=1))], 1, 2)])
+    zero_across = _plan("tiny-llama", [([((0, 4), (r,), S(zero=1))], 1, 2) for r in (0, 1)])
     assert "ZeRO across pipelines" in unsupported(zero_across, PRESETS["tiny-llama"])
     tied_mixed = _plan("tiny-gpt", [([((0, 4), (0,), S())], 2, 1),
                                     ([((0, 2), (1,), S()), ((2, 4), (2,), S())], 2, 1)])
@@ -58,7 +58,8 @@ def test_what_still_does_not_run_is_refused_in_one_line() -> None:
 @pytest.fixture(scope="module")
 def hetero_runs(tmp_path_factory, text):  # noqa: F811
     """The single-process references, then every case in one four-rank torchrun job."""
-    ref = reference_losses(tmp_path_factory.mktemp("reference"), text, [("tiny-llama", GBS), ("tiny-gpt", GBS)])
+    pairs = [("tiny-llama", GBS), ("tiny-gpt", GBS)]
+    ref = reference_losses(tmp_path_factory.mktemp("reference"), text, pairs)
     cases = {name: (CASES[name].model, CASES[name]) for name in CASES}
     return ref, train_together(tmp_path_factory.mktemp("hetero"), text, 4, cases)
 

@@ -108,8 +108,8 @@ def _unsupported_replicas(plan: Plan, model: ModelSpec) -> str | None:
                             "executed yet (ZeRO shards over the data- or context-parallel ranks of a stage); "
                             "use zero=0 there, or dp or cp > 1 inside the stage")
     if model.tied_embeddings and len({len(p.stages) == 1 for p in plan.pipelines}) > 1:
-        return (f"{model.name} ties its embedding and LM head, and some pipelines hold both in one stage while "
-                "others split them over two; give every pipeline one stage, or every pipeline several")
+        return (f"{model.name} ties its embedding and LM head, and some pipelines hold both in one stage "
+                "while others split them over two; give every pipeline one stage, or every pipeline several")
     return None
 
 

@@ -44,8 +44,8 @@ InjectSlowOpt = Annotated[str | None, typer.Option(
 SwitchViaOpt = Annotated[str, typer.Option(
     "--switch-via", help="--adaptive: how a plan switch moves state: network (old to new owners) | dcp (save, load)")]
 ReplanDegreesOpt = Annotated[str, typer.Option(
-    "--replan-degrees", help="--adaptive: any (re-plans may change tp and pp degrees) | keep (the current degrees; "
-    "shrunk tp units, data, layers and devices still move)")]
+    "--replan-degrees", help="--adaptive: any (re-plans may change tp and pp degrees) | keep (the current "
+    "degrees; shrunk tp units, data, layers and devices still move)")]
 ReplanProfileOpt = Annotated[Path | None, typer.Option(
     "--profile", help="a `plait profile` file the re-planner prices plans with")]
 VarlenOpt = Annotated[str | None, typer.Option(
@@ -80,7 +80,8 @@ def train_cmd(
     checkpoint_dir: CheckpointDirOpt = None, checkpoint_every: CheckpointEveryOpt = 0,
     resume_from: ResumeFromOpt = None, timeout: TimeoutOpt = 300.0, max_restarts: MaxRestartsOpt = 0,
     hf_checkpoint: HfCheckpointOpt = None, adaptive: AdaptiveOpt = False, inject_slow: InjectSlowOpt = None,
-    profile: ReplanProfileOpt = None, switch_via: SwitchViaOpt = "network", replan_degrees: ReplanDegreesOpt = "any",
+    profile: ReplanProfileOpt = None, switch_via: SwitchViaOpt = "network",
+    replan_degrees: ReplanDegreesOpt = "any",
     varlen: VarlenOpt = None, lengths: LengthsOpt = None, capacity: CapacityOpt = 1024, sp: VarlenSpOpt = None,
     cp_mode: CpModeOpt = "ulysses", tokenizer: TokenizerOpt = None, text_field: TextFieldOpt = "text",
     data_dtype: DataDtypeOpt = None, data_cache: DataCacheOpt = None,
@@ -215,8 +216,8 @@ def _train_config(p: Plan, m: ModelSpec, model: str, world: int, *, steps: int, 
                       checkpoint_every=checkpoint_every, timeout_s=timeout,
                       resume_from=str(resume_from) if resume_from else None,
                       hf_checkpoint=str(hf_checkpoint) if hf_checkpoint else None, adaptive=adaptive,
-                      inject_slow=inject_slow, profile=str(profile) if profile else None, switch_via=switch_via,
-                      replan_degrees=replan_degrees)
+                      inject_slow=inject_slow, profile=str(profile) if profile else None,
+                      switch_via=switch_via, replan_degrees=replan_degrees)
     check_switch_via(switch_via)
     check_replan_degrees(replan_degrees)
     if inject_slow is not None:

@@ -28,7 +28,8 @@ SWITCH_VIA = ("network", "dcp")
 """How a plan switch moves state (`plait.runtime.stragglers`): from old to new owners over the network, or a
 DCP save and resharded load."""
 REPLAN_DEGREES = ("any", "keep")
-"""What a live re-plan may change (`plait.runtime.stragglers`): any degree, or keep the current tp and pp degrees."""
+"""What a live re-plan may change (`plait.runtime.stragglers`): any degree, or keep the current tp and pp
+degrees."""
 
 
 def check_numbers(*, lr: float, seed: int, timeout_s: float) -> None:

@@ -150,7 +150,8 @@ def waiting_groups(plan: Plan) -> list[tuple[int, ...]]:
     out = []
     for pipe in plan.pipelines:
         for st in pipe.stages:
-            if len(st.ranks) > 1 and any(s.tp * s.cp > 1 or (s.zero and s.dp > 1) for s, _ in st.layer_strategies()):
+            strategies = [s for s, _ in st.layer_strategies()]
+            if len(st.ranks) > 1 and any(s.tp * s.cp > 1 or (s.zero and s.dp > 1) for s in strategies):
                 out.append(st.ranks)
     return out
 
@@ -234,7 +235,8 @@ class Adaptive:
         dist.all_gather(gathered, busy)
         busy_by_rank = [float(t[0]) for t in gathered]
         factors = speed_factors(busy_by_rank, self._predicted(placed.plan))
-        factors = self._calibrate_probes(attribute(factors, [float(t[1]) for t in gathered], groups), placed.plan)
+        factors = attribute(factors, [float(t[1]) for t in gathered], groups)
+        factors = self._calibrate_probes(factors, placed.plan)
         self.window.append(factors)
         record["compute_s"] = busy_by_rank
         estimate = [statistics.median(f[r] for f in self.window) for r in range(self.world)]
@@ -373,5 +375,5 @@ def _describe(plan: Plan) -> str:
     first layer's)."""
     micro = ",".join(str(p.micro_batches) for p in plan.pipelines)
     tp = ",".join(str(p.stages[0].strategies[0].tp) for p in plan.pipelines)
-    return (f"{len(plan.pipelines)} pipeline(s), pp {len(plan.pipelines[0].stages)}, tp {tp}, micro-batches {micro}, "
-            f"ranks {','.join(map(str, plan.ranks))}")
+    return (f"{len(plan.pipelines)} pipeline(s), pp {len(plan.pipelines[0].stages)}, tp {tp}, "
+            f"micro-batches {micro}, ranks {','.join(map(str, plan.ranks))}")

@@ -66,7 +66,7 @@ class TrainConfig:
     inject_slow: str | None = None  # simulated stragglers: "RANK:FACTOR@STEP[,...]" (FACTOR 1 = recovered)
     profile: str | None = None  # a `plait profile` file for the re-planning cost model
     switch_via: str = "network"  # how a plan switch moves state: network | dcp (plait.runtime.stragglers)
-    replan_degrees: str = "any"  # any: re-plans may change tp and pp degrees; keep: only data, layers, devices
+    replan_degrees: str = "any"  # any: re-plans may change tp and pp degrees; keep: the current ones
     # Variable-length documents (plait.runtime.varlen): the layout method, the file of lengths to draw from,
     # documents per step, tokens a rank holds at once, a static degree, and how a group splits a row.
     varlen: str | None = None
@@ -406,8 +406,8 @@ class PlanSteps:
                 # Each sequence counts once in the reported loss: the tp x cp ranks that compute the loss of
                 # the same rows (each over its share of the tokens) split its weight.
                 out = where.output_segment.strategy
-                _forward_backward(placed, inputs, targets, out_count / (out.tp * out.cp), loss_sum, self.autocast,
-                                  self.clock)
+                _forward_backward(placed, inputs, targets, out_count / (out.tp * out.cp), loss_sum,
+                                  self.autocast, self.clock)
         elif self.adaptive:
             self.adaptive.probe()
         _shard_grads_like_params(params)
