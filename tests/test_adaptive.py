@@ -11,8 +11,15 @@ import sys
 import pytest
 
 from plait.errors import PlaitError
-from plait.plan import Plan
-from plait.runtime.stragglers import Injection, parse_injections, shifted, speed_factors
+from plait.plan import Pipeline, Plan, Stage, Strategy
+from plait.runtime.stragglers import (
+    Injection,
+    attribute,
+    parse_injections,
+    shifted,
+    speed_factors,
+    waiting_groups,
+)
 from plait.spec.cluster import snap
 
 
@@ -21,6 +28,18 @@ def test_speed_is_time_per_predicted_second_relative_to_the_fast_half() -> None:
     # Unequal shares of work: a rank with half the work taking half the time is healthy.
     assert speed_factors([2.0, 1.0, 2.0, 2.0], [2.0, 1.0, 2.0, 0.4]) == pytest.approx([1, 1, 1, 5])
     assert speed_factors([0.0, 0.0], [0.0, 0.0]) == [1.0, 1.0]
+
+
+def test_a_waiting_stage_blames_the_member_whose_local_probe_is_slow() -> None:
+    """Under tp2 both members' compute clocks wait for the slow one; their local probes tell them apart."""
+    stage = Stage(layers=(0, 4), ranks=(2, 3), strategies=(Strategy(tp=2),))
+    plan = Plan(model="tiny-llama", seq_len=64, global_batch=4, pipelines=(
+        Pipeline(stages=(Stage(layers=(0, 4), ranks=(0, 1), strategies=(Strategy(dp=2),)),), micro_batches=1,
+                 micro_batch_sequences=2),
+        Pipeline(stages=(stage,), micro_batches=2, micro_batch_sequences=1)))
+    assert waiting_groups(plan) == [(2, 3)]  # dp2 without ZeRO reduces after the backward: no waits
+    factors = attribute([1.0, 1.0, 5.0, 5.0], [0.01, 0.01, 0.01, 0.05], waiting_groups(plan))
+    assert factors == pytest.approx([1.0, 1.0, 1.0, 5.0])
 
 
 def test_a_shift_is_a_change_of_at_least_0_3_after_snapping() -> None:
@@ -58,7 +77,9 @@ def text(tmp_path_factory):
 
 def test_a_slowed_rank_is_detected_and_planned_around_with_the_same_losses(tmp_path, text) -> None:
     static = _train(tmp_path, text, "static")
-    adaptive = _train(tmp_path, text, "adaptive", "--adaptive")
+    # Without a profile the analytic model (of A100s) may change degrees and, for this tiny model, prefers
+    # leaving healthy ranks out too; keeping the degrees makes the re-plan about the straggler alone.
+    adaptive = _train(tmp_path, text, "adaptive", "--adaptive", "--replan-degrees", "keep")
     speed = adaptive[3]["speed"]  # steps 1-3 slowed: the window sees rank 3 at ~8x
     # Four processes share this machine's cores, so a healthy rank's estimate wobbles by a few tens of percent.
     assert speed[3] > 3 and max(speed[:3]) < 1.6 and speed[3] > 2.5 * max(speed[:3]), speed

@@ -112,6 +112,7 @@ def test_timeline_path_is_checked_first() -> None:
     (["--checkpoint-dir", "/proc/ck"], "--checkpoint-dir '/proc/ck' is not writable"),
     (["--resume-from", "/nonexistent/step-3"], "--resume-from '/nonexistent/step-3' is not a directory"),
     (["--adaptive", "--switch-via", "disk"], "--switch-via must be network or dcp, got 'disk'"),
+    (["--adaptive", "--replan-degrees", "some"], "--replan-degrees must be any or keep, got 'some'"),
 ])
 def test_train_checks_before_launching(extra, needle) -> None:
     assert_bad_input(invoke(*TRAIN, *extra), needle)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from plait.plan import Plan, expert_problem, kind_problem
+from plait.plan import Plan, Stage, expert_problem, kind_problem
 from plait.spec.model import ModelSpec
 
 
@@ -78,23 +78,38 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
     return None
 
 
+def shard_shape(stage: Stage, layer: int) -> tuple:
+    """What decides how a stage's ranks shard `layer`'s weights and gradients: the stage's width, the
+    tensor-, data- and context-parallel degrees and whether ZeRO shards them. Pipelines whose holders of a
+    layer differ in it reduce its gradients as whole tensors (`plait.runtime.placement.Replicas`)."""
+    s = stage.strategy(layer)
+    return len(stage.ranks), s.tp, s.dp, s.cp, s.zero > 0
+
+
+def holders(plan: Plan, layer: int) -> list[Stage]:
+    """The stage of each pipeline that holds `layer`."""
+    return [next(st for st in pipe.stages if st.layers[0] <= layer < st.layers[1]) for pipe in plan.pipelines]
+
+
 def _unsupported_replicas(plan: Plan, model: ModelSpec) -> str | None:
-    """Several pipelines (data-parallel replicas that may cut the model differently): the runtime reduces
-    each layer's gradients over the ranks holding the same shard in every pipeline, so each layer needs
-    the same tensor-parallel layout everywhere and no data, context or ZeRO sharding inside a stage."""
+    """Several pipelines (data-parallel replicas that may cut and shard the model differently): the runtime
+    reduces each layer's gradients across pipelines, shard by shard where every pipeline shards it alike,
+    else as whole tensors over all its holders (`plait.runtime.placement.Replicas`). Not executed: ZeRO
+    over the pipelines themselves (a ZeRO stage without data or context parallelism inside it), and a tied
+    embedding and head that one pipeline holds in one stage and another in two."""
     if plan.chunks > 1:
         return "several pipelines with interleaved chunks are not executable yet; use one pipeline or vpp=1"
-    shapes: dict[int, tuple[int, bool]] = {}
     for pi, pipe in enumerate(plan.pipelines):
         for stage in pipe.stages:
             for layer in range(*stage.layers):
                 s = stage.strategy(layer)
-                if s.dp > 1 or s.cp > 1 or s.zero:
-                    return (f"pipeline {pi} uses {s.short()} at layer {layer}; with several pipelines every stage "
-                            "is one tensor-parallel group (dp=1, cp=1, zero=0)")
-                if shapes.setdefault(layer, (s.tp, s.sp)) != (s.tp, s.sp):
-                    return (f"layer {layer} is split tp={s.tp} in pipeline {pi} but tp={shapes[layer][0]} in another; "
-                            "with several pipelines a layer needs one tensor-parallel layout")
+                if s.zero and s.dp * s.cp == 1:
+                    return (f"pipeline {pi} uses {s.short()} at layer {layer}: ZeRO across pipelines is not "
+                            "executed yet (ZeRO shards over the data- or context-parallel ranks of a stage); "
+                            "use zero=0 there, or dp or cp > 1 inside the stage")
+    if model.tied_embeddings and len({len(p.stages) == 1 for p in plan.pipelines}) > 1:
+        return (f"{model.name} ties its embedding and LM head, and some pipelines hold both in one stage "
+                "while others split them over two; give every pipeline one stage, or every pipeline several")
     return None
 
 

@@ -30,6 +30,7 @@ from plait.cost.price import (
     send_time,
     tied_embedding_sync,
 )
+from plait.executable import holders, shard_shape
 from plait.layout import Layout
 from plait.plan import Plan, Stage, Strategy, validate_plan
 from plait.spec.cluster import GIB, Cluster
@@ -311,6 +312,7 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
                cal: Calibration, prec: PrecisionBytes) -> tuple[float, float, float]:
     """(reduce seconds before the optimizer, gather seconds after it, optimizer seconds) of a device group."""
     reduce_t = sum(count * c.grad_reduce for cost in costs for c, count, _, _ in cost.priced)
+    reduce_t += _whole_reduce(costs, plan, stage, cluster, cal, prec)
     gather_t = sum(count * c.param_gather for cost in costs for c, count, _, _ in cost.priced)
     ctx = BlockContext(model, cluster, cal, prec, plan.seq_len, 1, comm.SINGLE, comm.SINGLE, comm.SINGLE)
     if model.tied_embeddings and len(plan.pipelines[0].stages) > 1:
@@ -318,6 +320,28 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
     held = [Held(c, count, s, len(s.degrees.split_data(_dp_ranks(plan, layer, s, stage.ranks))[0]))
             for cost in costs for c, count, s, layer in cost.priced]
     return reduce_t, gather_t, optimizer_time(held, ctx)
+
+
+def _whole_reduce(costs: list[StageCost], plan: Plan, stage: Stage, cluster: Cluster, cal: Calibration,
+                  prec: PrecisionBytes) -> float:
+    """Seconds a device group spends reducing, across pipelines, the layers that pipelines shard differently
+    (`plait.executable.shard_shape`), as the runtime does (`sync_whole_gradients`): the whole gradient
+    gathered over the stage where tensor parallelism or ZeRO splits it, then all-reduced over every holder
+    in every pipeline."""
+    if len(plan.pipelines) == 1:
+        return 0.0
+    gpn, total = cluster.gpus_per_node, 0.0
+    for cost in costs:
+        for c, count, s, layer in cost.priced:
+            holding = holders(plan, layer)
+            if len({shard_shape(st, layer) for st in holding}) == 1:
+                continue
+            whole = c.params * s.tp * prec.reduce_bytes
+            gather = comm.all_gather(whole, GroupShape.of(stage.ranks, gpn), cluster, cal) \
+                if s.tp > 1 or (s.zero and s.dp * s.cp > 1) else 0.0
+            everyone = GroupShape.of(tuple(r for st in holding for r in st.ranks), gpn)
+            total += count * (gather + comm.all_reduce(whole, everyone, cluster, cal))
+    return total
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,9 @@ InjectSlowOpt = Annotated[str | None, typer.Option(
     "--inject-slow", help="simulated stragglers RANK:FACTOR@STEP[,...] (FACTOR 1: recovered)")]
 SwitchViaOpt = Annotated[str, typer.Option(
     "--switch-via", help="--adaptive: how a plan switch moves state: network (old to new owners) | dcp (save, load)")]
+ReplanDegreesOpt = Annotated[str, typer.Option(
+    "--replan-degrees", help="--adaptive: any (re-plans may change tp and pp degrees) | keep (the current "
+    "degrees; shrunk tp units, data, layers and devices still move)")]
 ReplanProfileOpt = Annotated[Path | None, typer.Option(
     "--profile", help="a `plait profile` file the re-planner prices plans with")]
 VarlenOpt = Annotated[str | None, typer.Option(
@@ -80,6 +83,7 @@ def train_cmd(
     resume_from: ResumeFromOpt = None, timeout: TimeoutOpt = 300.0, max_restarts: MaxRestartsOpt = 0,
     hf_checkpoint: HfCheckpointOpt = None, adaptive: AdaptiveOpt = False, inject_slow: InjectSlowOpt = None,
     profile: ReplanProfileOpt = None, switch_via: SwitchViaOpt = "network",
+    replan_degrees: ReplanDegreesOpt = "any",
     varlen: VarlenOpt = None, lengths: LengthsOpt = None, capacity: CapacityOpt = 1024, sp: VarlenSpOpt = None,
     cp_mode: CpModeOpt = "ulysses", tokenizer: TokenizerOpt = None, text_field: TextFieldOpt = "text",
     data_dtype: DataDtypeOpt = None, data_cache: DataCacheOpt = None,
@@ -128,7 +132,8 @@ def train_cmd(
         cfg = _train_config(p, m, model, world, steps=steps, seed=seed, lr=lr, dtype=dtype, data=data,
                             metrics_file=metrics_file, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                             timeout=timeout, resume_from=resume_from, hf_checkpoint=hf_checkpoint, adaptive=adaptive,
-                            inject_slow=inject_slow, profile=profile, switch_via=switch_via)
+                            inject_slow=inject_slow, profile=profile, switch_via=switch_via,
+                            replan_degrees=replan_degrees)
         cfg = replace(cfg, data_dtype=data_dtype)
     _launch(cfg, world, inside, max_restarts, m, nodes)
 
@@ -211,9 +216,10 @@ def _check_dtype(dtype: str) -> None:
 def _train_config(p: Plan, m: ModelSpec, model: str, world: int, *, steps: int, seed: int, lr: float, dtype: str,
                   data: Path | None, metrics_file: Path | None, checkpoint_dir: Path | None, checkpoint_every: int,
                   timeout: float, resume_from: Path | None, hf_checkpoint: Path | None, adaptive: bool,
-                  inject_slow: str | None, profile: Path | None, switch_via: str = "network"):
+                  inject_slow: str | None, profile: Path | None, switch_via: str = "network",
+                  replan_degrees: str = "any"):
     """The TrainConfig of a run with plan `p` (PlaitError on bad options)."""
-    from plait.runtime.preflight import check_switch_via
+    from plait.runtime.preflight import check_replan_degrees, check_switch_via
     from plait.runtime.train import TrainConfig
 
     _check_data(data)
@@ -225,8 +231,10 @@ def _train_config(p: Plan, m: ModelSpec, model: str, world: int, *, steps: int, 
                       checkpoint_every=checkpoint_every, timeout_s=timeout,
                       resume_from=str(resume_from) if resume_from else None,
                       hf_checkpoint=str(hf_checkpoint) if hf_checkpoint else None, adaptive=adaptive,
-                      inject_slow=inject_slow, profile=str(profile) if profile else None, switch_via=switch_via)
+                      inject_slow=inject_slow, profile=str(profile) if profile else None,
+                      switch_via=switch_via, replan_degrees=replan_degrees)
     check_switch_via(switch_via)
+    check_replan_degrees(replan_degrees)
     if inject_slow is not None:
         from plait.runtime.stragglers import parse_injections
 

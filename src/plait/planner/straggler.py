@@ -341,7 +341,7 @@ class _Template:
     spread: bool
 
 
-def _templates(model: ModelSpec, cluster: Cluster, global_batch: int, runnable: bool) -> list[_Template]:
+def _templates(model: ModelSpec, cluster: Cluster, global_batch: int) -> list[_Template]:
     out = []
     stragglers = any(f > 1.0 for f in cluster.speed)
     for tp in divisors(cluster.gpus_per_node):
@@ -356,7 +356,7 @@ def _templates(model: ModelSpec, cluster: Cluster, global_batch: int, runnable: 
                 for recompute, zero in itertools.product(("none", "full"), (0, 1)):
                     if zero and cluster.world_size // (tp * pp) == 1:
                         continue
-                    for shrink in ((False, True) if stragglers and tp > 1 and not runnable else (False,)):
+                    for shrink in ((False, True) if stragglers and tp > 1 else (False,)):
                         for spread in ((False, True) if stragglers and pp > 1 else (False,)):
                             out.append(_Template(tp, pp, mbs, recompute, zero, shrink, spread))
     return out
@@ -481,7 +481,7 @@ def plan_around_stragglers(model: ModelSpec, cluster: Cluster, seq_len: int, glo
             return cache[key]
         return price
 
-    templates = _templates(model, planning, global_batch, runnable)
+    templates = _templates(model, planning, global_batch)
     if keep_degrees and current is not None:
         templates = [t for t in templates if _degrees(t) == _current_degrees(current)]
     found: list[_Option] = []

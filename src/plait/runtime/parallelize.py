@@ -18,7 +18,7 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -183,6 +183,25 @@ def sync_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, weight:
             flat.div_(dist.get_world_size(group))
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)
+
+
+def sync_whole_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, weight: float) -> None:
+    """Sum the whole gradients of parameters that the ranks of `group` shard differently (pipelines that
+    split a layer differently), after scaling this rank's by `weight`; each rank keeps its own shard. A
+    DTensor gradient is gathered whole over its mesh first and cut back to this rank's shard after."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        wholes = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+        flat = _flatten_dense_tensors(wholes).mul_(weight)
+        dist.all_reduce(flat, group=group)
+        for g, summed in zip(grads, _unflatten_dense_tensors(flat, wholes)):
+            if isinstance(g, DTensor):
+                summed = distribute_tensor(summed, g.device_mesh, g.placements, src_data_rank=None).to_local()
+                g = g.to_local()
+            g.copy_(summed)
 
 
 def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str], mode: str = "ulysses",

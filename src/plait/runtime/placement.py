@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.errors import PlaitError
-from plait.executable import unsupported
+from plait.executable import holders, shard_shape, unsupported
 from plait.layout import Layout
 from plait.plan import Plan, Strategy
 from plait.spec.degrees import MESH_DIMS, Degrees
@@ -80,6 +80,18 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class Replicas:
+    """The ranks one layer's gradients are reduced over across pipelines. When every pipeline holds the layer
+    in the same shape (`shard_shape`), the ranks holding this rank's shard (`whole` False); otherwise every
+    holder in every pipeline (`whole`), each reducing the whole gradient, of which `copies` ranks of this
+    rank's pipeline hold one."""
+
+    group: dist.ProcessGroup | None  # None: this rank alone
+    whole: bool = False
+    copies: int = 1
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One pipeline stage of the model on this rank."""
 
@@ -102,8 +114,8 @@ class Placement:
     chunks: tuple[Chunk, ...]  # the stages this rank runs, in model order
     pp_group: dist.ProcessGroup | None  # ranks at the same position of every device group along the pipeline
     tied_group: dist.ProcessGroup | None  # first- and last-stage ranks at this position, when they share weights
-    replicas: dict[int, dist.ProcessGroup] = field(default_factory=dict)  # several pipelines: layer -> ranks
-    # holding the same shard of it in every pipeline (layer -1: the embedding, layers: the head)
+    replicas: dict[int, Replicas] = field(default_factory=dict)  # several pipelines: layer -> the ranks its
+    # gradients are reduced over across pipelines (layer -1: the embedding, layers: the head)
 
     @property
     def idle(self) -> bool:
@@ -254,17 +266,24 @@ def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: 
     return Placement(rank, pi, chunks[0].index % pp, pp, tuple(chunks), pp_group, tied_group)
 
 
-def _replica_groups(plan: Plan, rank: int, groups: _Groups) -> dict[int, dist.ProcessGroup]:
-    """For every layer this rank holds: the group of ranks holding the same tensor-parallel shard of it in
-    every pipeline (built collectively, layer by layer). Key -1 is the embedding, `layers` the head."""
+def _replica_groups(plan: Plan, rank: int, groups: _Groups) -> dict[int, Replicas]:
+    """For every layer this rank holds: the ranks its gradients are reduced over across pipelines (built
+    collectively, layer by layer): those holding the same shard of it in every pipeline when every pipeline
+    shards it alike, else all its holders (`Replicas`). Key -1 is the embedding, `layers` the head."""
     layers = plan.pipelines[0].stages[-1].layers[1]
-    out: dict[int, dist.ProcessGroup] = {}
+    out: dict[int, Replicas] = {}
     for layer in [-1, *range(layers), layers]:
         at = min(max(layer, 0), layers - 1)
-        holders = [next(st for st in pipe.stages if st.layers[0] <= at < st.layers[1]) for pipe in plan.pipelines]
-        for i in range(len(holders[0].ranks)):
-            ranks = tuple(st.ranks[i] for st in holders)
+        holding = holders(plan, at)
+        if len({shard_shape(st, at) for st in holding}) > 1:
+            group = groups.group(tuple(r for st in holding for r in st.ranks))
+            mine = next((st for st in holding if rank in st.ranks), None)
+            if mine is not None:
+                out[layer] = Replicas(group, whole=True, copies=len(mine.ranks))
+            continue
+        for i in range(len(holding[0].ranks)):
+            ranks = tuple(st.ranks[i] for st in holding)
             group = groups.group(ranks)
             if rank in ranks and group is not None:
-                out[layer] = group
+                out[layer] = Replicas(group)
     return out

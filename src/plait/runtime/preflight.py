@@ -27,6 +27,9 @@ RANK_BASE_BYTES = 300 * 2**20
 SWITCH_VIA = ("network", "dcp")
 """How a plan switch moves state (`plait.runtime.stragglers`): from old to new owners over the network, or a
 DCP save and resharded load."""
+REPLAN_DEGREES = ("any", "keep")
+"""What a live re-plan may change (`plait.runtime.stragglers`): any degree, or keep the current tp and pp
+degrees."""
 
 
 def check_numbers(*, lr: float, seed: int, timeout_s: float) -> None:
@@ -38,6 +41,12 @@ def check_numbers(*, lr: float, seed: int, timeout_s: float) -> None:
         raise PlaitError(f"--seed must be an integer from 0 to 2^63-1, got {seed}")
     if not (math.isfinite(timeout_s) and 0 < timeout_s <= 86400):
         raise PlaitError(f"--timeout must be a number of seconds in (0, 86400], got {timeout_s}")
+
+
+def check_replan_degrees(value: str) -> None:
+    """Refuse a --replan-degrees other than those of `REPLAN_DEGREES`."""
+    if value not in REPLAN_DEGREES:
+        raise PlaitError(f"--replan-degrees must be {' or '.join(REPLAN_DEGREES)}, got {value!r}")
 
 
 def check_switch_via(value: str) -> None:

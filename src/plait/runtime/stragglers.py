@@ -7,14 +7,18 @@ speed, re-plan in the background, and switch plans between two steps without sto
   by a sleep of (FACTOR - 1) times its duration. Gradients are reduced after the backward (not inside it),
   so a fast rank's clock never includes waiting for a slow one.
 * Speed: each rank's compute seconds over what the cost model predicts for its share of the plan, relative
-  to the median rank, as the median of the last `WINDOW` steps. A rank the plan leaves out
+  to the median rank, as the median of the last `WINDOW` steps. In a stage with collectives inside its
+  compute (tensor or context parallelism, ZeRO) every member waits for the slowest, so the stage's
+  slowness goes to its members by a local probe (one GEMM each, `attribute`). A rank the plan leaves out
   runs a probe (one sequence through the whole model) so that its recovery is seen too.
 * A shift is a rank whose speed factor (factors below `plait.spec.cluster.SNAP_FACTOR` snapped to 1) moved by at least
   `SHIFT` from the factor the current plan was made for. Rank 0 then runs the straggler planner
   (`plait.planner.straggler`) in a background thread while training goes on, and when it is done every
-  rank learns the new plan at the next step boundary (if it is predicted `MIN_GAIN` faster). Without a
-  profile of this machine (`--profile`) the planner keeps the current parallel degrees and moves data,
-  layers and devices only: a cost model of another device cannot be trusted to change degrees.
+  rank learns the new plan at the next step boundary (if it is predicted `MIN_GAIN` faster). The planner
+  may change the tensor- and pipeline-parallel degrees, shrink a tensor-parallel unit to its healthy
+  members and give slow pipelines fewer micro-batches (any plan the runtime executes); it prices plans with
+  the profile of this machine (`--profile`), else with the analytic cost model. With `--replan-degrees
+  keep` it keeps the current degrees (shrunk units and uneven micro-batches still allowed).
 * Switching: the new plan's model and process groups are built, and the model and optimizer state move
   from the old plan's owners to the new ones over the network (`plait.runtime.migrate`, the default), or,
   with `--switch-via dcp`, through a DCP save and a resharded load from a directory that every rank must
@@ -81,20 +85,39 @@ def parse_injections(text: str | None, world: int) -> list[Injection]:
     return sorted(out, key=lambda i: i.step)
 
 
+PROBE_GEMM = 384
+"""Side of the square fp32 GEMM every rank of a stage with collectives inside its compute times each step
+(about 10 ms on one CPU core): its own speed, free of waits for the stage's other ranks."""
+
+
 class ComputeClock:
     """This rank's compute seconds in the current step, with an optional injected slowdown."""
 
     def __init__(self) -> None:
         self.busy = 0.0
         self.factor = 1.0
+        self._gemm = torch.randn(PROBE_GEMM, PROBE_GEMM, generator=torch.Generator().manual_seed(0))
 
     @contextmanager
-    def compute(self):
+    def _slowed(self):
         t0 = time.perf_counter()
         yield
         if self.factor > 1.0:
             time.sleep((self.factor - 1.0) * (time.perf_counter() - t0))
+
+    @contextmanager
+    def compute(self):
+        t0 = time.perf_counter()
+        with self._slowed():
+            yield
         self.busy += time.perf_counter() - t0
+
+    def local_speed(self) -> float:
+        """Seconds of one GEMM on this rank alone (slowed like its compute), not counted as busy."""
+        t0 = time.perf_counter()
+        with self._slowed():
+            self._gemm @ self._gemm
+        return time.perf_counter() - t0
 
     def wrap_stage(self, stage) -> None:
         """Time a pipeline stage's forward and backward ops (not its sends and receives)."""
@@ -118,6 +141,31 @@ def speed_factors(busy: list[float], predicted: list[float]) -> list[float]:
         return [1.0] * len(busy)
     reference = statistics.median(working)
     return [r / reference if r > 0 else 1.0 for r in ratios]
+
+
+def waiting_groups(plan: Plan) -> list[tuple[int, ...]]:
+    """The ranks of each stage whose compute includes collectives over the stage (tensor or context
+    parallelism, ZeRO's gathers and reductions inside the backward): their compute clocks all wait for the
+    slowest member, so only a local probe tells which member is slow."""
+    out = []
+    for pipe in plan.pipelines:
+        for st in pipe.stages:
+            strategies = [s for s, _ in st.layer_strategies()]
+            if len(st.ranks) > 1 and any(s.tp * s.cp > 1 or (s.zero and s.dp > 1) for s in strategies):
+                out.append(st.ranks)
+    return out
+
+
+def attribute(factors: list[float], probes: list[float], groups: list[tuple[int, ...]]) -> list[float]:
+    """Speed factors with each waiting group's slowness (its slowest member's factor) given to its members
+    in proportion to their local probes' seconds (`ComputeClock.local_speed`)."""
+    out = list(factors)
+    for ranks in groups:
+        slowest, probe = max(factors[r] for r in ranks), max(probes[r] for r in ranks)
+        if probe > 0:
+            for r in ranks:
+                out[r] = slowest * probes[r] / probe
+    return out
 
 
 def shifted(now: list[float], planned: list[float]) -> bool:
@@ -180,11 +228,15 @@ class Adaptive:
     def after_step(self, step: int, placed, record: dict) -> Plan | None:
         """Gather every rank's compute time, update the speed estimate, start or collect a re-plan; returns
         the plan to switch to (the same on every rank), or None."""
-        busy = torch.tensor([self.clock.busy], dtype=torch.float64)
-        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world)]
+        groups = waiting_groups(placed.plan)
+        local = self.clock.local_speed() if groups else 0.0
+        busy = torch.tensor([self.clock.busy, local], dtype=torch.float64)
+        gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(self.world)]
         dist.all_gather(gathered, busy)
-        busy_by_rank = [float(t) for t in gathered]
-        factors = self._calibrate_probes(speed_factors(busy_by_rank, self._predicted(placed.plan)), placed.plan)
+        busy_by_rank = [float(t[0]) for t in gathered]
+        factors = speed_factors(busy_by_rank, self._predicted(placed.plan))
+        factors = attribute(factors, [float(t[1]) for t in gathered], groups)
+        factors = self._calibrate_probes(factors, placed.plan)
         self.window.append(factors)
         record["compute_s"] = busy_by_rank
         estimate = [statistics.median(f[r] for f in self.window) for r in range(self.world)]
@@ -249,7 +301,7 @@ class Adaptive:
         try:
             result = plan_around_stragglers(self.spec, cluster, plan.seq_len, plan.global_batch,
                                             precision=plan.precision, cal=self.cal, current=plan, runnable=True,
-                                            keep_degrees=not self.cfg.profile, min_gain=MIN_GAIN,
+                                            keep_degrees=self.cfg.replan_degrees == "keep", min_gain=MIN_GAIN,
                                             also=(Plan.model_validate(self.cfg.plan),))
         except Exception as exc:  # noqa: BLE001 -- a failed re-plan must not stop training
             self.replans.append({"factors": factors, "error": str(exc).splitlines()[0][:200]})
@@ -319,7 +371,9 @@ class Adaptive:
 
 
 def _describe(plan: Plan) -> str:
-    """`3 pipelines, pp 1, micro-batches 5,5,6, ranks 0-2` style summary."""
+    """`3 pipeline(s), pp 1, tp 2,1,1, micro-batches 5,5,6, ranks 0,1,2,3` style summary (tp: each pipeline's
+    first layer's)."""
     micro = ",".join(str(p.micro_batches) for p in plan.pipelines)
-    return (f"{len(plan.pipelines)} pipeline(s), pp {len(plan.pipelines[0].stages)}, micro-batches {micro}, "
-            f"ranks {','.join(map(str, plan.ranks))}")
+    tp = ",".join(str(p.stages[0].strategies[0].tp) for p in plan.pipelines)
+    return (f"{len(plan.pipelines)} pipeline(s), pp {len(plan.pipelines[0].stages)}, tp {tp}, "
+            f"micro-batches {micro}, ranks {','.join(map(str, plan.ranks))}")

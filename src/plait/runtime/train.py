@@ -32,8 +32,8 @@ from plait.runtime import checkpoint, memory, swap
 from plait.runtime.data import SAMPLES_LOG_ENV, TokenSource, log_samples
 from plait.runtime.loop import lr_at, step_optimizers, train_loop
 from plait.runtime.optim import make_optimizer
-from plait.runtime.parallelize import parallelize_chunk, sync_gradients
-from plait.runtime.placement import Placement, check_executable, place
+from plait.runtime.parallelize import parallelize_chunk, sync_gradients, sync_whole_gradients
+from plait.runtime.placement import Placement, Replicas, check_executable, place
 from plait.runtime.stragglers import Adaptive, ComputeClock
 from plait.runtime.zero import follow_zero_stages, micro_batch_flags
 from plait.spec.model import ModelSpec, load_model
@@ -66,6 +66,7 @@ class TrainConfig:
     inject_slow: str | None = None  # simulated stragglers: "RANK:FACTOR@STEP[,...]" (FACTOR 1 = recovered)
     profile: str | None = None  # a `plait profile` file for the re-planning cost model
     switch_via: str = "network"  # how a plan switch moves state: network | dcp (plait.runtime.stragglers)
+    replan_degrees: str = "any"  # any: re-plans may change tp and pp degrees; keep: the current ones
     # Variable-length documents (plait.runtime.varlen): the layout method, the file of lengths to draw from,
     # documents per step, tokens a rank holds at once, a static degree, and how a group splits a row.
     varlen: str | None = None
@@ -121,14 +122,19 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
 class GradientSync:
     """Gradients reduced by hand over `group`: averaged, or summed after scaling by `weight` (several
     pipelines: the share of the global batch this rank's pipeline trained on; MoE weights: see
-    `plait.runtime.experts`), which also applies when the group is this rank alone (None)."""
+    `plait.runtime.experts`), which also applies when the group is this rank alone (None). `whole`: the
+    group's ranks shard the parameters differently, so whole gradients are summed (`sync_whole_gradients`)."""
 
     params: list[torch.nn.Parameter]
     group: dist.ProcessGroup | None
     weight: float | None = None
+    whole: bool = False
 
     def __call__(self) -> None:
-        if self.group is not None:
+        if self.whole:
+            assert self.group is not None and self.weight is not None
+            sync_whole_gradients(self.params, self.group, self.weight)
+        elif self.group is not None:
             sync_gradients(self.params, self.group, self.weight)
         elif self.weight is not None and self.weight != 1.0:
             grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
@@ -137,10 +143,12 @@ class GradientSync:
 
 
 def _replica_sync(chunks: list[torch.nn.Module], where: Placement, plan: Plan, layers: int) -> list[GradientSync]:
-    """Several pipelines: every layer's gradients (and the embedding's and head's) over the ranks holding
-    the same shard of it in every pipeline, in model order (the same order on every member of a group)."""
+    """Several pipelines: every layer's gradients (and the embedding's and head's) over its replicas in every
+    pipeline (`Placement.replicas`), weighted by this pipeline's share of the global batch, in model order
+    (the same order on every member of a group). Whole gradients held by several ranks of a pipeline count
+    once: each copy gets its share of the weight."""
     weight = plan.pipelines[where.pipeline].samples / plan.global_batch
-    by_group: dict[dist.ProcessGroup, list[torch.nn.Parameter]] = {}
+    by_group: dict[Replicas, list[torch.nn.Parameter]] = {}
     seen: set[int] = set()
     for model in chunks:
         parts = [(-1, m) for m in (model.tok_embeddings, model.pos_embeddings) if m is not None]
@@ -151,7 +159,8 @@ def _replica_sync(chunks: list[torch.nn.Module], where: Placement, plan: Plan, l
                 if id(p) not in seen:
                     seen.add(id(p))
                     by_group.setdefault(where.replicas[key], []).append(p)
-    return [GradientSync(params, group, weight) for group, params in by_group.items()]
+    return [GradientSync(params, r.group, weight / r.copies if r.whole else weight, r.whole)
+            for r, params in by_group.items()]
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -294,7 +303,7 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
     return Placed(plan, where, chunks, optimizers, manual_sync, schedule, _tied_weight(chunks, where), loss)
 
 
-def _forward_backward(placed: Placed, inputs: list[torch.Tensor], targets: list[torch.Tensor], rows: int,
+def _forward_backward(placed: Placed, inputs: list[torch.Tensor], targets: list[torch.Tensor], rows: float,
                       loss_sum: torch.Tensor, autocast, clock: ComputeClock | None) -> None:
     """One step's forwards and backwards (gradient accumulation over micro-batches, or the pipeline
     schedule); adds the loss summed over its `rows` sequences per micro-batch, and the rows, to `loss_sum`."""
@@ -394,7 +403,11 @@ class PlanSteps:
                         for i in source.sample_ids(step, first, count)}
                 log_samples(self.samples_log, self.rank, step, sorted(read))
             with meter:
-                _forward_backward(placed, inputs, targets, out_count, loss_sum, self.autocast, self.clock)
+                # Each sequence counts once in the reported loss: the tp x cp ranks that compute the loss of
+                # the same rows (each over its share of the tokens) split its weight.
+                out = where.output_segment.strategy
+                _forward_backward(placed, inputs, targets, out_count / (out.tp * out.cp), loss_sum,
+                                  self.autocast, self.clock)
         elif self.adaptive:
             self.adaptive.probe()
         _shard_grads_like_params(params)

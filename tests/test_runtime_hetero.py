@@ -1,0 +1,85 @@
+"""Several pipelines of different shapes (Malleus): a layer split differently in each pipeline (tensor
+parallel in one, data parallel or ZeRO inside another's stage, a shrunk tensor-parallel unit beside a full
+one) has its whole gradient summed over every holder (`plait.runtime.placement.Replicas`). Such plans train
+to the single-process losses (gloo, 4 ranks, one torchrun launch, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+from test_runtime import _losses, assert_same, reference_losses, text, train_together  # noqa: F401
+
+from plait.executable import shard_shape, unsupported
+from plait.plan import Pipeline, Plan, Stage
+from plait.plan import Strategy as S
+from plait.spec.model import PRESETS
+
+SEQ = 64
+GBS = 4
+
+
+def _plan(model: str, pipes: list[tuple[list[tuple[tuple[int, int], tuple[int, ...], S]], int, int]]) -> Plan:
+    """Pipelines given as (stages as (layers, ranks, strategy), micro-batches, micro-batch size)."""
+    pipelines = tuple(Pipeline(stages=tuple(Stage(layers=lay, ranks=r, strategies=(s,)) for lay, r, s in st),
+                               micro_batches=m, micro_batch_sequences=b) for st, m, b in pipes)
+    return Plan(model=model, seq_len=SEQ, global_batch=sum(p.samples for p in pipelines), precision="fp32",
+                pipelines=pipelines)
+
+
+CASES = {
+    "dp2 stage beside a pp2 pipeline": _plan("tiny-llama", [
+        ([((0, 4), (0, 1), S(dp=2))], 1, 2), ([((0, 2), (2,), S()), ((2, 4), (3,), S())], 2, 1)]),
+    "dp2 zero3 stage beside a tp2 sp stage": _plan("tiny-llama", [
+        ([((0, 4), (0, 1), S(dp=2, zero=3))], 1, 2), ([((0, 4), (2, 3), S(tp=2, sp=True))], 2, 1)]),
+    "shrunk tp1 unit beside a tp2 unit, micro-batches 3 and 1, rank 3 left out": _plan("tiny-llama", [
+        ([((0, 4), (0, 1), S(tp=2))], 3, 1), ([((0, 4), (2,), S())], 1, 1)]),
+    "tied: a one-rank stage beside a cp2 stage": _plan("tiny-gpt", [
+        ([((0, 4), (0, 1), S(cp=2))], 1, 2), ([((0, 4), (2,), S())], 2, 1)]),
+}
+
+
+def test_pipelines_shard_their_layers_differently() -> None:
+    """Every case holds some layer in two different shapes (else it would test the shard-by-shard path)
+    and is executable."""
+    for name, plan in CASES.items():
+        shapes = {shard_shape(next(st for st in p.stages if st.layers[0] <= 0 < st.layers[1]), 0)
+                  for p in plan.pipelines}
+        assert len(shapes) == 2, name
+        assert unsupported(plan, PRESETS[plan.model]) is None, name
+
+
+def test_what_still_does_not_run_is_refused_in_one_line() -> None:
+    zero_across = _plan("tiny-llama", [([((0, 4), (r,), S(zero=1))], 1, 2) for r in (0, 1)])
+    assert "ZeRO across pipelines" in unsupported(zero_across, PRESETS["tiny-llama"])
+    tied_mixed = _plan("tiny-gpt", [([((0, 4), (0,), S())], 2, 1),
+                                    ([((0, 2), (1,), S()), ((2, 4), (2,), S())], 2, 1)])
+    assert "one stage" in unsupported(tied_mixed, PRESETS["tiny-gpt"])
+
+
+@pytest.fixture(scope="module")
+def hetero_runs(tmp_path_factory, text):  # noqa: F811
+    """The single-process references, then every case in one four-rank torchrun job."""
+    pairs = [("tiny-llama", GBS), ("tiny-gpt", GBS)]
+    ref = reference_losses(tmp_path_factory.mktemp("reference"), text, pairs)
+    cases = {name: (CASES[name].model, CASES[name]) for name in CASES}
+    return ref, train_together(tmp_path_factory.mktemp("hetero"), text, 4, cases)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipelines_of_different_shapes_match_single_process(hetero_runs, name) -> None:
+    ref, runs = hetero_runs
+    assert_same(_losses(runs, name), ref[(CASES[name].model, CASES[name].global_batch)])
+
+
+def test_simulate_prices_the_whole_gradient_reduction() -> None:
+    """A shrunk tp1 unit beside a tp2 unit: every holder all-reduces the whole gradients (and the tp2 unit
+    gathers them first), which the same two pipelines at one shape (tp1 beside tp1) reduce shard by shard."""
+    from plait.simulate import simulate
+    from plait.spec.cluster import local_ranks
+
+    def sync_s(plan: Plan) -> float:
+        report = simulate(plan, PRESETS["tiny-llama"], local_ranks(4), validate=False)
+        return max(d.parts["dp_comm_exposed"] for d in report.devices)
+
+    shrunk = CASES["shrunk tp1 unit beside a tp2 unit, micro-batches 3 and 1, rank 3 left out"]
+    alike = _plan("tiny-llama", [([((0, 4), (0,), S())], 3, 1), ([((0, 4), (2,), S())], 1, 1)])
+    assert sync_s(shrunk) > 1.5 * sync_s(alike)
