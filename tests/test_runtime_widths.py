@@ -137,3 +137,17 @@ def test_boundary_moves_each_piece_and_the_cost_model_prices_its_bytes(monkeypat
     # one direction's bytes differ from the other where the narrow side holds copies (tp without sp)
     forward_most = max(mail.received[r] for r in receivers)
     assert forward_most == batch * SEQ * hidden * 4 // (dst.dp * dst.token_parts)
+
+
+def test_simulate_prices_the_boundary_as_the_transfer_it_sends() -> None:
+    """`plait simulate`'s send between a tp2 stage and a one-rank stage is one point-to-point time of the
+    busiest rank's bytes: both tp copies receive the whole gradient, 2x the activation (fp32 [2, 64, 128])."""
+    from plait.cost import comm
+    from plait.simulate import price_plan
+
+    cluster = dgx(1, 4, "A100-80GB")
+    priced = price_plan(CASES["2 then 1: tp2 then one rank"], PRESETS[MODEL], cluster)
+    whole = 2 * SEQ * PRESETS[MODEL].hidden * 4  # bytes of one micro-batch's hidden state
+    assert priced.costs[0][0].send == comm.p2p(2 * whole, False, cluster, priced.cal)
+    priced = price_plan(CASES["1 then 2: one rank then dp2"], PRESETS[MODEL], cluster)
+    assert priced.costs[0][0].send == comm.p2p(whole, False, cluster, priced.cal)  # one rank sends it all

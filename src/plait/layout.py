@@ -111,7 +111,7 @@ def _blocks(src: Layout, dst: Layout, batch: int, tokens: int, keep: bool) -> tu
     for j in range(src.devices):
         holders.setdefault(src.piece(j, batch, tokens), []).append(j)
     blocks = []
-    for i in range(dst.devices):
+    for i in range(dst.devices if not keep else src.devices):  # the same stage: its src.devices positions
         want_b, want_t = dst.piece(i, batch, tokens)
         for (have_b, have_t), owners in holders.items():
             b, t = _overlap(want_b, have_b), _overlap(want_t, have_t)
