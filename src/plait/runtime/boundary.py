@@ -25,8 +25,9 @@ FORWARD_TAG, BACKWARD_TAG = 1, 2
 
 @dataclass(frozen=True)
 class Boundary:
-    """Stage `upper` (ranks `senders`, last layout `src`) hands micro-batches of `batch` sequences x `tokens`
-    x `hidden` to the next stage (ranks `receivers`, first layout `dst`) over `group`."""
+    """A stage (ranks `senders`, its last layer's layout `src`) hands micro-batches of `batch` sequences x
+    `tokens` x `hidden` to the next stage (ranks `receivers`, its first layer's layout `dst`) over `group`
+    (a process group holding both stages' ranks; the ranks here are global)."""
 
     src: Layout
     dst: Layout
@@ -38,9 +39,9 @@ class Boundary:
     group: dist.ProcessGroup | None
 
     def send(self, x: Tensor, forward: bool) -> list[tuple[dist.Work, Tensor]]:
-        """Start sending this rank's piece `x` (forward: activation from a sender; backward: its gradient from
-        a receiver); the caller keeps the returned (handle, buffer) pairs and waits on them before the step
-        ends."""
+        """Start sending this rank's piece `x` (forward: the activation, from a sender; backward: its gradient,
+        from a receiver, scaled by src.data_degree / dst.data_degree); the caller keeps the returned (handle,
+        buffer) pairs and waits on them before the step ends."""
         have, want, mine, peers = self._sides(forward)
         position = mine.index(dist.get_rank())
         if not forward and self.src.data_degree != self.dst.data_degree:
@@ -55,18 +56,18 @@ class Boundary:
         buffers = [(receiver, torch.cat(parts)) for receiver, parts in sorted(out.items())]
         return [(dist.isend(buf, peers[receiver], group=self.group, tag=tag), buf) for receiver, buf in buffers]
 
-    def receive(self, forward: bool, dtype: torch.dtype) -> Tensor:
+    def receive(self, forward: bool, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
         """This rank's piece (forward: the activation on a receiver; backward: its gradient on a sender)."""
         have, want, mine, peers = self._sides(forward)
         position = mine.index(dist.get_rank())
         (b0, b1), (t0, t1) = want.piece(position, self.batch, self.tokens)
-        out = torch.empty((b1 - b0, t1 - t0, self.hidden), dtype=dtype)
+        out = torch.empty((b1 - b0, t1 - t0, self.hidden), dtype=dtype, device=device)
         by_sender: dict[int, list[Block]] = {}
         for block in self._blocks(have, want):
             if block.receiver == position:
                 by_sender.setdefault(block.sender, []).append(block)
         tag = FORWARD_TAG if forward else BACKWARD_TAG
-        buffers = {s: torch.empty(sum(b.cells for b in blocks) * self.hidden, dtype=dtype)
+        buffers = {s: torch.empty(sum(b.cells for b in blocks) * self.hidden, dtype=dtype, device=device)
                    for s, blocks in by_sender.items()}
         works = [dist.irecv(buf, peers[s], group=self.group, tag=tag) for s, buf in sorted(buffers.items())]
         for work in works:

@@ -43,7 +43,8 @@ class UnevenSchedule:
         self.chunk, self.before, self.after, self.loss_fn, self.timed = chunk, before, after, loss_fn, timed
         self.micro_batches = micro_batches
         self.steps = order(kind, stages, index, micro_batches)
-        self.dtype = next(chunk.parameters()).dtype
+        first = next(chunk.parameters())
+        self.dtype, self.device = first.dtype, first.device  # of the pieces that cross stages
 
     def step(self, inputs: Tensor | None = None, target: Tensor | None = None,
              losses: list[Tensor] | None = None) -> None:
@@ -52,30 +53,40 @@ class UnevenSchedule:
         m = self.micro_batches
         xs = list(inputs.chunk(m)) if inputs is not None else [None] * m
         ys = list(target.chunk(m)) if target is not None else [None] * m
-        saved: dict[int, tuple[Tensor | None, Tensor]] = {}
+        saved: dict[int, tuple[Tensor | None, Tensor]] = {}  # micro-batch -> (received input, output or loss)
         pending: list[tuple[dist.Work, Tensor]] = []  # sends in flight, with their buffers
         for what, k in self.steps:
             if what == "F":
-                x = xs[k] if self.before is None else self.before.receive(True, self.dtype).requires_grad_()
-                with self.timed():
-                    out = self.chunk(x)
-                    if self.after is None:
-                        out = self.loss_fn(out, ys[k])
-                        if losses is not None:
-                            losses.append(out.detach())
-                if self.after is not None:
-                    pending += self.after.send(out.detach().to(self.dtype), forward=True)
-                saved[k] = (x if self.before is not None else None, out)
-                continue
-            x, out = saved.pop(k)
-            grad = None if self.after is None else self.after.receive(False, self.dtype).to(out.dtype)
-            micro_batch_flags(self.chunk, last=k == m - 1)
-            with self.timed():
-                if grad is None:
-                    (out / m).backward()
-                else:
-                    torch.autograd.backward(out, grad)
-            if x is not None:
-                pending += self.before.send(x.grad, forward=False)  # type: ignore[union-attr]
+                saved[k] = self._forward(xs[k], ys[k], losses, pending)
+            else:
+                self._backward(*saved.pop(k), last=k == m - 1, pending=pending)
         for work, _ in pending:
             work.wait()
+
+    def _forward(self, x: Tensor | None, y: Tensor | None, losses: list[Tensor] | None,
+                 pending: list[tuple[dist.Work, Tensor]]) -> tuple[Tensor | None, Tensor]:
+        """One micro-batch's forward: (the input received from the previous stage, the output or loss)."""
+        if self.before is not None:
+            x = self.before.receive(True, self.dtype, self.device).requires_grad_()
+        with self.timed():
+            out = self.chunk(x)
+            if self.after is None:
+                out = self.loss_fn(out, y)
+                if losses is not None:
+                    losses.append(out.detach())
+        if self.after is not None:
+            pending += self.after.send(out.detach().to(self.dtype), forward=True)
+        return (x if self.before is not None else None), out
+
+    def _backward(self, x: Tensor | None, out: Tensor, last: bool, pending: list[tuple[dist.Work, Tensor]]) -> None:
+        """One micro-batch's backward (`last`: the step's last, after which ZeRO-1 reduces), from its loss or
+        the gradient the next stage sends; sends the input's gradient to the previous stage."""
+        grad = None if self.after is None else self.after.receive(False, self.dtype, self.device).to(out.dtype)
+        micro_batch_flags(self.chunk, last=last)
+        with self.timed():
+            if grad is None:
+                (out / self.micro_batches).backward()
+            else:
+                torch.autograd.backward(out, grad)
+        if x is not None and self.before is not None:
+            pending += self.before.send(x.grad, forward=False)
