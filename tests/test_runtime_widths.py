@@ -56,9 +56,20 @@ def reference(tmp_path_factory, text) -> dict[str, list[float]]:  # noqa: F811
     return {model: losses for (model, _), losses in curves.items()}
 
 
+RESUME_AT = 3  # the saved run (stages of widths 2 then 1) stops after step 3; the resumed one trains 4 and 5
+SAVE, RESUME = "saved at widths 2 then 1", "resumed at widths 1 then 2"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, text) -> tuple:  # noqa: F811
-    return train_together(tmp_path_factory.mktemp("widths"), text, 4, {k: (p.model, p) for k, p in CASES.items()})
+    """Every case in one 4-rank torchrun job; the last two save a checkpoint under one plan of different widths
+    and resume it under another."""
+    ckpt = tmp_path_factory.mktemp("checkpoint")
+    cases = {k: (p.model, p) for k, p in CASES.items()}
+    cases |= {SAVE: (MODEL, CASES["2 then 1: tp2 then one rank"]),
+              RESUME: (MODEL, CASES["1 then 2: one rank then dp2"])}
+    options = {SAVE: {"steps": RESUME_AT, "checkpoint_dir": str(ckpt)}, RESUME: {"checkpoint_dir": str(ckpt)}}
+    return train_together(tmp_path_factory.mktemp("widths"), text, 4, cases, options)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -69,6 +80,16 @@ def test_stages_of_different_widths_match_single_process(runs, reference, name) 
     assert unsupported(plan, PRESETS[plan.model]) is None
     assert name in losses and len(losses[name]) == len(reference[plan.model]) == 5, proc.stderr[-3000:]
     assert_same(losses[name], reference[plan.model])
+
+
+def test_checkpoint_moves_between_plans_of_different_widths(runs, reference) -> None:
+    """A checkpoint saved by a tp2 stage and a one-rank stage loads into a one-rank stage and a dp2 stage:
+    the saved and resumed losses are the single-process ones (steps 1-3, then 4-5)."""
+    proc, losses = runs
+    saved, resumed = losses.get(SAVE), losses.get(RESUME)
+    assert saved is not None and len(saved) == RESUME_AT, proc.stderr[-3000:]
+    assert resumed is not None and len(resumed) == 5 - RESUME_AT, proc.stderr[-3000:]
+    assert_same(saved + resumed, reference[MODEL])
 
 
 def test_orders_run_every_forward_before_its_backward() -> None:
