@@ -23,14 +23,11 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
         stages = pipe.stages
         which = f"pipeline {pi} " if len(plan.pipelines) > 1 else "the pipeline "
         pp = len(stages) // plan.chunks
-        if pp > 1 and pipe.micro_batches < pp:
+        if pp > 1 and pipe.micro_batches < pp and pipe.even_widths:  # the runtime's own schedule runs fewer
             return (f"{which}has {pp} stages but only {pipe.micro_batches} micro-batches; "
                     "torch.distributed.pipelining needs at least one per stage: lower mbs or raise gbs")
-        width = len(stages[0].ranks)
-        for si, stage in enumerate(stages):
-            if len(stage.ranks) != width:
-                return (f"stage {si} has {len(stage.ranks)} ranks and stage 0 has {width}; the runtime pairs "
-                        "stages rank by rank, so every stage needs the same number of ranks")
+        if not pipe.even_widths and (reason := _uneven_problem(plan, model, pi)) is not None:
+            return reason
     stages = plan.pipelines[0].stages
     if model.tied_embeddings:
         first, last = stages[0].strategies[0], stages[-1].strategies[-1]
@@ -41,6 +38,27 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
         if len(stages) == 1 and mixed and first.zero > 0:
             return (f"{model.name} ties its embedding and LM head, which FSDP cannot shard as two units of a stage "
                     "with per-layer strategies; use zero=0 for its first and last layers")
+    return None
+
+
+UNEVEN_FAMILIES = ("gpt", "llama")
+"""Model families whose stages hand over one hidden state [B, T, H], which stages of different widths re-lay
+out between them (`plait.runtime.boundary`)."""
+
+
+def _uneven_problem(plan: Plan, model: ModelSpec, pi: int) -> str | None:
+    """Why pipeline `pi`, whose stages have different widths, cannot run (one line), or None: the runtime's
+    own schedule (`plait.runtime.pipeline_uneven`) runs one stage per rank of one pipeline, GPipe or 1F1B."""
+    widths = "/".join(str(len(stage.ranks)) for stage in plan.pipelines[pi].stages)
+    if len(plan.pipelines) > 1:
+        return (f"pipeline {pi} has stages of {widths} ranks; stages of different widths run in a plan of one "
+                "pipeline: give every stage of every pipeline the same number of ranks")
+    if plan.chunks > 1:
+        return (f"stages of {widths} ranks with interleaved chunks (vpp={plan.chunks}) are not executable yet; "
+                "use vpp=1 or stages of equal widths")
+    if model.family not in UNEVEN_FAMILIES:
+        return (f"stages of {widths} ranks run for {' and '.join(UNEVEN_FAMILIES)} models, not {model.family} "
+                f"({model.name}); give every stage the same number of ranks")
     return None
 
 

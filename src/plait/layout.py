@@ -9,7 +9,9 @@ Between consecutive layers (or pipeline stages) whose layouts differ, every posi
 piece. `exchange` says who sends what: a position keeps what it already holds, and a piece held by several
 replicas is sent by one of them (spread over the receivers). The runtime executes it as one all-to-all;
 the cost model prices the same bytes (`received_fraction`, computed from the layouts' shapes without
-listing the blocks), so planner and runtime agree on the traffic.
+listing the blocks), so planner and runtime agree on the traffic. Between pipeline stages of different
+widths, `transfer` plans the same way over the two stages' ranks (every block is sent), and
+`transfer_fraction` gives the cost model the busiest rank's share of those blocks.
 """
 
 from __future__ import annotations
@@ -90,20 +92,54 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
 def exchange(src: Layout, dst: Layout, batch: int, tokens: int) -> tuple[Block, ...]:
     """Every block moved (or kept: sender == receiver) so that each position of a stage holding `src`
     pieces of a [batch, tokens, ...] activation ends with its `dst` piece."""
-    n = src.devices
+    return _blocks(src, dst, batch, tokens, keep=True)
+
+
+@lru_cache(maxsize=4096)
+def transfer(src: Layout, dst: Layout, batch: int, tokens: int) -> tuple[Block, ...]:
+    """Every block sent between pipeline stages of different widths: the `src.devices` positions of one
+    stage hold `src` pieces of a [batch, tokens, ...] activation, and each of the `dst.devices` positions of
+    the next (other ranks, so nothing is kept) receives its `dst` piece; a piece held by several replicas is
+    sent by one of them, spread over the receivers. Senders index the first stage, receivers the second."""
+    return _blocks(src, dst, batch, tokens, keep=False)
+
+
+def _blocks(src: Layout, dst: Layout, batch: int, tokens: int, keep: bool) -> tuple[Block, ...]:
+    """The blocks giving each `dst` position its piece from the `src` positions (`keep`: the same ranks, so a
+    position keeps what it holds)."""
     holders: dict[tuple, list[int]] = {}
-    for j in range(n):
+    for j in range(src.devices):
         holders.setdefault(src.piece(j, batch, tokens), []).append(j)
     blocks = []
-    for i in range(n):
+    for i in range(dst.devices if not keep else src.devices):  # the same stage: its src.devices positions
         want_b, want_t = dst.piece(i, batch, tokens)
         for (have_b, have_t), owners in holders.items():
             b, t = _overlap(want_b, have_b), _overlap(want_t, have_t)
             if b is None or t is None:
                 continue
-            sender = i if i in owners else owners[i % len(owners)]
+            sender = i if keep and i in owners else owners[i % len(owners)]
             blocks.append(Block(sender, i, b, t))
     return tuple(blocks)
+
+
+def _busiest(blocks: tuple[Block, ...], senders: int, receivers: int) -> int:
+    """The most cells any sender sends or any receiver receives in `blocks`."""
+    sent, received = [0] * senders, [0] * receivers
+    for block in blocks:
+        sent[block.sender] += block.cells
+        received[block.receiver] += block.cells
+    return max(*sent, *received)
+
+
+@cache
+def transfer_fraction(src: Layout, dst: Layout) -> float:
+    """The most any rank sends or receives in a `transfer` between stages of different widths, in the slower
+    direction (`src` to `dst` the activation forward, `dst` to `src` its gradient backward), as a fraction of
+    the whole activation: the cost model's bytes for that boundary, from the blocks the runtime sends."""
+    batch, tokens = lcm(src.dp, dst.dp), lcm(src.token_parts, dst.token_parts)
+    most = max(_busiest(transfer(src, dst, batch, tokens), src.devices, dst.devices),
+               _busiest(transfer(dst, src, batch, tokens), dst.devices, src.devices))
+    return most / (batch * tokens)
 
 
 def _kept_cells(src: Layout, dst: Layout, position: int, batch: int, tokens: int) -> int:

@@ -185,6 +185,11 @@ class Pipeline(BaseModel):
     def samples(self) -> int:
         return self.micro_batches * self.micro_batch_sequences
 
+    @property
+    def even_widths(self) -> bool:
+        """Whether every stage has the same number of ranks (then stages hand over rank by rank)."""
+        return len({len(stage.ranks) for stage in self.stages}) == 1
+
     def per_replica(self, s: Strategy) -> int:
         """Sequences per micro-batch on one data-parallel replica of a layer of strategy `s` (the `mbs` of
         the --strategy shorthand)."""

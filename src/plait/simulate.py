@@ -254,8 +254,9 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         nxt = pipe.stages[stage_index + 1]
         ctx = context(last_s, stage.layers[1] - 1)
         cross = comm.nodes_of(stage.ranks, cluster.gpus_per_node) != comm.nodes_of(nxt.ranks, cluster.gpus_per_node)
-        send = send_time(stage.layers[1], last_s, pipe.micro_batch_sequences, ctx, cross)
-        buffers += 2 * send_piece_bytes(stage.layers[1], last_s, pipe.micro_batch_sequences, ctx)
+        receiver = nxt.strategy(nxt.layers[0])
+        send = send_time(stage.layers[1], last_s, pipe.micro_batch_sequences, ctx, cross, receiver)
+        buffers += 2 * send_piece_bytes(stage.layers[1], last_s, pipe.micro_batch_sequences, ctx, receiver)
     speed = _slowest(stage.ranks, cluster)
     if speed != 1.0:
         fwd, bwd = fwd * speed, bwd * speed

@@ -29,7 +29,7 @@ from plait.cost.layer import (
     zero_sync_time,
 )
 from plait.cost.memory import FRAGMENTATION_FRACTION, GRAD_BUCKET_BYTES, context_bytes, model_state_bytes
-from plait.layout import Layout, received_fraction
+from plait.layout import Layout, received_fraction, transfer_fraction
 from plait.plan import Strategy
 from plait.spec.layers import Block
 
@@ -234,16 +234,25 @@ def device_optimizer_time(held: list[Held], ctx: BlockContext) -> float:
     return per_param + fixed
 
 
-def send_piece_bytes(layer: int, s: Strategy, sequences: int, ctx: BlockContext) -> float:
-    """Bytes each rank of a stage sends to the next stage at a boundary before `layer`: its own piece (by
-    strategy `s`'s layout) of the activations of a micro-batch of `sequences` samples."""
-    layout = Layout.of(s)
-    return carried_bytes(layer, sequences, ctx) / (layout.dp * layout.token_parts)
+def send_piece_bytes(layer: int, s: Strategy, sequences: int, ctx: BlockContext, receiver: Strategy | None = None
+                     ) -> float:
+    """Bytes the busiest rank sends or receives at a pipeline boundary before `layer`, for a micro-batch of
+    `sequences` samples whose activations leave a stage laid out by strategy `s`. Into a stage of as many
+    ranks (or `receiver` None), each rank sends its own piece to the same position of the next stage;
+    into a stage of another width (`receiver`'s), the pieces go straight to the receiver's layout
+    (`plait.layout.transfer`, the blocks `plait.runtime.boundary` sends)."""
+    src = Layout.of(s)
+    whole = carried_bytes(layer, sequences, ctx)
+    if receiver is not None and receiver.devices != s.devices:
+        return whole * transfer_fraction(src, Layout.of(receiver))
+    return whole / (src.dp * src.token_parts)
 
 
-def send_time(layer: int, s: Strategy, sequences: int, ctx: BlockContext, cross_node: bool) -> float:
-    """Seconds of one pipeline send (one direction, one micro-batch) at the boundary before `layer`."""
-    return comm.p2p(send_piece_bytes(layer, s, sequences, ctx), cross_node, ctx.cluster, ctx.cal)
+def send_time(layer: int, s: Strategy, sequences: int, ctx: BlockContext, cross_node: bool,
+              receiver: Strategy | None = None) -> float:
+    """Seconds of one pipeline send (one direction, one micro-batch) at the boundary before `layer`: the
+    busiest rank's bytes (`send_piece_bytes`) point to point, the senders in parallel."""
+    return comm.p2p(send_piece_bytes(layer, s, sequences, ctx, receiver), cross_node, ctx.cluster, ctx.cal)
 
 
 def carried_bytes(layer: int, sequences: int, ctx: BlockContext) -> float:

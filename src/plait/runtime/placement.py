@@ -113,9 +113,12 @@ class Placement:
     pp: int  # device groups per pipeline
     chunks: tuple[Chunk, ...]  # the stages this rank runs, in model order
     pp_group: dist.ProcessGroup | None  # ranks at the same position of every device group along the pipeline
+    # (stages of different widths: every rank of the pipeline)
     tied_group: dist.ProcessGroup | None  # first- and last-stage ranks at this position, when they share weights
     replicas: dict[int, Replicas] = field(default_factory=dict)  # several pipelines: layer -> the ranks its
     # gradients are reduced over across pipelines (layer -1: the embedding, layers: the head)
+    norm_share: float = 1.0  # weight of this rank's squared gradient norm in the sum over `pp_group` (1 / the
+    # stage's ranks when that group holds every rank of the pipeline: each of them has the stage's whole norm)
 
     @property
     def idle(self) -> bool:
@@ -245,12 +248,18 @@ def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: 
                 replica = groups.group(degrees.group(stage.ranks, "data", position))
                 segments.append(Segment(layers, strategy, position, mesh, replica, experts))
         stage_group = groups.group(stage.ranks)
+        if not pipe.even_widths and previous is not None:  # the boundary hands over this stage's own layout
+            previous = Layout.of(stage.strategy(stage.layers[0]))
         if rank in stage.ranks:
             chunks.append(Chunk(j, stage.ranks, stage.ranks.index(rank), tuple(segments), stage_group, previous))
         previous = Layout.of(stage.strategy(stage.layers[1] - 1))
     pp_group = None
     position = chunks[0].position if chunks else -1
-    if pp > 1:  # its own groups: pipeline sends must not queue behind a stage's collectives
+    norm_share = 1.0
+    if pp > 1 and not pipe.even_widths:  # stages of different widths: one group over the whole pipeline
+        pp_group = dist.new_group(sorted({r for stage in pipe.stages for r in stage.ranks}))
+        norm_share = 1 / len(chunks[0].ranks) if chunks else 1.0
+    elif pp > 1:  # its own groups: pipeline sends must not queue behind a stage's collectives
         for i in range(len(pipe.stages[0].ranks)):
             group = dist.new_group(sorted(pipe.stages[d].ranks[i] for d in range(pp)))
             if i == position:
@@ -263,7 +272,7 @@ def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: 
                 tied_group = group
     if not chunks:
         return None
-    return Placement(rank, pi, chunks[0].index % pp, pp, tuple(chunks), pp_group, tied_group)
+    return Placement(rank, pi, chunks[0].index % pp, pp, tuple(chunks), pp_group, tied_group, norm_share=norm_share)
 
 
 def _replica_groups(plan: Plan, rank: int, groups: _Groups) -> dict[int, Replicas]:

@@ -32,7 +32,9 @@ from plait.runtime import checkpoint, memory, swap
 from plait.runtime.data import SAMPLES_LOG_ENV, TokenSource, log_samples
 from plait.runtime.loop import lr_at, step_optimizers, train_loop
 from plait.runtime.optim import make_optimizer
+from plait.runtime.boundary import boundaries
 from plait.runtime.parallelize import parallelize_chunk, sync_gradients, sync_whole_gradients
+from plait.runtime.pipeline_uneven import UnevenSchedule
 from plait.runtime.placement import Placement, Replicas, check_executable, place
 from plait.runtime.stragglers import Adaptive, ComputeClock
 from plait.runtime.zero import follow_zero_stages, micro_batch_flags
@@ -185,9 +187,10 @@ def loss_function(spec: ModelSpec, seq_len: int) -> Callable[[torch.Tensor, torc
 
 
 def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None,
-               uncounted: torch.nn.Parameter | None = None) -> float:
+               uncounted: torch.nn.Parameter | None = None, share: float = 1.0) -> float:
     """Clip by the global gradient norm over every shard and stage; returns the norm before clipping.
-    `uncounted` is clipped but left out of the norm (the second copy of a tied weight).
+    `uncounted` is clipped but left out of the norm (the second copy of a tied weight); `share` weighs this
+    rank's squared norm in the sum over `pp_group` (`Placement.norm_share`).
 
     One fused norm per device mesh (a single collective each, torchtitan-style) and one fused multiply."""
     grads = [p.grad for p in params if p.grad is not None]
@@ -201,6 +204,7 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group: dist
         norm = torch.nn.utils.get_total_norm(group, foreach=True)
         square += (norm.full_tensor() if mesh is not None else norm).double() ** 2
     if pp_group is not None:
+        square *= share
         dist.all_reduce(square, group=pp_group)
     total = square.sqrt()
     if max_norm > 0:
@@ -254,6 +258,16 @@ def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro
     return kind(stages[0], micro_batches, loss_fn=loss_fn), stages
 
 
+def _uneven_schedule(plan: Plan, spec: ModelSpec, chunks: list[torch.nn.Module], where: Placement, loss_fn: Callable,
+                     clock: ComputeClock | None) -> UnevenSchedule:
+    """This rank's schedule in a pipeline whose stages have different widths (one stage per rank)."""
+    index = where.chunks[0].index
+    pipe = plan.pipelines[where.pipeline]
+    before, after = boundaries(plan, where.pipeline, index, spec.hidden, where.pp_group)
+    return UnevenSchedule(chunks[0], index, len(pipe.stages), before, after, pipe.micro_batches, loss_fn,
+                          plan.schedule, clock.compute if clock is not None else contextlib.nullcontext)
+
+
 @dataclass
 class Placed:
     """A plan applied on this rank: its model chunks, optimizers, pipeline schedule and gradient syncs
@@ -295,7 +309,9 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
     chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint, hand_sync)
     optimizers = [make_optimizer(m.parameters(), cfg.lr) for m in chunks]
     schedule = None
-    if where.pp > 1:
+    if where.pp > 1 and not plan.pipelines[where.pipeline].even_widths:
+        schedule = _uneven_schedule(plan, spec, chunks, where, loss, clock)
+    elif where.pp > 1:
         schedule, stages = _schedule(plan, chunks, where, plan.pipelines[where.pipeline].micro_batches, loss)
         if clock is not None:
             for stage in stages:
@@ -420,7 +436,8 @@ class PlanSteps:
             _sum_tied_grad(placed.tied, where.tied_group)
         t2 = time.perf_counter()
         if not where.idle:
-            grad_norm = clip_grads(params, cfg.clip, where.pp_group, uncounted=None if where.first else placed.tied)
+            grad_norm = clip_grads(params, cfg.clip, where.pp_group, uncounted=None if where.first else placed.tied,
+                                   share=where.norm_share)
         t3 = time.perf_counter()
         step_optimizers(placed.optimizers)
         t4 = time.perf_counter()

@@ -1,0 +1,108 @@
+"""The hand-over between consecutive pipeline stages of different widths.
+
+The first stage's positions hold their pieces of a micro-batch's hidden state [B, T, H] in its last layer's
+layout; each position of the next stage receives exactly its piece in its first layer's layout, from the
+positions that hold it (`plait.layout.transfer`: the blocks the cost model prices). Forward moves the
+activation; backward moves its gradient the other way, scaled by the two layouts' data degrees (the
+gradient convention of `plait.runtime.relayout`). Every (sender, receiver) pair exchanges one message per
+micro-batch and direction: sends are non-blocking, receives wait for every sender.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from plait.layout import Block, Layout, transfer
+from plait.plan import Plan
+
+FORWARD_TAG, BACKWARD_TAG = 1, 2
+"""Message tags of activations (forward) and their gradients (backward)."""
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A stage (ranks `senders`, its last layer's layout `src`) hands micro-batches of `batch` sequences x
+    `tokens` x `hidden` to the next stage (ranks `receivers`, its first layer's layout `dst`) over `group`
+    (a process group holding both stages' ranks; the ranks here are global)."""
+
+    src: Layout
+    dst: Layout
+    senders: tuple[int, ...]
+    receivers: tuple[int, ...]
+    batch: int
+    tokens: int
+    hidden: int
+    group: dist.ProcessGroup | None
+
+    def send(self, x: Tensor, forward: bool) -> list[tuple[dist.Work, Tensor]]:
+        """Start sending this rank's piece `x` (forward: the activation, from a sender; backward: its gradient,
+        from a receiver, scaled by src.data_degree / dst.data_degree); the caller keeps the returned (handle,
+        buffer) pairs and waits on them before the step ends."""
+        have, want, mine, peers = self._sides(forward)
+        position = mine.index(dist.get_rank())
+        if not forward and self.src.data_degree != self.dst.data_degree:
+            x = x * (self.src.data_degree / self.dst.data_degree)
+        (b0, _), (t0, _) = have.piece(position, self.batch, self.tokens)
+        out: dict[int, list[Tensor]] = {}
+        for block in self._blocks(have, want):
+            if block.sender == position:
+                part = x[block.batch[0] - b0: block.batch[1] - b0, block.tokens[0] - t0: block.tokens[1] - t0]
+                out.setdefault(block.receiver, []).append(part.reshape(-1))
+        tag = FORWARD_TAG if forward else BACKWARD_TAG
+        buffers = [(receiver, torch.cat(parts)) for receiver, parts in sorted(out.items())]
+        return [(dist.isend(buf, peers[receiver], group=self.group, tag=tag), buf) for receiver, buf in buffers]
+
+    def receive(self, forward: bool, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+        """This rank's piece (forward: the activation on a receiver; backward: its gradient on a sender)."""
+        have, want, mine, peers = self._sides(forward)
+        position = mine.index(dist.get_rank())
+        (b0, b1), (t0, t1) = want.piece(position, self.batch, self.tokens)
+        out = torch.empty((b1 - b0, t1 - t0, self.hidden), dtype=dtype, device=device)
+        by_sender: dict[int, list[Block]] = {}
+        for block in self._blocks(have, want):
+            if block.receiver == position:
+                by_sender.setdefault(block.sender, []).append(block)
+        tag = FORWARD_TAG if forward else BACKWARD_TAG
+        buffers = {s: torch.empty(sum(b.cells for b in blocks) * self.hidden, dtype=dtype, device=device)
+                   for s, blocks in by_sender.items()}
+        works = [dist.irecv(buf, peers[s], group=self.group, tag=tag) for s, buf in sorted(buffers.items())]
+        for work in works:
+            work.wait()
+        for s, blocks in by_sender.items():
+            start = 0
+            for block in blocks:
+                size = block.cells * self.hidden
+                shape = (block.batch[1] - block.batch[0], block.tokens[1] - block.tokens[0], self.hidden)
+                out[block.batch[0] - b0: block.batch[1] - b0, block.tokens[0] - t0: block.tokens[1] - t0] = \
+                    buffers[s][start: start + size].view(shape)
+                start += size
+        return out
+
+    def _sides(self, forward: bool) -> tuple[Layout, Layout, tuple[int, ...], tuple[int, ...]]:
+        """(layout sent, layout received, this rank's stage's ranks, the other stage's ranks) in a direction."""
+        have, want = (self.src, self.dst) if forward else (self.dst, self.src)
+        if dist.get_rank() in self.senders:
+            return have, want, self.senders, self.receivers
+        return have, want, self.receivers, self.senders
+
+    def _blocks(self, have: Layout, want: Layout) -> tuple[Block, ...]:
+        return transfer(have, want, self.batch, self.tokens)
+
+
+def boundaries(plan: Plan, pipeline: int, index: int, hidden: int, group: dist.ProcessGroup | None
+               ) -> tuple[Boundary | None, Boundary | None]:
+    """The boundaries before and after stage `index` of a pipeline (None at its ends)."""
+    pipe = plan.pipelines[pipeline]
+    stages = pipe.stages
+
+    def between(j: int) -> Boundary:
+        a, b = stages[j], stages[j + 1]
+        return Boundary(Layout.of(a.strategy(a.layers[1] - 1)), Layout.of(b.strategy(b.layers[0])), a.ranks,
+                        b.ranks, pipe.micro_batch_sequences, plan.seq_len, hidden, group)
+
+    return (between(index - 1) if index > 0 else None,
+            between(index) if index < len(stages) - 1 else None)
