@@ -14,8 +14,6 @@ TOLERANCE = 1e-5
 """Largest relative difference from the single-process loss at any step."""
 
 STILL_REFUSED = {
-    "# uses # # # at #: ZeRO across pipelines is not executed yet (ZeRO shards over the data- or "
-    "context-parallel ranks of a stage); use # there, or dp or cp > # inside the stage",
     "the model ties its embedding and LM head, so the first and last layers must share one layout",
 }
 """The refusals the emitted plans still meet (`plait.executable.unsupported`); a new one fails the test."""

@@ -35,7 +35,7 @@ def test_tied_embeddings_across_stages_need_one_layout_at_both_ends() -> None:
 def test_refusals_name_their_cause() -> None:
     llama = PRESETS["tiny-llama"]
     two = plan("tiny-llama", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(S(zero=1),))], pipelines=2)
-    assert "ZeRO across pipelines" in unsupported(two, llama)
+    assert unsupported(two, llama) is None  # ZeRO across pipelines runs (states whole on each holder)
     ring = plan("tiny-llama", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(S(cp=2, cp_mode="ring"),))])
     assert unsupported(ring, llama) is None  # ring context parallelism runs (plait.runtime.ring)
     widths = plan("tiny-llama", [Stage(layers=(0, 2), ranks=(0,), strategies=(S(),)),

@@ -112,19 +112,13 @@ def holders(plan: Plan, layer: int) -> list[Stage]:
 def _unsupported_replicas(plan: Plan, model: ModelSpec) -> str | None:
     """Several pipelines (data-parallel replicas that may cut and shard the model differently): the runtime
     reduces each layer's gradients across pipelines, shard by shard where every pipeline shards it alike,
-    else as whole tensors over all its holders (`plait.runtime.placement.Replicas`). Not executed: ZeRO
-    over the pipelines themselves (a ZeRO stage without data or context parallelism inside it), and a tied
-    embedding and head that one pipeline holds in one stage and another in two."""
+    else as whole tensors over all its holders (`plait.runtime.placement.Replicas`). ZeRO over the pipelines
+    themselves (a ZeRO stage without data or context parallelism inside it) runs with that layer's optimizer
+    state whole on every holder (FSDP over the stage's one rank shards nothing), so the losses are exact but
+    the rank holds the state the cost model shares among the pipelines. Not executed: a tied embedding and
+    head that one pipeline holds in one stage and another in two."""
     if plan.chunks > 1:
         return "several pipelines with interleaved chunks are not executable yet; use one pipeline or vpp=1"
-    for pi, pipe in enumerate(plan.pipelines):
-        for stage in pipe.stages:
-            for layer in range(*stage.layers):
-                s = stage.strategy(layer)
-                if s.zero and s.dp * s.cp == 1:
-                    return (f"pipeline {pi} uses {s.short()} at layer {layer}: ZeRO across pipelines is not "
-                            "executed yet (ZeRO shards over the data- or context-parallel ranks of a stage); "
-                            "use zero=0 there, or dp or cp > 1 inside the stage")
     if model.tied_embeddings and len({len(p.stages) == 1 for p in plan.pipelines}) > 1:
         return (f"{model.name} ties its embedding and LM head, and some pipelines hold both in one stage "
                 "while others split them over two; give every pipeline one stage, or every pipeline several")

@@ -76,25 +76,31 @@ def refusal_table(plans: list[Emitted]) -> Counter[str | None]:
 
 
 def shape_class(plan: Plan) -> tuple:
-    """The runtime paths a plan takes: model, several pipelines or one (and its stages), interleaved chunks,
+    """The runtime paths a plan takes: several pipelines or one (and its stages), interleaved chunks,
     whether a stage mixes layer strategies, and the ZeRO, tensor-, context- and sequence-parallel and
     recompute features any layer uses (not their degrees, micro-batch sizes or layer cuts)."""
     strategies = [s for p in plan.pipelines for st in p.stages for s in st.strategies]
     mixed = any(len({s.model_copy(update={"recompute": "none"}) for s in st.strategies}) > 1
                 for p in plan.pipelines for st in p.stages)
     pipes = "several" if len(plan.pipelines) > 1 else len(plan.pipelines[0].stages) // plan.chunks
-    return (plan.model, pipes, plan.chunks, mixed, max(s.zero for s in strategies) > 0,
+    return (pipes, plan.chunks, mixed, max(s.zero for s in strategies) > 0,
             max(s.tp for s in strategies) > 1, max(s.cp for s in strategies) > 1, any(s.sp for s in strategies),
             any(s.recompute != "none" for s in strategies))
 
 
 def sample(plans: list[Emitted]) -> list[Emitted]:
-    """The first plan the runtime accepts of every shape class (`shape_class`), in the given order."""
-    firsts: dict[tuple, Emitted] = {}
+    """One plan the runtime accepts of every shape class (`shape_class`), classes in order of first
+    appearance: the first of the class for the model `MODELS` names in turn (class 0 the first model's,
+    class 1 the second's, ...), else the class's first plan."""
+    classes: dict[tuple, list[Emitted]] = {}
     for e in plans:
         if e.refusal is None:
-            firsts.setdefault(shape_class(e.plan), e)
-    return list(firsts.values())
+            classes.setdefault(shape_class(e.plan), []).append(e)
+    chosen = []
+    for i, members in enumerate(classes.values()):
+        model = MODELS[i % len(MODELS)]
+        chosen.append(next((e for e in members if e.plan.model == model), members[0]))
+    return chosen
 
 
 __all__ = ["Emitted", "emitted_plans", "reason_class", "refusal_table", "sample", "shape_class"]
