@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from plait.plan import Plan, Stage, expert_problem, kind_problem
+from plait.plan import Pipeline, Plan, Stage, expert_problem, kind_problem
 from plait.spec.model import ModelSpec
 
 
@@ -31,9 +31,9 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     stages = plan.pipelines[0].stages
     if model.tied_embeddings:
         first, last = stages[0].strategies[0], stages[-1].strategies[-1]
-        if first.model_copy(update={"recompute": "none"}) != last.model_copy(update={"recompute": "none"}):
-            return (f"{model.name} ties its embedding and LM head, so the first and last layers must share one "
-                    f"layout ({first.short()} vs {last.short()})")
+        if len(stages) == 1 and not tied_ends_alike(plan.pipelines[0]):
+            return (f"{model.name} ties its embedding and LM head, so the first and last layers of a one-stage "
+                    f"pipeline must share one layout ({first.short()} vs {last.short()})")
         mixed = len({s.model_copy(update={"recompute": "none"}) for s in stages[0].strategies}) > 1
         if len(stages) == 1 and mixed and first.zero > 0:
             return (f"{model.name} ties its embedding and LM head, which FSDP cannot shard as two units of a stage "
@@ -44,6 +44,17 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
 UNEVEN_FAMILIES = ("gpt", "llama")
 """Model families whose stages hand over one hidden state [B, T, H], which stages of different widths re-lay
 out between them (`plait.runtime.boundary`)."""
+
+
+def tied_ends_alike(pipe: Pipeline) -> bool:
+    """Whether `pipe`'s first and last layers lay a tied embedding and head out alike (the same strategy but
+    for recompute, on as many ranks): the two copies' gradients then add shard by shard; else each end
+    gathers its whole gradient and all its ranks sum them (`plait.runtime.placement.Placement.tied_whole`).
+    A one-stage pipeline holds one table, which must be laid out alike."""
+    first, last = pipe.stages[0], pipe.stages[-1]
+    a, b = first.strategies[0], last.strategies[-1]
+    return len(first.ranks) == len(last.ranks) and \
+        a.model_copy(update={"recompute": "none"}) == b.model_copy(update={"recompute": "none"})
 
 
 def _uneven_problem(plan: Plan, model: ModelSpec, pi: int) -> str | None:

@@ -8,7 +8,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from plait.executable import unsupported
+from plait.executable import tied_ends_alike, unsupported
 from plait.plan import Plan
 from plait.planner.engine import search
 from plait.planner.straggler import plan_around_stragglers
@@ -77,13 +77,15 @@ def refusal_table(plans: list[Emitted]) -> Counter[str | None]:
 
 def shape_class(plan: Plan) -> tuple:
     """The runtime paths a plan takes: several pipelines or one (and its stages), interleaved chunks,
-    whether a stage mixes layer strategies, and the ZeRO, tensor-, context- and sequence-parallel and
-    recompute features any layer uses (not their degrees, micro-batch sizes or layer cuts)."""
+    whether a stage mixes layer strategies, whether a tied embedding and head are laid out differently at the
+    two ends of a pipeline, and the ZeRO, tensor-, context- and sequence-parallel and recompute features any
+    layer uses (not their degrees, micro-batch sizes or layer cuts)."""
     strategies = [s for p in plan.pipelines for st in p.stages for s in st.strategies]
     mixed = any(len({s.model_copy(update={"recompute": "none"}) for s in st.strategies}) > 1
                 for p in plan.pipelines for st in p.stages)
     pipes = "several" if len(plan.pipelines) > 1 else len(plan.pipelines[0].stages) // plan.chunks
-    return (pipes, plan.chunks, mixed, max(s.zero for s in strategies) > 0,
+    tied_apart = PRESETS[plan.model].tied_embeddings and not all(tied_ends_alike(p) for p in plan.pipelines)
+    return (pipes, plan.chunks, mixed, tied_apart, max(s.zero for s in strategies) > 0,
             max(s.tp for s in strategies) > 1, max(s.cp for s in strategies) > 1, any(s.sp for s in strategies),
             any(s.recompute != "none" for s in strategies))
 
