@@ -78,16 +78,16 @@ def refusal_table(plans: list[Emitted]) -> Counter[str | None]:
 def shape_class(plan: Plan) -> tuple:
     """The runtime paths a plan takes: several pipelines or one (and its stages), interleaved chunks,
     whether a stage mixes layer strategies, whether a tied embedding and head are laid out differently at the
-    two ends of a pipeline, and the ZeRO, tensor-, context- and sequence-parallel and recompute features any
-    layer uses (not their degrees, micro-batch sizes or layer cuts)."""
+    two ends of a pipeline, and the ZeRO, tensor-, context- and sequence-parallel features any layer uses
+    (not their degrees, recompute, micro-batch sizes or layer cuts: recompute changes no gradient path, and
+    the class count bounds the contract test's time)."""
     strategies = [s for p in plan.pipelines for st in p.stages for s in st.strategies]
     mixed = any(len({s.model_copy(update={"recompute": "none"}) for s in st.strategies}) > 1
                 for p in plan.pipelines for st in p.stages)
     pipes = "several" if len(plan.pipelines) > 1 else len(plan.pipelines[0].stages) // plan.chunks
     tied_apart = PRESETS[plan.model].tied_embeddings and not all(tied_ends_alike(p) for p in plan.pipelines)
     return (pipes, plan.chunks, mixed, tied_apart, max(s.zero for s in strategies) > 0,
-            max(s.tp for s in strategies) > 1, max(s.cp for s in strategies) > 1, any(s.sp for s in strategies),
-            any(s.recompute != "none" for s in strategies))
+            max(s.tp for s in strategies) > 1, max(s.cp for s in strategies) > 1, any(s.sp for s in strategies))
 
 
 def sample(plans: list[Emitted]) -> list[Emitted]:
