@@ -28,14 +28,15 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
                     "torch.distributed.pipelining needs at least one per stage: lower mbs or raise gbs")
         if not pipe.even_widths and (reason := _uneven_problem(plan, model, pi)) is not None:
             return reason
-    stages = plan.pipelines[0].stages
-    if model.tied_embeddings:
-        first, last = stages[0].strategies[0], stages[-1].strategies[-1]
-        if len(stages) == 1 and not tied_ends_alike(plan.pipelines[0]):
+    for pipe in plan.pipelines if model.tied_embeddings else ():
+        if len(pipe.stages) > 1:  # two copies, whose gradients add (`tied_ends_alike`)
+            continue
+        stage = pipe.stages[0]
+        first, last = stage.strategies[0], stage.strategies[-1]
+        if not tied_ends_alike(pipe):
             return (f"{model.name} ties its embedding and LM head, so the first and last layers of a one-stage "
                     f"pipeline must share one layout ({first.short()} vs {last.short()})")
-        mixed = len({s.model_copy(update={"recompute": "none"}) for s in stages[0].strategies}) > 1
-        if len(stages) == 1 and mixed and first.zero > 0:
+        if len({s.model_copy(update={"recompute": "none"}) for s in stage.strategies}) > 1 and first.zero > 0:
             return (f"{model.name} ties its embedding and LM head, which FSDP cannot shard as two units of a stage "
                     "with per-layer strategies; use zero=0 for its first and last layers")
     return None
