@@ -346,12 +346,26 @@ def test_v100_dgx2() -> None:
     assert c.host_side.link.bandwidth == 12.5 * GB and c.host_side.memory_bytes == 1500 * GB
 
 
-def test_zero_offload_10b_on_one_v100_as_plait_prices_it() -> None:
-    """10.3B fits with 2.8 GiB to spare; 72.3 hardware TFLOP/s (54.5 model) against the paper's ~40."""
+def test_v100_calibration_reproduces_megatrons_single_gpu_baseline() -> None:
+    """The row V100_GEMM_EFFICIENCY was chosen on: Megatron-LM 2019's 1.2B on one V100, 39 TFLOP/s."""
+    from plait.plan import uniform_plan
+    from plait.simulate import simulate
+    from plait.spec.model import ModelSpec
+
+    c = load_cluster("1x1xV100-32GB")
+    m = ModelSpec(family="gpt", attention="eager", name="1.2B", layers=40, hidden=1536, heads=16, vocab=51200,
+                  max_seq_len=1024)
+    r = simulate(uniform_plan("mbs=8,gbs=8,recompute=full,precision=fp16", m, c, 1024), m, c)
+    assert r.hardware_tflops_per_gpu == pytest.approx(39.36, abs=0.05)
+
+
+def test_zero_offload_headline_within_20_percent() -> None:
+    """ZeRO-Offload's 10B on one V100 (~40 TFLOP/s; held out): 46.6 hardware TFLOP/s, +16%, and it fits."""
     m, r = _zero_offload(50, 10, 30)
     assert m.params == pytest.approx(10.3e9, rel=0.01) and r.fits
+    assert r.hardware_tflops_per_gpu == pytest.approx(46.56, abs=0.05)
+    assert abs(r.hardware_tflops_per_gpu / 40 - 1) <= 0.20
     assert r.peak_memory_gib == pytest.approx(24.9, abs=0.05)
-    assert r.hardware_tflops_per_gpu == pytest.approx(72.3, abs=0.05)
     assert r.breakdown["optimizer"] == pytest.approx(m.params / 4e9, rel=1e-6)  # CPU-Adam, whole node's CPUs
 
 
@@ -360,11 +374,9 @@ def test_largest_zero_offload_model_plait_fits_on_one_v100() -> None:
     assert _zero_offload(76, 1, 1)[1].fits and not _zero_offload(78, 1, 1)[1].fits
 
 
-@pytest.mark.xfail(strict=True, reason="V100 is priced with the A100's GEMM and memory calibration: +81% on "
-                   "ZeRO-Offload's 40 TFLOP/s and 15.5B instead of 13B largest; not yet fixed")
-def test_zero_offload_headline_within_20_percent() -> None:
-    m, r = _zero_offload(50, 10, 30)
-    assert r.hardware_tflops_per_gpu == pytest.approx(40, rel=0.20)
+@pytest.mark.xfail(strict=True, reason="device memory under offload holds only the 16-bit weights and one "
+                   "layer's working set: plait fits 15.5B where ZeRO-Offload's largest is 13B; not yet fixed")
+def test_zero_offload_largest_is_13b() -> None:
     assert _zero_offload(64, 1, 1)[1].fits and not _zero_offload(70, 1, 1)[1].fits  # 13.1B fits, 14.3B not
 
 
