@@ -75,6 +75,7 @@ class TrainConfig:
     capacity: int = 0
     sp: int | None = None
     cp_mode: str = "ulysses"
+    varlen_states: str = "sharded"  # model states: sharded over the world (FSDP2, ZeRO-3) | replicated
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
