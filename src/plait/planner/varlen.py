@@ -5,7 +5,9 @@ the devices are split into sequence-parallel (Ulysses) groups of sizes 1, 2, 4, 
 runs whole on one group, all groups at once; the micro-batch takes as long as its slowest group. A
 sequence of s tokens on a group of d devices costs what the cost model says a block of `cp=d` costs at
 `seq_len=s` (attention grows with s^2, the rest with s; the all-to-alls on the group's links), times the
-layers, plus the embedding and head; a group holds at most d x `capacity` tokens (memory).
+layers, plus the embedding and head; a group holds at most d x `capacity` tokens (memory). Model states
+(weights, gradients, Adam) are sharded over all N devices (FSDP2, ZeRO-3, as FlexSP and `plait train
+--varlen` do) or replicated; `states_bytes` prices them, and `capacity` is what activations may use beside them.
 
 FlexSP, per global batch:
 1. the *sequence blaster* sorts the lengths and cuts them into K contiguous micro-batches of balanced work
@@ -42,6 +44,7 @@ from plait.cost import comm
 from plait.cost.calibration import Calibration, calibration_for
 from plait.cost.comm import GroupShape
 from plait.cost.layer import BlockContext
+from plait.cost.memory import model_state_bytes
 from plait.cost.precision import PRECISIONS
 from plait.cost.price import price, price_edge
 from plait.errors import PlaitError
@@ -59,6 +62,17 @@ EXTRA_MICRO_BATCH_COUNTS = 2
 """Micro-batch counts tried beyond the fewest that fit memory."""
 MORE_MICRO_BATCHES = 16
 """Micro-batch counts tried beyond the fewest by token count when placement runs out of room."""
+
+STATES = ("sharded", "replicated")
+"""Model states sharded over every device (FSDP2, ZeRO-3) or replicated on each."""
+
+
+def states_bytes(model: ModelSpec, devices: int, precision: str, states: str) -> float:
+    """Bytes of model states (weights, gradients, optimizer) on each device: sharded over all `devices`
+    (ZeRO-3) or replicated."""
+    sharded = states == "sharded"
+    w, g, o = model_state_bytes(model.params, devices if sharded else 1, 3 if sharded else 0, PRECISIONS[precision])
+    return w + g + o
 
 
 class SequenceCost:
