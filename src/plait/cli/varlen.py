@@ -31,6 +31,8 @@ def varlen_cmd(
     capacity: Annotated[int, typer.Option("--capacity", help="tokens a device holds at once")] = 32768,
     states: Annotated[str, typer.Option("--states", help="model states: sharded (over all devices) | replicated")
                       ] = "sharded",
+    offload_above: Annotated[int, typer.Option(
+        "--offload-above", help="sequences of at least this many tokens swap activations to host (0: none)")] = 0,
     precision: PrecisionOpt = "bf16",
     as_json: JsonOpt = False,
     report_out: ReportOpt = None,
@@ -45,7 +47,9 @@ def varlen_cmd(
         _check_options(method, cp_mode, sp, c, batches, global_batch, capacity, precision)
         held = _check_states(states, m, c, precision)
         mode = "ring" if method == "bytescale" else cp_mode
-        cost = SequenceCost(m, c, precision=precision, cp_mode=mode)
+        if offload_above < 0:
+            raise PlaitError(f"--offload-above is a length in tokens (0: no offloading), got {offload_above}")
+        cost = SequenceCost(m, c, precision=precision, cp_mode=mode, offload_above=offload_above)
         sampled = sample_batches(load_lengths(lengths), batches, global_batch, seed)
         rows = _plan_batches(sampled, c, cost, capacity, method, sp)
         total = sum(r["time_s"] for r in rows)

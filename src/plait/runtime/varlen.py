@@ -14,7 +14,9 @@ FlexSP does: each layer gathered for its forward and backward, gradients reduce-
 every target token's cross-entropy divided by the global batch's target tokens, and the gradients are summed
 over the ranks (never averaged), so they are the single-process gradient of the whole batch, whatever the
 layout. Sharded, every rank makes the same passes in the same order (`slots`): a rank with no work in a
-slot runs a one-token filler pass whose loss counts zero.
+slot runs a one-token filler pass whose loss counts zero. ByteScale's selective offloading
+(`cfg.offload_above`): a pass whose row holds a document at least that long swaps every layer's saved
+activations to host memory (`runtime/swap.py`), as the planner prices it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import Tensor, nn
 
 from plait.errors import PlaitError
 from plait.models import build_model
-from plait.runtime import checkpoint, memory
+from plait.runtime import checkpoint, memory, swap
 from plait.runtime.data import BYTE_VOCAB, TokenSource
 from plait.runtime.optim import make_optimizer
 from plait.runtime.packing import IGNORE, Packed, contiguous, document_mask, pack, zigzag
@@ -215,7 +217,7 @@ class Planner:
         self.rank = dist.get_rank()
         cluster, cal = local_cost(cfg.profile, world)
         precision = "bf16" if cfg.dtype == "bf16" else "fp32"
-        self.cost = SequenceCost(spec, cluster, cal, precision, self.mode)
+        self.cost = SequenceCost(spec, cluster, cal, precision, self.mode, cfg.offload_above)
         # Static: one degree for the whole run, the smallest that holds the longest document it can meet.
         self.degree = (cfg.sp or smallest_degree(spec.max_seq_len, cfg.capacity, world)) \
             if cfg.varlen == "static" else None
@@ -272,6 +274,8 @@ def check_config(cfg, spec: ModelSpec, world: int) -> None:
         raise PlaitError(f"--varlen must be one of {', '.join(METHODS)}, got {cfg.varlen!r}")
     if cfg.varlen_states not in STATES:
         raise PlaitError(f"--varlen-states must be one of {', '.join(STATES)}, got {cfg.varlen_states!r}")
+    if cfg.offload_above < 0:
+        raise PlaitError(f"--offload-above is a document length in tokens (0: no offloading), got {cfg.offload_above}")
     if cfg.cp_mode not in ("ulysses", "ring"):
         raise PlaitError(f"--cp-mode must be ulysses or ring, got {cfg.cp_mode!r}")
     if cfg.capacity <= 0:
@@ -326,6 +330,9 @@ class DocumentSteps:
         self.model.init_weights(cfg.seed)
         if self.sharded:
             shard_states(self.model, world)
+        # ByteScale's selective offloading: passes holding a document of at least cfg.offload_above tokens
+        # swap every layer's saved activations to host memory (exact values back in backward).
+        self.swaps = swap.switchable(self.model) if cfg.offload_above > 0 else []
         self.params = list(self.model.parameters())
         self.optimizer = make_optimizer(self.params, cfg.lr)
         self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
@@ -351,6 +358,8 @@ class DocumentSteps:
         total = sum(len(d) - 1 for d in docs)  # target tokens of the global batch
         loss_sum = torch.zeros((), dtype=torch.float64)
         first = step == self.start
+        if self.swaps:
+            self.model.swap_meter.reset()
         meter = memory.SavedActivations(self.params) if first else contextlib.nullcontext()
         t1 = time.perf_counter()
         with meter:
@@ -378,6 +387,8 @@ class DocumentSteps:
                   "layout": layout.summary(), "planned_s": layout.planned_s, "solve_s": layout.solve_s,
                   "plan_wait_s": waited, "phases_s": {"plan_and_groups": t1 - t0, "forward_backward": t2 - t1,
                                                       "gradient_sync_and_step": elapsed - (t2 - t0)}}
+        if (swapped := swap.step_metrics([self.model])) is not None:
+            record["swap"] = swapped
         if first:  # the peak's terms on every rank, as `plait simulate` predicts them
             mine_terms = memory.terms(memory.tensor_bytes(self.params), grads,
                                       memory.optimizer_state_bytes([self.optimizer]), getattr(meter, "peak", 0.0),
@@ -390,11 +401,17 @@ class DocumentSteps:
     def _pass(self, work: Work | None, docs: list[Tensor], total: int) -> Tensor:
         """Forward and backward of this rank's share of `work` (a filler pass, counting zero, if None);
         returns its summed token loss (float64)."""
+        from plait.planner.varlen import offloaded
+
         mode = self.planner.mode
         ranks = work.ranks if work is not None else (self.rank,)
         rows = [docs[i] for i in work.documents] if work is not None else [FILLER]
         packed = pack(rows, padding_multiple(len(ranks), mode))
         group = self.groups[ranks] if len(ranks) > 1 else None
+        offload = work is not None and any(offloaded(len(docs[i]) - 1, self.cfg.offload_above)
+                                           for i in work.documents)
+        for layer_swap in self.swaps:
+            layer_swap.share = 1.0 if offload else 0.0
         with self.autocast:
             logits, targets = run_group(self.model, packed, ranks, mode, group)
             loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
