@@ -112,7 +112,8 @@ def single(tmp_path_factory) -> list[dict]:
     return _train(tmp_path_factory.mktemp("varlen"), "single", 1, "--varlen", "flexsp", "--capacity", "512")
 
 
-@pytest.mark.parametrize("method", [("flexsp",), ("bytescale",), ("static",), ("static", "--cp-mode", "ring")],
+@pytest.mark.parametrize("method", [("flexsp",), ("bytescale",), ("static",), ("static", "--cp-mode", "ring"),
+                                    ("bytescale", "--offload-above", "200", "--varlen-states", "replicated")],
                          ids=lambda m: " ".join(m))
 def test_every_layout_method_trains_like_one_process(tmp_path, single, method) -> None:
     runs = _train(tmp_path, method[0], 4, "--varlen", *method, "--capacity", "128")
@@ -120,6 +121,10 @@ def test_every_layout_method_trains_like_one_process(tmp_path, single, method) -
     for a, b in zip(single, runs):
         assert a["tokens"] == b["tokens"]
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5, (a["step"], a["loss"], b["loss"])
+    if "--offload-above" in method:  # the documents of 200+ tokens went to host memory and back, exactly
+        assert all(r["swap"]["swapped_bytes"] > 0 for r in runs), runs
+    else:
+        assert all("swap" not in r for r in runs)
     groups = {len(part.split()[0]) for r in runs for part in r["layout"].split(" | ")}
     assert groups, runs  # a layout was reported every step
     if method == ("flexsp",):  # groups of more than one rank appear when documents outgrow one rank
@@ -174,6 +179,7 @@ def test_train_varlen_resumes_from_its_checkpoint(tmp_path) -> None:
     (["--varlen", "flexsp", "--lengths", "/nonexistent/lengths.txt"], "cannot read lengths file"),
     (["--varlen", "flexsp", "--adaptive"], "do not combine with --varlen"),
     (["--varlen", "flexsp", "--varlen-states", "half"], "--varlen-states must be one of"),
+    (["--varlen", "flexsp", "--offload-above", "-1"], "--offload-above is a document length"),
 ])
 def test_train_varlen_bad_input_is_one_line_and_exit_2(extra, needle) -> None:
     cmd = [sys.executable, "-m", "plait.cli", "train", "--model", MODEL, "--nproc", "4", *extra]
