@@ -99,8 +99,8 @@ def test_ring_and_ulysses_on_changing_groups_equal_one_process(tmp_path) -> None
 def _train(tmp: Path, name: str, nproc: int, *extra: str, model: str = MODEL, steps: int = 3,
            env: dict[str, str] | None = None) -> list[dict]:
     metrics = tmp / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", model, "--nproc", str(nproc), "--steps", str(steps),
-           "--global-batch", "8", "--lr", "0.01", "--metrics-out", str(metrics), *extra]
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", model, "--nproc", str(nproc),
+           "--steps", str(steps), "--global-batch", "8", "--lr", "0.01", "--metrics-out", str(metrics), *extra]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -152,7 +152,8 @@ def test_sharded_states_hold_under_0_6x_the_replicated_peak_at_equal_losses(tmp_
     sharded, replicated = runs["sharded"], runs["replicated"]
     for a, b in zip(sharded, replicated):
         assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-5, (a["step"], a["loss"], b["loss"])
-    states = [sum(r["memory_terms"][0][k] for k in ("weights", "grads", "optim")) for r in (sharded[0], replicated[0])]
+    states = [sum(r["memory_terms"][0][k] for k in ("weights", "grads", "optim"))
+              for r in (sharded[0], replicated[0])]
     assert states[0] == pytest.approx(states[1] / 4, rel=0.01)  # each rank holds a quarter of the states
     ratio = _above_reserve(sharded[0]) / _above_reserve(replicated[0])
     assert ratio <= 0.6, (ratio, sharded[0]["memory_terms"], replicated[0]["memory_terms"])

@@ -275,7 +275,8 @@ def check_config(cfg, spec: ModelSpec, world: int) -> None:
     if cfg.varlen_states not in STATES:
         raise PlaitError(f"--varlen-states must be one of {', '.join(STATES)}, got {cfg.varlen_states!r}")
     if cfg.offload_above < 0:
-        raise PlaitError(f"--offload-above is a document length in tokens (0: no offloading), got {cfg.offload_above}")
+        raise PlaitError(f"--offload-above is a document length in tokens (0: no offloading), "
+                         f"got {cfg.offload_above}")
     if cfg.cp_mode not in ("ulysses", "ring"):
         raise PlaitError(f"--cp-mode must be ulysses or ring, got {cfg.cp_mode!r}")
     if cfg.capacity <= 0:
