@@ -1,6 +1,6 @@
 """Variable-length training's model states sharded over 4 gloo ranks (FSDP2, ZeRO-3) against replicated.
 
-    MALLOC_MMAP_THRESHOLD_=65536 python benchmarks/varlen_states.py    # ~1 minute
+    MALLOC_MMAP_THRESHOLD_=65536 python benchmarks/varlen_states.py    # ~2 minutes
 
 The same job (FlexSP layouts, same seed and documents) with `--varlen-states sharded` and `replicated`.
 Printed per run: the first step's measured memory terms on the worst rank (`plait.runtime.memory`), what the
