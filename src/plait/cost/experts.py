@@ -121,7 +121,8 @@ def experts_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) ->
     return max(fwd, launch), max(bwd, 2 * launch)
 
 
-def expert_sync_window(block: Block, s: Strategy, ctx: BlockContext, group: comm.GroupShape, ep_pass: float) -> float:
+def expert_sync_window(block: Block, s: Strategy, ctx: BlockContext, group: comm.GroupShape,
+                       ep_pass: float) -> float:
     """Seconds of one pass's token exchange (`ep_pass`, from `dispatch_time`) that a ZeRO-2/3 collective over
     `group` can also run beside: the collectives sit on their own stream and keep going through the dispatch
     and combine, and when the routed experts' weights sync over the expert data-parallel group across nodes
