@@ -55,7 +55,7 @@ def test_shorthand_and_version_4_files(tmp_path: Path) -> None:
     s = plan.pipelines[0].stages[0].strategies[0]
     assert (s.swap, s.offload) == (0.5, "optim") and s.short().endswith("swap=0.5 offload=optim")
     for bad, why in (("swap=1.5", "swap must be a share"), ("swap=x", "swap must be a share"),
-                     ("offload=disk", "offload must be none or optim")):
+                     ("offload=disk", "offload must be none, optim or params")):
         with pytest.raises(PlaitError, match=why):
             uniform_plan(f"tp=8,{bad}", model, cluster, 4096)
     raw = json.loads(uniform_plan("tp=8", model, cluster, 4096).to_json())
@@ -139,6 +139,23 @@ def test_offloaded_optimizer_lives_and_steps_on_the_host() -> None:
     assert off.peak_bytes < base.peak_bytes - 8 * GIB
 
 
+def test_paged_parameters_live_on_the_host_and_stream_in_per_layer() -> None:
+    from plait.cost import offload
+    from plait.cost.precision import plan_precision
+
+    opt, paged = _llama_on_a800("tp=8,sp=1,zero=1,offload=optim"), _llama_on_a800("tp=8,sp=1,zero=1,offload=params")
+    o, p = _layer(opt), _layer(paged)
+    prec = plan_precision("bf16")
+    assert p.weights == 0 and p.host == pytest.approx(o.host + o.weights)  # the 16-bit shard moves too
+    assert p.buffers == pytest.approx(offload.PAGED_LAYERS_IN_FLIGHT * p.params * prec.param)
+    assert paged.syncs[0][0][1] < opt.syncs[0][0][1]  # no weights come back after the step
+    c, s = load_cluster("1x8xA800-80GB"), paged.plan.pipelines[0].stages[0].strategies[0]
+    page_in = offload.host_copy_time(o.weights, c)  # each pass pages the shard in over the host link
+    assert page_in > 0 and offload.link_time(0.0, 0.0, 0.0, 0.0, s, c, prec, paged=o.weights) == (page_in, page_in)
+    assert offload.link_time(o.weights, 0.0, 0.0, 0.0, s, c, prec, paged=o.weights)[1] == pytest.approx(2 * page_in)
+    assert paged.peak_bytes < opt.peak_bytes
+
+
 # ---- search ------------------------------------------------------------------------------------------
 
 def test_space_with_the_hierarchy() -> None:
@@ -151,9 +168,10 @@ def test_space_with_the_hierarchy() -> None:
     plain = block_strategies(block, c, 8, 8, 4096)
     both = block_strategies(block, c, 8, 8, 4096, replace(SpaceLimits(), **HIERARCHY))
     assert all(s.swap == 0 and s.offload == "none" for s in plain)
-    assert set(plain) < set(both) and len(both) <= 6 * len(plain)
+    assert set(plain) < set(both) and len(both) <= 9 * len(plain)
     assert {s.swap for s in both} == {0.0, 0.5, 1.0}
-    assert not any(s.offload == "optim" and s.zero == 0 and s.dp * s.cp > 1 for s in both)
+    assert not any(s.offload != "none" and s.zero == 0 and s.dp * s.cp > 1 for s in both)
+    assert {s.offload for s in both} == {"none", "optim", "params"}
 
 
 def test_search_swaps_where_it_pays_and_keeps_to_the_host_budget() -> None:

@@ -10,11 +10,17 @@ Offload (`offload="optim"`): the fp32 master weights, Adam moments and fp32 grad
 optimizer shard live in host memory; each micro-batch's 16-bit gradients stream to the host during backward,
 the CPU runs Adam, and the updated 16-bit weights are copied back before the next step.
 
+Parameter paging (`offload="params"`): as "optim", and the device's 16-bit parameter shard lives in host
+memory too; it is copied to the device before each layer's forward and again before its backward (ZeRO-Infinity,
+FSDP2's CPUOffloadPolicy), beside the previous layer's compute, and the device holds only the layers in flight
+(the current and the prefetched one). The updated weights need no copy back after the step.
+
 The host link: swap-out (device to host, forward), swap-in (host to device, backward), gradients (device to
 host, backward) and weights (host to device, after the step) share each GPU's host link. PCIe and C2C are full
 duplex, so only traffic in one direction at the same time contends: in backward the swap-in runs against
 nothing else in its direction and the gradients against nothing in theirs; each direction is priced alone.
-Collectives do not use the link (NVLink inside the node; the NICs reach the GPU through its PCIe switch,
+Paged parameters travel host to device in forward (against the swap-out's other direction) and in backward
+(with the swap-in, the same direction: their bytes add). Collectives do not use the link (NVLink inside the node; the NICs reach the GPU through its PCIe switch,
 not the host uplink).
 """
 
@@ -33,6 +39,9 @@ Shared by the node's GPUs."""
 HOST_GRAD_BYTES = 4
 """Bytes per parameter of the fp32 gradient that offload keeps in host memory (ZeRO-Offload accumulates
 gradients on the CPU in fp32)."""
+PAGED_LAYERS_IN_FLIGHT = 2
+"""Layers whose paged parameters a device holds at once: the one computing and the one prefetched beside it
+(FSDP2 prefetches the next unit; ZeRO-Infinity's prefetch of the next sub-module)."""
 SWAP_COMPUTE_CONTENTION = 0.0
 """Share of compute throughput lost while a host copy runs beside it: the copy engines move the bytes
 without SMs (MEMO hides swapping completely when the link is fast enough)."""
@@ -66,18 +75,34 @@ def offloaded_states(gradients: float, optimizer: float, s: Strategy, prec: Prec
     return 0.0, 0.0, optimizer * (1.0 + HOST_GRAD_BYTES / prec.optimizer)
 
 
+def paged_weights(weights: float, s: Strategy) -> tuple[float, float]:
+    """(device, host) bytes of a layer's `weights` bytes of parameter shard under `s`: paged to the host
+    under offload="params", else kept on the device."""
+    return (0.0, weights) if s.offload == "params" else (weights, 0.0)
+
+
+def paged_buffers(params: float, s: Strategy, prec: PrecisionBytes, gathered: float) -> float:
+    """Device bytes of a paged layer's parameters in flight (PAGED_LAYERS_IN_FLIGHT unsharded 16-bit copies of
+    its `params` parameters), beyond the `gathered` bytes ZeRO-3's all-gather already holds for them."""
+    if s.offload != "params":
+        return 0.0
+    return max(0.0, PAGED_LAYERS_IN_FLIGHT * params * prec.param - gathered)
+
+
 def link_time(swapped: float, gradients: float, forward_s: float, backward_s: float, s: Strategy,
-              cluster: Cluster, prec: PrecisionBytes) -> tuple[float, float]:
+              cluster: Cluster, prec: PrecisionBytes, paged: float = 0.0) -> tuple[float, float]:
     """(forward, backward) seconds that a layer's host traffic adds to passes computing for `forward_s` and
-    `backward_s`: `swapped` bytes out in forward and back in backward, and under offload its 16-bit gradient
-    (`gradients` bytes as the device would hold them, fp32-sized) out in backward; each beside the pass's
-    compute (`comm.overlapped`), the two backward directions apart (full duplex)."""
+    `backward_s`: `swapped` bytes out in forward and back in backward, under offload its 16-bit gradient
+    (`gradients` bytes as the device would hold them, fp32-sized) out in backward, and under
+    offload="params" its `paged` bytes of parameter shard in before each pass; each beside the pass's compute
+    (`comm.overlapped`), the two directions apart (full duplex)."""
     if s.swap == 0 and s.offload == "none":
         return 0.0, 0.0
+    page_in = host_copy_time(paged, cluster) if s.offload == "params" else 0.0
     out_f = host_copy_time(swapped, cluster)
-    back_in = host_copy_time(swapped, cluster)
+    back_in = host_copy_time(swapped, cluster) + page_in
     grads_out = host_copy_time(gradients * prec.param / prec.grad, cluster) if s.offload != "none" else 0.0
-    fwd = comm.overlapped(out_f, forward_s, SWAP_COMPUTE_CONTENTION)
+    fwd = comm.overlapped(max(out_f, page_in), forward_s, SWAP_COMPUTE_CONTENTION)
     bwd = comm.overlapped(max(back_in, grads_out), backward_s, SWAP_COMPUTE_CONTENTION)
     return fwd, bwd
 
@@ -85,8 +110,9 @@ def link_time(swapped: float, gradients: float, forward_s: float, backward_s: fl
 def weights_back_time(params: float, s: Strategy, cluster: Cluster, prec: PrecisionBytes, shards: int
                       ) -> float:
     """Seconds per step copying the updated 16-bit weights of an offloaded optimizer shard (`params`
-    parameters over `shards` devices) from host to device, exposed after the CPU's step."""
-    if s.offload == "none":
+    parameters over `shards` devices) from host to device, exposed after the CPU's step (paged parameters
+    stay on the host: none)."""
+    if s.offload != "optim":
         return 0.0
     return host_copy_time(params / shards * prec.param, cluster)
 

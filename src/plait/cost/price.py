@@ -99,10 +99,12 @@ def price(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
     working = block_activation_bytes(block, s, ctx, "none") if s.recompute != "none" else 0.0
     activation = block_activation_bytes(block, s, ctx)
     g, o, host = offload.offloaded_states(g, o, s, ctx.prec)
+    gathered += offload.paged_buffers(params, s, ctx.prec, gathered)
+    w, paged = offload.paged_weights(w, s)
     gather_t += offload.weights_back_time(params, s, ctx.cluster, ctx.prec, _shards(s, ctx))
     return LayerCost(time=block_time(block, s, ctx), params=params, weights=w, gradients=g, optimizer=o,
                      activation=offload.resident_activation(activation, s), working=working, buffers=gathered,
-                     grad_reduce=reduce_t, param_gather=gather_t, host=host,
+                     grad_reduce=reduce_t, param_gather=gather_t, host=host + paged,
                      swapped=offload.swapped_activation(activation, s))
 
 
@@ -132,9 +134,11 @@ def price_edge(edge: Edge, s: Strategy, ctx: BlockContext, pipelined: bool = Fal
     w, g, o = (x * _measured_states(ctx.model.block.kind, s, ctx) for x in (w, g, o))
     working = _edge_working(edge, s, ctx, pipelined)
     g, o, host = offload.offloaded_states(g, o, s, ctx.prec)
+    w, paged = offload.paged_weights(w, s)
     gather_t += offload.weights_back_time(params, s, ctx.cluster, ctx.prec, _shards(s, ctx))
     return LayerCost(time=time, params=params, weights=w, gradients=g, optimizer=o, activation=0.0,
-                     working=working, buffers=0.0, grad_reduce=reduce_t, param_gather=gather_t, host=host)
+                     working=working, buffers=offload.paged_buffers(params, s, ctx.prec, 0.0),
+                     grad_reduce=reduce_t, param_gather=gather_t, host=host + paged)
 
 
 def _measured_states(kind: str, s: Strategy, ctx: BlockContext) -> float:

@@ -40,12 +40,12 @@ class SpaceLimits:
     moe_comm: tuple[str, ...] = ("alltoall",)  # add "lsh" to let MoE layers with ep > 1 send LSH-MoE centroids
     # (opt in: it approximates the experts' outputs, so it changes the model's numerics)
     swap: tuple[float, ...] = (0.0,)  # shares of saved activations swapped to host (HIERARCHY: SWAP_SHARES)
-    offload: tuple[str, ...] = ("none",)  # optimizer offload choices ("none", "optim")
+    offload: tuple[str, ...] = ("none",)  # offload choices ("none", "optim", "params")
     interleaved: bool = True  # whether pipelines may hold several model chunks per device (virtual stages)
     allow: Callable[[Strategy], bool] | None = None  # only layer strategies it accepts (None: all valid ones)
 
 
-HIERARCHY = {"swap": SWAP_SHARES, "offload": ("none", "optim")}
+HIERARCHY = {"swap": SWAP_SHARES, "offload": ("none", "optim", "params")}
 """SpaceLimits fields that let the search use host memory: `replace(limits, **HIERARCHY)`."""
 
 
