@@ -398,3 +398,27 @@ def test_simulate_and_plan_show_swap_offload_and_host_memory() -> None:
                                "--host-memory", "--json"])
     assert plan.exit_code == 0, plan.output
     assert "swap" in plan.output and "host_memory_gib" in plan.output
+
+
+def test_train_cli_swaps_and_offloads(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    outs = {}
+    for key, extra in (("base", ""), ("both", ",swap=0.5,offload=optim")):
+        outs[key] = tmp_path / f"{key}.jsonl"
+        cmd = [sys.executable, "-m", "plait.cli", "train", "--model", "tiny-llama", "--strategy",
+               f"dp=2,zero=1,gbs=4{extra}", "--nproc", "2", "--steps", "3", "--seq-len", "64", "--lr", "0.01",
+               "--metrics-out", str(outs[key])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {k: [json.loads(line) for line in out.read_text().splitlines()] for k, out in outs.items()}
+    assert len(records["both"]) == 3
+    assert [r["loss"] for r in records["both"]] == pytest.approx([r["loss"] for r in records["base"]], abs=1e-5)
+    for r in records["both"]:
+        m = r["swap"]
+        resident = m["resident_peak_bytes"] / (m["resident_peak_bytes"] + m["host_peak_bytes"])
+        assert resident == pytest.approx(0.5, abs=0.05) and m["swapped_bytes"] > 0
