@@ -200,15 +200,17 @@ def test_search_swaps_where_it_pays_and_keeps_to_the_host_budget() -> None:
 TINY_LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=97,max_seq_len=48"
 
 
-def _swapped_run(share: float, dtype: str = "fp32"):  # noqa: ANN202
+def _swapped_run(share: float, dtype: str = "fp32", recompute: str = "none"):  # noqa: ANN202
     import torch
 
     from plait.models import build_model
     from plait.runtime import swap
+    from plait.runtime.parallelize import apply_ac
     from plait.spec.model import load_model
 
     torch.manual_seed(0)
     model = build_model(load_model(TINY_LLAMA))
+    apply_ac(model, recompute, list(model.layers))
     swap.apply_swap(model, share, list(model.layers))
     meter = getattr(model, "swap_meter", None) or swap.SwapMeter.of(model)
     if share == 0:  # count the unswapped saved bytes the same way
@@ -218,7 +220,8 @@ def _swapped_run(share: float, dtype: str = "fp32"):  # noqa: ANN202
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
         loss = model(tokens).float().logsumexp(-1).mean()
     loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}, meter.as_dict()
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in model.named_parameters()}
+    return grads, meter.as_dict()
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -230,6 +233,18 @@ def test_token_swap_keeps_gradients_and_moves_the_bytes(dtype: str) -> None:
         assert max((grads[n] - base[n]).abs().max().item() for n in base) <= 1e-6
         ratio = m["resident_peak_bytes"] / counted["resident_peak_bytes"]
         assert ratio == pytest.approx(1 - share, abs=0.05)
+        assert m["host_peak_bytes"] == pytest.approx(share * counted["resident_peak_bytes"], rel=0.05)
+
+
+def test_token_swap_with_full_recompute_swaps_the_checkpoint_inputs() -> None:
+    """Full recomputation saves only each block's input (checkpoint's own saver runs under the swap's hooks)."""
+    base, counted = _swapped_run(0.0, recompute="full")
+    plain, whole = _swapped_run(0.0)
+    assert 0 < counted["resident_peak_bytes"] < whole["resident_peak_bytes"] / 4
+    for share in (0.5, 1.0):
+        grads, m = _swapped_run(share, recompute="full")
+        assert max((grads[n] - plain[n]).abs().max().item() for n in plain) <= 1e-5
+        assert m["resident_peak_bytes"] / counted["resident_peak_bytes"] == pytest.approx(1 - share, abs=0.05)
         assert m["host_peak_bytes"] == pytest.approx(share * counted["resident_peak_bytes"], rel=0.05)
 
 
@@ -246,13 +261,13 @@ def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
     policy = _offload_policy("optim")["offload_policy"]
     assert isinstance(policy, CPUOffloadPolicy) and not policy.pin_memory and _offload_policy("none") == {}
     model = load_model("tiny-llama")
-    for text in ("dp=2,zero=1,swap=0.5", "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim",
+    for text in ("dp=2,zero=1,swap=0.5", "dp=2,recompute=full,swap=1", "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim",
                  "dp=2,zero=1,offload=params", "dp=2,pp=2,zero=1,offload=optim"):
         world = 4 if "dp=4" in text or "pp=2" in text else 2
         assert unsupported(uniform_plan(text, model, local_ranks(world), 64), model) is None, text
     for text, needle in (("dp=2,offload=optim", "offloads model states with FSDP2"),
                          ("dp=2,tp=2,zero=1,offload=params", "offloads model states with FSDP2"),
-                         ("tp=2,swap=0.5", "swap=0 there"), ("dp=2,recompute=full,swap=1", "swap=0 there")):
+                         ("tp=2,swap=0.5", "swap=0 there"), ("dp=2,recompute=selective,swap=1", "swap=0 there")):
         world = 4 if ("tp=2" in text or "pp=2" in text) and "dp=2" in text else 2
         reason = unsupported(uniform_plan(text, model, local_ranks(world), 64), model)
         assert reason is not None and needle in reason and "\n" not in reason, (text, reason)
@@ -274,7 +289,7 @@ def test_train_swaps_and_offloads_on_two_ranks_with_the_same_losses(tmp_path: Pa
     model = load_model("tiny-llama")
     paths, outs = [], {}
     cases = {0.0: "dp=2,zero=1", 0.5: "dp=2,zero=1,swap=0.5", 1.0: "dp=2,zero=1,swap=1",
-             "offload": "dp=2,zero=1,offload=optim"}
+             "offload": "dp=2,zero=1,offload=optim", "full": "dp=2,zero=1,recompute=full,swap=0.5"}
     for key, strategy in cases.items():
         plan = uniform_plan(strategy, model, local_ranks(2), 64)
         outs[key] = tmp_path / f"metrics-{key}.jsonl"
@@ -287,6 +302,10 @@ def test_train_swaps_and_offloads_on_two_ranks_with_the_same_losses(tmp_path: Pa
     base = [r["loss"] for r in records[0.0]]
     assert len(base) == STEPS and all("swap" not in r for r in records[0.0])
     assert [r["loss"] for r in records["offload"]] == pytest.approx(base, abs=1e-5)  # FSDP2's CPUOffloadPolicy
+    assert [r["loss"] for r in records["full"]] == pytest.approx(base, abs=1e-5)  # the checkpoint inputs swapped
+    for r in records["full"]:
+        m = r["swap"]
+        assert m["resident_peak_bytes"] == pytest.approx(m["host_peak_bytes"], rel=0.05) and m["swapped_bytes"] > 0
     for share in (0.5, 1.0):
         assert [r["loss"] for r in records[share]] == pytest.approx(base, abs=1e-6)
         for r in records[share]:
