@@ -261,13 +261,13 @@ def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
     policy = _offload_policy("optim")["offload_policy"]
     assert isinstance(policy, CPUOffloadPolicy) and not policy.pin_memory and _offload_policy("none") == {}
     model = load_model("tiny-llama")
-    for text in ("dp=2,zero=1,swap=0.5", "dp=2,recompute=full,swap=1", "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim",
+    for text in ("dp=2,zero=1,swap=0.5", "dp=2,recompute=full,swap=1", "tp=2,sp=1,swap=0.5", "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim",
                  "dp=2,zero=1,offload=params", "dp=2,pp=2,zero=1,offload=optim"):
         world = 4 if "dp=4" in text or "pp=2" in text else 2
         assert unsupported(uniform_plan(text, model, local_ranks(world), 64), model) is None, text
     for text, needle in (("dp=2,offload=optim", "offloads model states with FSDP2"),
                          ("dp=2,tp=2,zero=1,offload=params", "offloads model states with FSDP2"),
-                         ("tp=2,swap=0.5", "swap=0 there"), ("dp=2,recompute=selective,swap=1", "swap=0 there")):
+                         ("cp=2,swap=0.5", "swap=0 there"), ("dp=2,recompute=selective,swap=1", "swap=0 there")):
         world = 4 if ("tp=2" in text or "pp=2" in text) and "dp=2" in text else 2
         reason = unsupported(uniform_plan(text, model, local_ranks(world), 64), model)
         assert reason is not None and needle in reason and "\n" not in reason, (text, reason)
@@ -342,6 +342,39 @@ def test_offload_runs_with_a_pipeline_on_four_ranks_with_the_same_losses(tmp_pat
     assert len(losses["one"]) == 8
     for key in ("pp", "optim", "params"):
         assert losses[key] == pytest.approx(losses["one"], abs=1e-5), key
+
+
+def test_swap_with_tensor_and_sequence_parallelism_keeps_the_losses(tmp_path: Path) -> None:
+    import json
+
+    from plait.plan import uniform_plan
+    from plait.runtime.train import TrainConfig
+    from plait.spec.cluster import local_ranks
+    from plait.spec.model import load_model
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"plait swaps local shards of tokens {i}." for i in range(200)))
+    model = load_model("tiny-llama")
+    paths, outs = [], {}
+    cases = {"one": "dp=1", "tp": "tp=2,swap=0.5", "sp": "tp=2,sp=1,swap=0.5"}
+    for key, strategy in cases.items():
+        plan = uniform_plan(strategy, model, local_ranks(1 if key == "one" else 2), 64)
+        outs[key] = tmp_path / f"metrics-{key}.jsonl"
+        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=4, lr=0.01,
+                          data=str(text), metrics_out=str(outs[key]))
+        paths.append(tmp_path / f"config-{key}.json")
+        paths[-1].write_text(cfg.to_json())
+    run_workers(paths[:1], nproc=1)
+    run_workers(paths[1:])
+    records = {k: [json.loads(line) for line in out.read_text().splitlines()] for k, out in outs.items()}
+    base = [r["loss"] for r in records["one"]]
+    assert len(base) == 4
+    for key in ("tp", "sp"):
+        assert [r["loss"] for r in records[key]] == pytest.approx(base, abs=1e-5), key
+        for r in records[key]:  # DTensors cut as their local tensors, gathered sequences included
+            m = r["swap"]
+            assert m["resident_peak_bytes"] == pytest.approx(m["host_peak_bytes"], rel=0.05)
+            assert m["swapped_bytes"] > 0
 
 
 def memo_gpt():  # noqa: ANN201

@@ -78,7 +78,7 @@ def _unsupported_sharding(plan: Plan) -> str | None:
 def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
     """Token-wise swapping runs on layers without recomputation or with full recomputation (checkpoint saves
     the block's input under the swap's hooks; selective recomputation keeps its GEMM outputs outside them),
-    and without tensor or context parallelism (their saved activations are DTensors or sequence shards). Offload runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
+    with tensor and sequence parallelism (DTensors cut as their local tensors), not with context parallelism. Offload runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
     optimizer states in host memory and steps on the CPU: exactly offload=params; offload=optim, whose cost
     keeps the 16-bit shard on the device, runs the same way (the same numerics, fewer device bytes). It
     needs ZeRO over more than one data-parallel rank in every stage, no tensor or context parallelism, every
@@ -91,9 +91,9 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
         if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.tp > 1 or s.cp > 1 or len(offloads) > 1):
             return (f"{s.short()}: the runtime offloads model states with FSDP2 (zero >= 1 over dp > 1 in "
                     "every stage, no tensor or context parallelism, every layer alike); use offload=none")
-        if s.swap and (s.recompute == "selective" or s.tp > 1 or s.cp > 1):
-            return (f"{s.short()}: the runtime swaps activations of layers without selective recompute, tensor "
-                    "or context parallelism; use swap=0 there")
+        if s.swap and (s.recompute == "selective" or s.cp > 1):
+            return (f"{s.short()}: the runtime swaps activations of layers without selective recompute or context "
+                    "parallelism; use swap=0 there")
     return None
 
 
