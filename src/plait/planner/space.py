@@ -6,7 +6,8 @@ devices (expert parallel ep x expert tensor parallel etp, the rest expert data p
 tp divides the heads and kv heads and stays inside a node, Ulysses cp divides the heads per tp rank, the
 micro-batch splits evenly over dp, sequence parallelism needs tp > 1, ZeRO needs more than one replica.
 Below device memory (when the limits allow it): a share of the saved activations swapped to host, and the
-optimizer offloaded to the host CPU (where ZeRO shards it, or on a single replica).
+optimizer, or the optimizer and the parameter shard, offloaded to the host CPU (where ZeRO shards them, or on
+a single replica).
 """
 
 from __future__ import annotations
