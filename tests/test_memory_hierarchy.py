@@ -262,13 +262,13 @@ def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
     assert isinstance(policy, CPUOffloadPolicy) and not policy.pin_memory and _offload_policy("none") == {}
     model = load_model("tiny-llama")
     for text in ("dp=2,zero=1,swap=0.5", "dp=2,recompute=full,swap=1", "tp=2,sp=1,swap=0.5", "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim",
-                 "dp=2,zero=1,offload=params", "dp=2,pp=2,zero=1,offload=optim"):
-        world = 4 if "dp=4" in text or "pp=2" in text else 2
+                 "dp=2,zero=1,offload=params", "dp=2,pp=2,zero=1,offload=optim", "dp=2,tp=2,zero=1,offload=params"):
+        world = 4 if "dp=4" in text or "pp=2" in text or "tp=2" in text else 2
         assert unsupported(uniform_plan(text, model, local_ranks(world), 64), model) is None, text
     for text, needle in (("dp=2,offload=optim", "offloads model states with FSDP2"),
-                         ("dp=2,tp=2,zero=1,offload=params", "offloads model states with FSDP2"),
+                         ("dp=2,cp=2,zero=1,offload=params", "offloads model states with FSDP2"),
                          ("cp=2,swap=0.5", "swap=0 there"), ("dp=2,recompute=selective,swap=1", "swap=0 there")):
-        world = 4 if ("tp=2" in text or "pp=2" in text) and "dp=2" in text else 2
+        world = 4 if ("tp=2" in text or "pp=2" in text or "cp=2" in text) and "dp=2" in text else 2
         reason = unsupported(uniform_plan(text, model, local_ranks(world), 64), model)
         assert reason is not None and needle in reason and "\n" not in reason, (text, reason)
 
@@ -314,7 +314,7 @@ def test_train_swaps_and_offloads_on_two_ranks_with_the_same_losses(tmp_path: Pa
             assert resident == pytest.approx(1 - share, abs=0.05) and m["swapped_bytes"] > 0
 
 
-def test_offload_runs_with_a_pipeline_on_four_ranks_with_the_same_losses(tmp_path: Path) -> None:
+def test_offload_runs_with_a_pipeline_and_with_tp_on_four_ranks_with_the_same_losses(tmp_path: Path) -> None:
     import json
 
     from plait.plan import uniform_plan
@@ -327,9 +327,10 @@ def test_offload_runs_with_a_pipeline_on_four_ranks_with_the_same_losses(tmp_pat
     model = load_model("tiny-llama")
     paths, outs = [], {}
     single = uniform_plan("dp=1,gbs=4", model, local_ranks(1), 64)
-    cases = {"one": single, **{key: uniform_plan(f"dp=2,pp=2,zero=1,gbs=4{extra}", model, local_ranks(4), 64)
-                                for key, extra in (("pp", ""), ("optim", ",offload=optim"),
-                                                   ("params", ",offload=params"))}}
+    cases = {"one": single, **{key: uniform_plan(f"dp=2,zero=1,gbs=4,{extra}", model, local_ranks(4), 64)
+                                for key, extra in (("pp", "pp=2"), ("optim", "pp=2,offload=optim"),
+                                                   ("params", "pp=2,offload=params"),
+                                                   ("tp", "tp=2,sp=1,offload=params"))}}
     for key, plan in cases.items():
         outs[key] = tmp_path / f"metrics-{key}.jsonl"
         cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=8, lr=0.01,
@@ -340,7 +341,7 @@ def test_offload_runs_with_a_pipeline_on_four_ranks_with_the_same_losses(tmp_pat
     run_workers(paths[1:], nproc=4)
     losses = {k: [json.loads(line)["loss"] for line in out.read_text().splitlines()] for k, out in outs.items()}
     assert len(losses["one"]) == 8
-    for key in ("pp", "optim", "params"):
+    for key in ("pp", "optim", "params", "tp"):
         assert losses[key] == pytest.approx(losses["one"], abs=1e-5), key
 
 
