@@ -154,10 +154,10 @@ class _LayerSwap:
         if isinstance(t, AsyncCollectiveTensor):  # a functional collective's result: its values, once arrived
             t = t.trigger_wait()
         dim = token_dim(t, self.lengths) if self.tokens else None
-        if (t.requires_grad and t.grad_fn is None) or dim is None or \
-                t.untyped_storage().data_ptr() in self.meter.exclude:
-            return t  # a parameter, a buffer or a tensor without tokens (autocast's weight copies)
         base = t._base if t._base is not None else t
+        if (base.requires_grad and base.grad_fn is None) or dim is None or \
+                t.untyped_storage().data_ptr() in self.meter.exclude:
+            return t  # a parameter (or a view of one, FSDP's gathered ones too), a buffer, or no tokens
         storage = t.untyped_storage()
         flat = base.numel() * base.element_size() == storage.nbytes()  # base covers its storage densely
         if flat:  # views of one storage (x, x.view(B*T, H), an expanded k, a transposed output) share one cut
@@ -209,6 +209,19 @@ def attach(block: nn.Module, share: float, meter: SwapMeter, gather: int = 1
     `meter`; `gather`: the sequence-parallel degree); the hook handles."""
     swap = _LayerSwap(share, meter, gather)
     return [block.register_forward_pre_hook(swap.pre), block.register_forward_hook(swap.post, always_call=True)]
+
+
+def switchable(model: nn.Module) -> list[_LayerSwap]:
+    """Swap hooks on every block of `model`, counted by `model.swap_meter`, that swap nothing (share 0) until
+    the caller sets their `share` before a pass: ByteScale's selective offloading of chosen sequences."""
+    if getattr(model, "swap_meter", None) is None:
+        model.swap_meter = SwapMeter.of(model)
+    swaps = []
+    for block in model.layers.values():
+        swaps.append(_LayerSwap(0.0, model.swap_meter))
+        block.register_forward_pre_hook(swaps[-1].pre)
+        block.register_forward_hook(swaps[-1].post, always_call=True)
+    return swaps
 
 
 def apply_swap(model: nn.Module, share: float, layers: list[str], gather: int = 1) -> None:

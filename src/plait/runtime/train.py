@@ -77,6 +77,8 @@ class TrainConfig:
     capacity: int = 0
     sp: int | None = None
     cp_mode: str = "ulysses"
+    varlen_states: str = "sharded"  # model states: sharded over the world (FSDP2, ZeRO-3) | replicated
+    offload_above: int = 0  # documents of at least this many tokens swap their saved activations to host; 0 = none
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
