@@ -55,7 +55,7 @@ def test_shorthand_and_version_4_files(tmp_path: Path) -> None:
     s = plan.pipelines[0].stages[0].strategies[0]
     assert (s.swap, s.offload) == (0.5, "optim") and s.short().endswith("swap=0.5 offload=optim")
     for bad, why in (("swap=1.5", "swap must be a share"), ("swap=x", "swap must be a share"),
-                     ("offload=disk", "offload must be none, optim or params")):
+                     ("offload=disk", "offload must be none, optim, params or nvme")):
         with pytest.raises(PlaitError, match=why):
             uniform_plan(f"tp=8,{bad}", model, cluster, 4096)
     raw = json.loads(uniform_plan("tp=8", model, cluster, 4096).to_json())
@@ -154,6 +154,28 @@ def test_paged_parameters_live_on_the_host_and_stream_in_per_layer() -> None:
     assert page_in > 0 and offload.link_time(0.0, 0.0, 0.0, 0.0, s, c, prec, paged=o.weights) == (page_in, page_in)
     assert offload.link_time(o.weights, 0.0, 0.0, 0.0, s, c, prec, paged=o.weights)[1] == pytest.approx(2 * page_in)
     assert paged.peak_bytes < opt.peak_bytes
+
+
+def test_states_on_nvme_are_priced_at_its_bandwidth_and_capacity() -> None:
+    from plait.cost import offload
+    from plait.simulate import finish
+
+    paged, nvme = _llama_on_a800("tp=8,sp=1,zero=1,offload=params"), _llama_on_a800("tp=8,sp=1,zero=1,offload=nvme")
+    p, n = _layer(paged), _layer(nvme)
+    assert (n.host, n.weights) == (0, 0) and n.nvme == pytest.approx(p.host) and n.buffers == p.buffers
+    assert nvme.host_peak_bytes == 0 < nvme.nvme_peak_bytes and not nvme.fits  # 83.8 GiB on the device
+    swapped = _llama_on_a800("tp=8,sp=1,zero=1,swap=1,offload=nvme")
+    assert swapped.fits and swapped.nvme_peak_bytes == nvme.nvme_peak_bytes
+    c, s = load_cluster("1x8xA800-80GB"), nvme.plan.pipelines[0].stages[0].strategies[0]
+    side = c.host_side
+    rate = min(side.link.bandwidth, side.nvme_bandwidth / 8)
+    assert offload.state_copy_time(1e9, s, c) == pytest.approx(side.link.latency + 1e9 / rate)
+    local = sum(k * cost.nvme for cost, k, _, _ in nvme.costs[0][0].priced)
+    assert nvme.syncs[0][0][2] == pytest.approx(max(paged.syncs[0][0][2], 2 * local * 8 / side.nvme_bandwidth))
+    report = finish(swapped)
+    assert report.fits and report.nvme_gib == pytest.approx(nvme.nvme_peak_bytes / GIB) and report.to_dict()["nvme_gib"] > 0
+    bare = _llama_on_a800("tp=8,sp=1,zero=1,swap=1,offload=nvme", cluster="1x8xGH200-96GB")  # no local NVMe
+    assert bare.cluster.host_side.nvme_bytes == 0 and not bare.fits
 
 
 # ---- search ------------------------------------------------------------------------------------------
@@ -267,7 +289,7 @@ def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
         assert unsupported(uniform_plan(text, model, local_ranks(world), 64), model) is None, text
     for text, needle in (("dp=2,offload=optim", "offloads model states with FSDP2"),
                          ("dp=2,cp=2,zero=1,offload=params", "offloads model states with FSDP2"),
-                         ("cp=2,swap=0.5", "swap=0 there"), ("dp=2,recompute=selective,swap=1", "swap=0 there")):
+                         ("cp=2,swap=0.5", "swap=0 there"), ("dp=2,zero=1,offload=nvme", "no NVMe path"), ("dp=2,recompute=selective,swap=1", "swap=0 there")):
         world = 4 if ("tp=2" in text or "pp=2" in text or "cp=2" in text) and "dp=2" in text else 2
         reason = unsupported(uniform_plan(text, model, local_ranks(world), 64), model)
         assert reason is not None and needle in reason and "\n" not in reason, (text, reason)

@@ -85,6 +85,9 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
     offloaded alike, no MoE layers (their experts are sharded apart)."""
     strategies = [s for p in plan.pipelines for st in p.stages for s in st.strategies]
     offloads = {s.offload for s in strategies}
+    if "nvme" in offloads:
+        return ("offload=nvme is priced but not executed: FSDP2 offloads to host memory only and this "
+                "runtime has no NVMe path; use offload=params")
     if offloads != {"none"} and "moe" in model.kind_counts():
         return f"{model.name} has MoE layers, whose optimizer the runtime does not offload yet; use offload=none"
     for s in strategies:

@@ -15,6 +15,11 @@ memory too; it is copied to the device before each layer's forward and again bef
 FSDP2's CPUOffloadPolicy), beside the previous layer's compute, and the device holds only the layers in flight
 (the current and the prefetched one). The updated weights need no copy back after the step.
 
+NVMe (`offload="nvme"`): as "params", and the shard, fp32 gradients and optimizer states live on the node's
+NVMe instead of host memory (ZeRO-Infinity); their copies run at the device's share of the NVMe bandwidth
+(when below its host link), and the CPU's step reads and writes the states there, overlapped with its Adam
+(ZeRO-Infinity's overlap-centric design). NVMe capacity is their budget.
+
 The host link: swap-out (device to host, forward), swap-in (host to device, backward), gradients (device to
 host, backward) and weights (host to device, after the step) share each GPU's host link. PCIe and C2C are full
 duplex, so only traffic in one direction at the same time contends: in backward the swap-in runs against
@@ -75,16 +80,36 @@ def offloaded_states(gradients: float, optimizer: float, s: Strategy, prec: Prec
     return 0.0, 0.0, optimizer * (1.0 + HOST_GRAD_BYTES / prec.optimizer)
 
 
+PAGED = ("params", "nvme")
+"""Offload choices that page the parameter shard in per layer."""
+
+
+def state_copy_time(nbytes: float, s: Strategy, cluster: Cluster) -> float:
+    """Seconds to copy `nbytes` of offloaded model state one way for one GPU, every GPU of the node copying:
+    over the host link, or under offload="nvme" at the lower of the link and the GPU's share of the node's
+    NVMe bandwidth (infinite without NVMe)."""
+    if s.offload != "nvme" or nbytes <= 0:
+        return host_copy_time(nbytes, cluster)
+    host = cluster.host_side
+    rate = min(host.link.bandwidth, host.nvme_bandwidth / cluster.gpus_per_node)
+    return host.link.latency + nbytes / rate if rate > 0 else float("inf")
+
+
+def placed(offloaded: float, s: Strategy) -> tuple[float, float]:
+    """(host memory, NVMe) bytes of a layer's `offloaded` model-state bytes under `s`."""
+    return (0.0, offloaded) if s.offload == "nvme" else (offloaded, 0.0)
+
+
 def paged_weights(weights: float, s: Strategy) -> tuple[float, float]:
-    """(device, host) bytes of a layer's `weights` bytes of parameter shard under `s`: paged to the host
-    under offload="params", else kept on the device."""
-    return (0.0, weights) if s.offload == "params" else (weights, 0.0)
+    """(device, offloaded) bytes of a layer's `weights` bytes of parameter shard under `s`: paged in under
+    offload="params" or "nvme", else kept on the device."""
+    return (0.0, weights) if s.offload in PAGED else (weights, 0.0)
 
 
 def paged_buffers(params: float, s: Strategy, prec: PrecisionBytes, gathered: float) -> float:
     """Device bytes of a paged layer's parameters in flight (PAGED_LAYERS_IN_FLIGHT unsharded 16-bit copies of
     its `params` parameters), beyond the `gathered` bytes ZeRO-3's all-gather already holds for them."""
-    if s.offload != "params":
+    if s.offload not in PAGED:
         return 0.0
     return max(0.0, PAGED_LAYERS_IN_FLIGHT * params * prec.param - gathered)
 
@@ -98,10 +123,10 @@ def link_time(swapped: float, gradients: float, forward_s: float, backward_s: fl
     (`comm.overlapped`), the two directions apart (full duplex)."""
     if s.swap == 0 and s.offload == "none":
         return 0.0, 0.0
-    page_in = host_copy_time(paged, cluster) if s.offload == "params" else 0.0
+    page_in = state_copy_time(paged, s, cluster) if s.offload in PAGED else 0.0
     out_f = host_copy_time(swapped, cluster)
     back_in = host_copy_time(swapped, cluster) + page_in
-    grads_out = host_copy_time(gradients * prec.param / prec.grad, cluster) if s.offload != "none" else 0.0
+    grads_out = state_copy_time(gradients * prec.param / prec.grad, s, cluster) if s.offload != "none" else 0.0
     fwd = comm.overlapped(max(out_f, page_in), forward_s, SWAP_COMPUTE_CONTENTION)
     bwd = comm.overlapped(max(back_in, grads_out), backward_s, SWAP_COMPUTE_CONTENTION)
     return fwd, bwd
@@ -117,7 +142,13 @@ def weights_back_time(params: float, s: Strategy, cluster: Cluster, prec: Precis
     return host_copy_time(params / shards * prec.param, cluster)
 
 
-def host_optimizer_time(local_params: float, cluster: Cluster) -> float:
+def host_optimizer_time(local_params: float, cluster: Cluster, nvme_bytes: float = 0.0) -> float:
     """Seconds of the CPU's Adam step over one device's `local_params` offloaded parameters, the node's CPUs
-    shared by its GPUs (HOST_ADAM_PARAMS_PER_S)."""
-    return local_params * cluster.gpus_per_node / HOST_ADAM_PARAMS_PER_S
+    shared by its GPUs (HOST_ADAM_PARAMS_PER_S), overlapped with reading and writing the device's `nvme_bytes`
+    of states on the node's NVMe (shared by its GPUs; infinite without NVMe)."""
+    adam = local_params * cluster.gpus_per_node / HOST_ADAM_PARAMS_PER_S
+    if nvme_bytes <= 0:
+        return adam
+    bandwidth = cluster.host_side.nvme_bandwidth
+    io = 2 * nvme_bytes * cluster.gpus_per_node / bandwidth if bandwidth > 0 else float("inf")
+    return max(adam, io)
