@@ -88,22 +88,26 @@ def _unsupported_sharding(plan: Plan) -> str | None:
 
 
 def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
-    """Token-wise swapping runs on layers without recomputation (checkpointing brings its own saved-tensor
-    hooks) and without tensor or context parallelism (their saved activations are DTensors or sequence
-    shards). The optimizer offload runs as FSDP2's CPUOffloadPolicy: ZeRO over more than one data-parallel
-    rank, one stage, no tensor or context parallelism, every layer offloaded alike, no MoE layers (their
-    experts are sharded apart)."""
+    """Token-wise swapping runs on layers without recomputation or with full recomputation (checkpoint saves
+    the block's input under the swap's hooks; selective recomputation keeps its GEMM outputs outside them),
+    with tensor and sequence parallelism (DTensors cut as their local tensors), not with context parallelism. Offload runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
+    optimizer states in host memory and steps on the CPU: exactly offload=params; offload=optim, whose cost
+    keeps the 16-bit shard on the device, runs the same way (the same numerics, fewer device bytes). It
+    needs ZeRO over more than one data-parallel rank in every stage, no context parallelism, every layer
+    offloaded alike, no MoE layers (their experts are sharded apart)."""
     strategies = [s for p in plan.pipelines for st in p.stages for s in st.strategies]
     offloads = {s.offload for s in strategies}
+    if "nvme" in offloads:
+        return ("offload=nvme is priced but not executed: FSDP2 offloads to host memory only and this "
+                "runtime has no NVMe path; use offload=params")
     if offloads != {"none"} and "moe" in model.kind_counts():
         return f"{model.name} has MoE layers, whose optimizer the runtime does not offload yet; use offload=none"
     for s in strategies:
-        if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.tp > 1 or s.cp > 1 or plan.pp > 1
-                                    or len(plan.pipelines) > 1 or len(offloads) > 1):
-            return (f"{s.short()}: the runtime offloads the optimizer with FSDP2 (zero >= 1 over dp > 1, one "
-                    "stage, no tensor or context parallelism, every layer alike); use offload=none")
-        if s.swap and (s.recompute != "none" or s.tp > 1 or s.cp > 1):
-            return (f"{s.short()}: the runtime swaps activations of layers without recompute, tensor or context "
+        if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.cp > 1 or len(offloads) > 1):
+            return (f"{s.short()}: the runtime offloads model states with FSDP2 (zero >= 1 over dp > 1 in "
+                    "every stage, no context parallelism, every layer alike); use offload=none")
+        if s.swap and (s.recompute == "selective" or s.cp > 1):
+            return (f"{s.short()}: the runtime swaps activations of layers without selective recompute or context "
                     "parallelism; use swap=0 there")
     return None
 

@@ -38,7 +38,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["bf16", "fp16", "fp32"]
 GradReduce = Literal["auto", "fp32", "bf16"]
 MoeComm = Literal["alltoall", "lsh"]
-Offload = Literal["none", "optim"]
+Offload = Literal["none", "optim", "params", "nvme"]
 PLAN_VERSION = 5
 """Version of the plan file. 5: strategies carry the share of saved activations swapped to host `swap`, the
 `offload` of optimizer states to the host CPU and the MoE token exchange `moe_comm` (absent in older files: 0,
@@ -90,7 +90,10 @@ class Strategy(BaseModel):
                                     "after its forward and fetched back for its backward (MEMO)")
     offload: Offload = Field("none", description="optim: fp32 master weights, optimizer states and gradients "
                                                  "live in host memory and the optimizer steps on the CPU "
-                                                 "(ZeRO-Offload)")
+                                                 "(ZeRO-Offload); params: the 16-bit parameter shard lives "
+                                                 "there too and is paged in per layer for its forward and "
+                                                 "backward (ZeRO-Infinity, FSDP2's CPUOffloadPolicy); nvme: "
+                                                 "as params, the states on the node's NVMe")
 
     @property
     def degrees(self) -> Degrees:
@@ -514,7 +517,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     (none|selective|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel and expert
     tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
     of the routed tokens), expert_load (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), swap
-    (share of saved activations swapped to host), offload (none|optim), and optionally schedule, cp_mode,
+    (share of saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
     precision, grad_reduce (auto|fp32|bf16), overlap. dp defaults to the devices left by tp*pp*cp; gbs to
     4*pp micro-batches.
     """
@@ -540,7 +543,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     cp_mode = _choice(d, "cp_mode", ("ulysses", "ring"))
     grad_reduce = _choice(d, "grad_reduce", ("auto", "fp32", "bf16"))
     moe_comm = _choice(d, "moe_comm", ("alltoall", "lsh"))
-    offload = _choice(d, "offload", ("none", "optim"))
+    offload = _choice(d, "offload", ("none", "optim", "params", "nvme"))
     zero = _int(d, "zero", 0)
     if zero > 3:
         raise PlaitError(f"--strategy: zero must be 0..3, got {zero}")
