@@ -1,0 +1,77 @@
+"""MoE models in plans of several pipelines: each pipeline holds whole experts per stage (ep and etp inside
+a stage), so expert gradients, after their expert-data-parallel reduction inside the stage, are reduced
+across pipelines like any layer's (`plait.runtime.placement.Replicas`), weighted by each pipeline's share
+of the global batch; the router and its balancing loss stay per token. Such plans train to the
+single-process losses (gloo, 4 ranks, one torchrun launch, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+from test_runtime import STEPS, _losses, assert_same, reference_losses, text, train_together  # noqa: F401 (fixture)
+
+from plait.executable import holders, shard_shape, unsupported
+from plait.plan import Pipeline, Plan, Stage
+from plait.plan import Strategy as S
+from plait.spec.model import PRESETS
+
+MODEL = "tiny-moe"  # layer 0 dense, layers 1-3 MoE (8 experts, top-2, shared experts)
+SEQ = 64
+GBS = 4
+
+
+def _plan(pipes: list[tuple[list[tuple[tuple[int, int], tuple[int, ...], S]], int, int]]) -> Plan:
+    """Pipelines given as (stages as (layers, ranks, strategy), micro-batches, micro-batch size)."""
+    pipelines = tuple(Pipeline(stages=tuple(Stage(layers=lay, ranks=r, strategies=(s,)) for lay, r, s in st),
+                               micro_batches=m, micro_batch_sequences=b) for st, m, b in pipes)
+    return Plan(model=MODEL, seq_len=SEQ, global_batch=sum(p.samples for p in pipelines), precision="fp32",
+                pipelines=pipelines)
+
+
+CASES = {
+    # whole gradients: a one-rank stage and a dp2-ep2 stage shard the MoE layers differently
+    "pp2 pipeline beside a dp2-ep2 stage": _plan([
+        ([((0, 2), (0,), S()), ((2, 4), (1,), S())], 2, 1), ([((0, 4), (2, 3), S(dp=2, ep=2))], 1, 2)]),
+    # whole gradients: same widths and dp, different expert degrees
+    "dp2-ep2 stage beside a dp2 stage": _plan([
+        ([((0, 4), (0, 1), S(dp=2, ep=2))], 1, 2), ([((0, 4), (2, 3), S(dp=2))], 1, 2)]),
+    # shard by shard: both pipelines hold the experts alike, batch shares 3/4 and 1/4
+    "two tp2-sp-ep2 stages, micro-batches 3 and 1": _plan([
+        ([((0, 4), (0, 1), S(tp=2, sp=True, ep=2, etp=1))], 3, 1),
+        ([((0, 4), (2, 3), S(tp=2, sp=True, ep=2, etp=1))], 1, 1)]),
+}
+
+
+def _shapes(plan: Plan, layer: int) -> set[tuple]:
+    return {shard_shape(st, layer) for st in holders(plan, layer)}
+
+
+def test_cases_run_and_cover_both_reduction_paths() -> None:
+    """The first two cases hold MoE layer 3 in two shapes (whole gradients), the third in one (shard by shard)."""
+    spec = PRESETS[MODEL]
+    assert [b.kind for b in spec.stack] == ["decoder", "moe", "moe", "moe"]
+    assert [len(_shapes(plan, 3)) for plan in CASES.values()] == [2, 2, 1]
+    for name, plan in CASES.items():
+        assert unsupported(plan, spec) is None, name
+
+
+def test_zero_on_moe_layers_across_pipelines_is_refused_in_one_line() -> None:
+    plan = _plan([([((0, 4), (0, 1), S(dp=2, ep=2, zero=1))], 1, 2), ([((0, 4), (2, 3), S(dp=2))], 2, 1)])
+    reason = unsupported(plan, PRESETS[MODEL])
+    assert reason is not None and "\n" not in reason
+    assert reason.startswith("pipeline 0 layer 1 (moe, ") and "use zero=0 on MoE layers, or one pipeline" in reason
+
+
+@pytest.fixture(scope="module")
+def moe_pipe_runs(tmp_path_factory, text):  # noqa: F811
+    """The single-process reference, then every case in one four-rank torchrun job."""
+    ref = reference_losses(tmp_path_factory.mktemp("reference"), text, [(MODEL, GBS)])[(MODEL, GBS)]
+    cases = {name: (MODEL, plan) for name, plan in CASES.items()}
+    return ref, train_together(tmp_path_factory.mktemp("moe-pipes"), text, 4, cases)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_pipelines_match_single_process(moe_pipe_runs, name) -> None:
+    ref, runs = moe_pipe_runs
+    losses = _losses(runs, name)  # STEPS (5) of them
+    assert len(losses) == len(ref) == STEPS
+    assert_same(losses, ref)
