@@ -7,7 +7,7 @@ single-process losses (gloo, 4 ranks, one torchrun launch, fp32)."""
 from __future__ import annotations
 
 import pytest
-from test_runtime import STEPS, _losses, assert_same, reference_losses, text, train_together  # noqa: F401 (fixture)
+from test_runtime import STEPS, _losses, assert_same, text, train_together  # noqa: F401 (fixture)
 
 from plait.executable import holders, shard_shape, unsupported
 from plait.plan import Pipeline, Plan, Stage
@@ -61,12 +61,21 @@ def test_zero_on_moe_layers_across_pipelines_is_refused_in_one_line() -> None:
     assert reason.startswith("pipeline 0 layer 1 (moe, ") and "use zero=0 on MoE layers, or one pipeline" in reason
 
 
+REFERENCE = "one process"
+"""The single-process reference, run in the same launch (one launch, not two): a plan of rank 0 alone, one
+micro-batch of GBS sequences (as `reference_losses`' dp=1), the other ranks idle. Measured against a
+separate one-process launch: equal within 3e-7 relative."""
+
+
 @pytest.fixture(scope="module")
 def moe_pipe_runs(tmp_path_factory, text):  # noqa: F811
-    """The single-process reference, then every case in one four-rank torchrun job."""
-    ref = reference_losses(tmp_path_factory.mktemp("reference"), text, [(MODEL, GBS)])[(MODEL, GBS)]
-    cases = {name: (MODEL, plan) for name, plan in CASES.items()}
-    return ref, train_together(tmp_path_factory.mktemp("moe-pipes"), text, 4, cases)
+    """The reference and every case in one four-rank torchrun job."""
+    alone = _plan([([((0, 4), (0,), S())], 1, GBS)])
+    cases = {name: (MODEL, plan) for name, plan in {REFERENCE: alone, **CASES}.items()}
+    runs = train_together(tmp_path_factory.mktemp("moe-pipes"), text, 4, cases)
+    ref = _losses(runs, REFERENCE)
+    assert ref[-1] < ref[0] - 0.5, "the reference must learn, or the comparison proves little"
+    return ref, runs
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -75,3 +84,20 @@ def test_moe_pipelines_match_single_process(moe_pipe_runs, name) -> None:
     losses = _losses(runs, name)  # STEPS (5) of them
     assert len(losses) == len(ref) == STEPS
     assert_same(losses, ref)
+
+
+def test_simulate_prices_whole_expert_gradients_across_pipelines() -> None:
+    """dp2-ep2 beside dp2: each stage reduces its layers shard by shard as beside a stage of its own shape,
+    plus the whole gradients of every holder. The ep2 stage's extra is the larger: the same whole gradient
+    (all 8 experts, not the 4 an ep2 rank holds) all-reduced, after gathering it over ep."""
+    from plait.simulate import simulate
+    from plait.spec.cluster import local_ranks
+
+    def sync_s(plan: Plan) -> list[float]:  # per device group: ep2 (or first) stage, then dp2 stage
+        report = simulate(plan, PRESETS[MODEL], local_ranks(4), validate=False)
+        return [d.parts["dp_comm_exposed"] for d in report.devices]
+
+    mixed = sync_s(CASES["dp2-ep2 stage beside a dp2 stage"])
+    ep = sync_s(_plan([([((0, 4), r, S(dp=2, ep=2))], 1, 2) for r in ((0, 1), (2, 3))]))
+    dp = sync_s(_plan([([((0, 4), r, S(dp=2))], 1, 2) for r in ((0, 1), (2, 3))]))
+    assert len(mixed) == 2 and mixed[0] - ep[0] > mixed[1] - dp[1] > 0
