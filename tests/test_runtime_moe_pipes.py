@@ -38,6 +38,11 @@ CASES = {
     "two tp2-sp-ep2 stages, micro-batches 3 and 1": _plan([
         ([((0, 4), (0, 1), S(tp=2, sp=True, ep=2, etp=1))], 3, 1),
         ([((0, 4), (2, 3), S(tp=2, sp=True, ep=2, etp=1))], 1, 1)]),
+    # ZeRO inside a stage: FSDP2 units on the experts over edp, then whole gradients across pipelines
+    "dp2-ep2 zero3 stage beside a pp2 pipeline": _plan([
+        ([((0, 4), (0, 1), S(dp=2, ep=2, zero=3))], 1, 2), ([((0, 2), (2,), S()), ((2, 4), (3,), S())], 2, 1)]),
+    # ZeRO inside a stage, shard by shard across pipelines
+    "two dp2-ep2 zero2 stages": _plan([([((0, 4), r, S(dp=2, ep=2, zero=2))], 1, 2) for r in ((0, 1), (2, 3))]),
 }
 
 
@@ -46,19 +51,23 @@ def _shapes(plan: Plan, layer: int) -> set[tuple]:
 
 
 def test_cases_run_and_cover_both_reduction_paths() -> None:
-    """The first two cases hold MoE layer 3 in two shapes (whole gradients), the third in one (shard by shard)."""
+    """Cases 1, 2 and 4 hold MoE layer 3 in two shapes (whole gradients), 3 and 5 in one (shard by shard)."""
     spec = PRESETS[MODEL]
     assert [b.kind for b in spec.stack] == ["decoder", "moe", "moe", "moe"]
-    assert [len(_shapes(plan, 3)) for plan in CASES.values()] == [2, 2, 1]
+    assert [len(_shapes(plan, 3)) for plan in CASES.values()] == [2, 2, 1, 2, 1]
     for name, plan in CASES.items():
         assert unsupported(plan, spec) is None, name
 
 
-def test_zero_on_moe_layers_across_pipelines_is_refused_in_one_line() -> None:
-    plan = _plan([([((0, 4), (0, 1), S(dp=2, ep=2, zero=1))], 1, 2), ([((0, 4), (2, 3), S(dp=2))], 2, 1)])
-    reason = unsupported(plan, PRESETS[MODEL])
-    assert reason is not None and "\n" not in reason
-    assert reason.startswith("pipeline 0 layer 1 (moe, ") and "use zero=0 on MoE layers, or one pipeline" in reason
+def test_what_does_not_run_is_refused_in_one_line() -> None:
+    """Every pipeline's expert degrees are checked (not only the first's), and ZeRO across pipelines (no
+    dp or cp inside the stage) is refused on MoE layers as on any other."""
+    spec = PRESETS[MODEL]
+    ep3 = _plan([([((0, 4), (0,), S())], 1, 1), ([((0, 4), (1, 2, 3), S(dp=3, ep=3))], 1, 3)])
+    assert unsupported(ep3, spec) == ("pipeline 1 layer 1 (moe, dp3 tp1 ep3): ep=3 does not divide the 8 experts; "
+                                      "pick an ep that divides them")
+    zero_across = _plan([([((0, 4), (r,), S(zero=1))], 2, 1) for r in (0, 1)])
+    assert "ZeRO across pipelines" in unsupported(zero_across, spec)
 
 
 REFERENCE = "one process"

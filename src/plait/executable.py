@@ -184,22 +184,17 @@ def _kind_problem(plan: Plan, model: ModelSpec) -> str | None:
 
 
 def _expert_problem(plan: Plan, model: ModelSpec) -> str | None:
-    """The first MoE layer whose expert layout the runtime does not run: degrees that do not lay out its
-    experts (`plait.plan.expert_problem`), or ZeRO on it in a plan of several pipelines. Each pipeline holds
-    whole experts per stage (ep and etp span a stage's ranks only), so their gradients cross pipelines like
-    any layer's (`plait.runtime.placement.Replicas`)."""
+    """The first MoE layer whose degrees do not lay out its experts over its stage's ranks
+    (`plait.plan.expert_problem`). Each stage of each pipeline holds whole experts (ep and etp span a
+    stage's ranks only), so with several pipelines their gradients cross pipelines like any layer's
+    (`plait.runtime.placement.Replicas`), under the same rules (`_unsupported_replicas`)."""
     if "moe" not in model.kind_counts():
         return None
     for pi, pipe in enumerate(plan.pipelines):
+        which = f"pipeline {pi} " if len(plan.pipelines) > 1 else ""
         for stage in pipe.stages:
             for layer in range(*stage.layers):
                 block, s = model.stack[layer], stage.strategy(layer)
-                if block.kind != "moe":
-                    continue
-                where = f"layer {layer} (moe, {s.short()})"
-                if (why := expert_problem(s, block)) is not None:
-                    return f"{where}: {why}"
-                if s.zero and len(plan.pipelines) > 1:
-                    return (f"pipeline {pi} {where}: ZeRO on MoE layers is executed in plans of one pipeline "
-                            "only; use zero=0 on MoE layers, or one pipeline")
+                if block.kind == "moe" and (why := expert_problem(s, block)) is not None:
+                    return f"{which}layer {layer} (moe, {s.short()}): {why}"
     return None
