@@ -43,6 +43,9 @@ CASES = {
         ([((0, 4), (0, 1), S(dp=2, ep=2, zero=3))], 1, 2), ([((0, 2), (2,), S()), ((2, 4), (3,), S())], 2, 1)]),
     # ZeRO inside a stage, shard by shard across pipelines
     "two dp2-ep2 zero2 stages": _plan([([((0, 4), r, S(dp=2, ep=2, zero=2))], 1, 2) for r in ((0, 1), (2, 3))]),
+    # expert tensor parallelism inside a stage (each rank half of every expert's width), whole gradients
+    "tp2-sp etp2 stage beside a pp2 pipeline": _plan([
+        ([((0, 4), (0, 1), S(tp=2, sp=True, etp=2))], 2, 1), ([((0, 2), (2,), S()), ((2, 4), (3,), S())], 2, 1)]),
 }
 
 
@@ -51,10 +54,10 @@ def _shapes(plan: Plan, layer: int) -> set[tuple]:
 
 
 def test_cases_run_and_cover_both_reduction_paths() -> None:
-    """Cases 1, 2 and 4 hold MoE layer 3 in two shapes (whole gradients), 3 and 5 in one (shard by shard)."""
+    """Cases 1, 2, 4 and 6 hold MoE layer 3 in two shapes (whole gradients), 3 and 5 in one (shard by shard)."""
     spec = PRESETS[MODEL]
     assert [b.kind for b in spec.stack] == ["decoder", "moe", "moe", "moe"]
-    assert [len(_shapes(plan, 3)) for plan in CASES.values()] == [2, 2, 1, 2, 1]
+    assert [len(_shapes(plan, 3)) for plan in CASES.values()] == [2, 2, 1, 2, 1, 2]
     for name, plan in CASES.items():
         assert unsupported(plan, spec) is None, name
 
