@@ -5,8 +5,8 @@
 Reads the six reference runs in ../shared/data/published/training-runs.json (when present) and the
 larger collection in benchmarks/data/published_runs.json, simulates each layout, and prints the published
 figure, plait's prediction and the relative error, then summary statistics by software family
-(Megatron-LM, DeepSpeed, FSDP, MoE; FSDP and MoE also split into the rows constants were chosen on and the
-held-out rows).
+(Megatron-LM, DeepSpeed, FSDP, MoE, offload and long context; FSDP, MoE and offload also split into the rows
+constants were chosen on and the held-out rows).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def main() -> None:
                          no_wrap=True)
     errors: dict[str, list[float]] = {"reference": [], "megatron": [], "deepspeed": [], "fsdp": [],
                                       "fsdp fitted": [], "fsdp held-out": [], "fsdp A100": [], "fsdp H100": [],
-                                      "moe": [], "moe fitted": [], "moe held-out": [], "moe published layout": []}
+                                      "moe": [], "moe fitted": [], "moe held-out": [], "moe published layout": [],
+                                      "offload": [], "offload fitted": [], "offload held-out": []}
     rows = []
     skipped_all: list[str] = []
     for name, path in FILES.items():
@@ -77,9 +78,9 @@ def main() -> None:
                 if group == "fsdp":
                     errors["fsdp held-out" if run.held_out else "fsdp fitted"].append(err)
                     errors[f"fsdp {run.cluster.gpu.name[:4]}"].append(err)
-                if group == "moe":
-                    errors["moe held-out" if run.held_out else "moe fitted"].append(err)
-                    if run.fully_published:
+                if group in ("moe", "offload"):
+                    errors[f"{group} held-out" if run.held_out else f"{group} fitted"].append(err)
+                    if group == "moe" and run.fully_published:
                         errors["moe published layout"].append(err)
                 rows.append({"set": name, "group": group, "held_out": run.held_out, "source": run.source,
                              "gpus": run.cluster.world_size, "figure": key, "published": pub, "predicted": ours,
@@ -104,7 +105,9 @@ def main() -> None:
               "fsdp": "collected, FSDP / ZeRO-2/3 (all)", "fsdp fitted": "  FSDP, rows constants were chosen on",
               "fsdp held-out": "  FSDP, held-out rows", "fsdp A100": "  FSDP on A100", "fsdp H100": "  FSDP on H100",
               "moe": "collected, mixture-of-experts (all)", "moe fitted": "  MoE, rows constants were chosen on",
-              "moe held-out": "  MoE, held-out rows", "moe published layout": "  MoE, layout fully published"}
+              "moe held-out": "  MoE, held-out rows", "moe published layout": "  MoE, layout fully published",
+              "offload": "collected, offload and long context (all)",
+              "offload fitted": "  offload, rows constants were chosen on", "offload held-out": "  offload, held-out rows"}
     for group, errs in errors.items():
         if errs:
             a = [abs(e) for e in errs]

@@ -152,7 +152,7 @@ def test_custom_gpu_without_links(tmp_path: Path) -> None:
 # ---- errors ------------------------------------------------------------------------------------------------
 
 def test_unknown_type_shorthand() -> None:
-    expect_error(lambda: load_cluster("2x8xV100-32GB"), "V100-32GB", "A100-80GB", "H200-141GB")
+    expect_error(lambda: load_cluster("2x8xMI300X-192GB"), "MI300X-192GB", "A100-80GB", "H200-141GB")
 
 
 def test_unknown_type_dgx() -> None:
@@ -160,8 +160,8 @@ def test_unknown_type_dgx() -> None:
 
 
 def test_unknown_type_yaml(tmp_path: Path) -> None:
-    p = write(tmp_path, "c.yaml", "nodes: 1\ngpus_per_node: 8\ngpu: V100\n")
-    expect_error(lambda: load_cluster(str(p)), "V100", str(p))
+    p = write(tmp_path, "c.yaml", "nodes: 1\ngpus_per_node: 8\ngpu: MI300X\n")
+    expect_error(lambda: load_cluster(str(p)), "MI300X", str(p))
 
 
 def test_not_a_cluster() -> None:

@@ -175,3 +175,19 @@ def test_plan_command_takes_the_expert_load_and_lets_moe_layers_use_lsh() -> Non
     assert any(s["moe_comm"] == "lsh" for s in strategies)
     refused = runner.invoke(app, [*args, "--expert-load", "0.5"])
     assert refused.exit_code == 2 and "--expert-load must be a number >= 1" in refused.output
+
+
+def test_expert_gathers_overlap_the_token_exchange_only_on_other_links() -> None:
+    """ZeRO-3 over the expert data-parallel group across nodes runs beside an all-to-all kept inside the node
+    (the whole exchange joins its window); with the exchange across nodes too, or for the dense part, it does not."""
+    m = PRESETS["qwen3-235b-a22b"]
+    b = m.stack[0]
+    inside = Strategy(dp=16, ep=8, zero=3)  # 16 ranks on 2 nodes: ep inside a node, edp 2 across the nodes
+    ctx = _context(m, inside, nodes=2)
+    assert (ctx.ep_group.nodes, ctx.edp_group.nodes) == (1, 2)
+    assert experts.expert_sync_window(b, inside, ctx, ctx.edp_group, 0.25) == 0.25
+    assert experts.expert_sync_window(b, inside, ctx, ctx.dp_group, 0.25) == 0.0
+    across = Strategy(dp=32, ep=16, zero=3)  # 4 nodes: the exchange crosses nodes too, one network for both
+    ctx = _context(m, across, nodes=4)
+    assert (ctx.ep_group.nodes, ctx.edp_group.nodes) == (2, 2)
+    assert experts.expert_sync_window(b, across, ctx, ctx.edp_group, 0.25) == 0.0

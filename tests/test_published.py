@@ -239,12 +239,21 @@ def test_moe_rows_the_constants_were_chosen_on() -> None:
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 40.3%, max 99.7% (before: 51.1%, 106.2%): Megatron-FSDP Qwen3-235B (+100%: plait exposes the
-    expert parameter gathers that Megatron-FSDP hides), GPT-OSS 120B (+63%), DeepSeek-V3 on 1024 GPUs (+22%),
-    Mixtral-8x7B (+18%)."""
+    """Median 40.3%, max 67.1% (before: 40.3%, 99.7%): Megatron-FSDP Qwen3-235B (+67%), GPT-OSS 120B (+63%),
+    DeepSeek-V3 on 1024 GPUs (+18%), Mixtral-8x7B (+18%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
     assert statistics.median(errors) <= 0.41
-    assert max(errors) <= 1.0
+    assert max(errors) <= 0.68
+
+
+def test_megatron_fsdp_expert_gathers_hide_behind_the_token_exchange_too() -> None:
+    """Qwen3-235B, TP2 EP8 (inside a node) and FSDP over the 32 expert data-parallel ranks (across nodes), 256 H100:
+    was +99.7%; the experts' gathers and reduce-scatters (InfiniBand) now also run beside the dispatch and combine
+    (NVLink), and the row reduces gradients in bf16 as Megatron-FSDP's guide recommends: +67.1%. What is left is
+    the FSDP contention (0.6) and per-collective hook time (1.5 ms) chosen on PyTorch FSDP rows."""
+    (error,) = [e for run, e in MOE if run.plan.pipelines[0].stages[0].strategies[0].zero == 3
+                and run.model.name == "qwen3-235b-a22b"]
+    assert 0.60 <= error <= 0.68
 
 
 def test_cross_node_expert_parallel_rows_within_13_percent() -> None:

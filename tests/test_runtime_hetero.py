@@ -9,8 +9,9 @@ import pytest
 from test_runtime import _losses, assert_same, reference_losses, text, train_together  # noqa: F401
 
 from plait.executable import shard_shape, unsupported
-from plait.plan import Pipeline, Plan, Stage
+from plait.plan import Pipeline, Plan, Stage, validate_plan
 from plait.plan import Strategy as S
+from plait.spec.cluster import local_ranks
 from plait.spec.model import PRESETS
 
 SEQ = 64
@@ -34,7 +35,14 @@ CASES = {
         ([((0, 4), (0, 1), S(tp=2))], 3, 1), ([((0, 4), (2,), S())], 1, 1)]),
     "tied: a one-rank stage beside a cp2 stage": _plan("tiny-gpt", [
         ([((0, 4), (0, 1), S(cp=2))], 1, 2), ([((0, 4), (2,), S())], 2, 1)]),
+    "ZeRO across pipelines: a one-rank zero1 stage beside a dp2 zero1 stage": _plan(
+        "tiny-llama", [([((0, 4), (0,), S(zero=1))], 2, 1), ([((0, 4), (1, 2), S(dp=2, zero=1))], 1, 2)]),
 }
+ALIKE = {
+    "ZeRO across pipelines: one-rank zero2 stages, micro-batches 3 and 1": _plan(
+        "tiny-gpt", [([((0, 4), (0,), S(zero=2))], 3, 1), ([((0, 4), (3,), S(zero=2))], 1, 1)]),
+}
+"""Cases whose pipelines shard every layer alike (reduced shard by shard), run in the same job."""
 
 
 def test_pipelines_shard_their_layers_differently() -> None:
@@ -45,11 +53,11 @@ def test_pipelines_shard_their_layers_differently() -> None:
                   for p in plan.pipelines}
         assert len(shapes) == 2, name
         assert unsupported(plan, PRESETS[plan.model]) is None, name
+    for name, plan in {**CASES, **ALIKE}.items():
+        validate_plan(plan, PRESETS[plan.model], local_ranks(4))  # raises on a malformed case
 
 
 def test_what_still_does_not_run_is_refused_in_one_line() -> None:
-    zero_across = _plan("tiny-llama", [([((0, 4), (r,), S(zero=1))], 1, 2) for r in (0, 1)])
-    assert "ZeRO across pipelines" in unsupported(zero_across, PRESETS["tiny-llama"])
     tied_mixed = _plan("tiny-gpt", [([((0, 4), (0,), S())], 2, 1),
                                     ([((0, 2), (1,), S()), ((2, 4), (2,), S())], 2, 1)])
     assert "one stage" in unsupported(tied_mixed, PRESETS["tiny-gpt"])
@@ -60,14 +68,15 @@ def hetero_runs(tmp_path_factory, text):  # noqa: F811
     """The single-process references, then every case in one four-rank torchrun job."""
     pairs = [("tiny-llama", GBS), ("tiny-gpt", GBS)]
     ref = reference_losses(tmp_path_factory.mktemp("reference"), text, pairs)
-    cases = {name: (CASES[name].model, CASES[name]) for name in CASES}
+    cases = {name: (plan.model, plan) for name, plan in {**CASES, **ALIKE}.items()}
     return ref, train_together(tmp_path_factory.mktemp("hetero"), text, 4, cases)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *ALIKE])
 def test_pipelines_of_different_shapes_match_single_process(hetero_runs, name) -> None:
     ref, runs = hetero_runs
-    assert_same(_losses(runs, name), ref[(CASES[name].model, CASES[name].global_batch)])
+    plan = {**CASES, **ALIKE}[name]
+    assert_same(_losses(runs, name), ref[(plan.model, plan.global_batch)])
 
 
 def test_simulate_prices_the_whole_gradient_reduction() -> None:

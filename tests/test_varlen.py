@@ -159,7 +159,8 @@ def test_varlen_command_prints_json_and_flexsp_beats_static(lengths_file) -> Non
         out = _varlen("--lengths", lengths_file, "--method", method, "--json")
         assert out.exit_code == 0, out.output
         res[method] = json.loads(out.stdout)
-        assert set(res[method]) == {"total_time_s", "solve_time_s", "per_batch"} and len(res[method]["per_batch"]) == 2
+        assert set(res[method]) == {"total_time_s", "solve_time_s", "states", "states_bytes_per_device", "per_batch"}
+        assert len(res[method]["per_batch"]) == 2
     assert res["flexsp"]["total_time_s"] <= res["static"]["total_time_s"]
     table = _varlen("--lengths", lengths_file)
     assert table.exit_code == 0 and "total planned time" in table.stdout
@@ -170,10 +171,31 @@ def test_varlen_command_prints_json_and_flexsp_beats_static(lengths_file) -> Non
     (["--method", "flexsp", "--sp", "4"], "--sp"),
     (["--method", "static", "--sp", "3"], "--sp"),
     (["--global-batch", "0"], "positive"),
+    (["--states", "half"], "--states must be one of"),
+    (["--offload-above", "-5"], "--offload-above is a length"),
+    (["--states", "replicated"], "use --states sharded"),  # 7B x 18 bytes (bf16 + Adam) > 80 GB
 ])
 def test_varlen_bad_input(lengths_file, args, needle) -> None:
     res = _varlen("--lengths", lengths_file, *args)
     assert res.exit_code == 2 and needle in res.stderr and "Traceback" not in res.output
+
+
+def test_states_are_priced_sharded_over_every_device() -> None:
+    from plait.planner.varlen import states_bytes
+
+    m = load_model("llama2-7b")
+    assert states_bytes(m, 16, "bf16", "replicated") == m.params * 18  # bf16 weights, fp32 grads, Adam + master
+    assert states_bytes(m, 16, "bf16", "sharded") == m.params * 16 / 16  # ZeRO-3: the master copy is the weights
+    assert states_bytes(m, 4, "fp32", "sharded") == m.params * 16 / 4
+
+
+def test_offloaded_sequences_are_priced_with_their_host_copies() -> None:
+    from plait.planner.varlen import SequenceCost
+
+    m, c = load_model("llama2-7b"), dgx(1, 8, "A100-80GB")
+    plain, offload = SequenceCost(m, c), SequenceCost(m, c, offload_above=8192)
+    assert offload.seconds(4096, 1) == plain.seconds(4096, 1)  # shorter than the threshold: kept on the device
+    assert offload.seconds(8192, 2) > plain.seconds(8192, 2)  # swapped out and back beside the compute
 
 
 def test_varlen_bad_lengths_file(tmp_path) -> None:

@@ -96,12 +96,13 @@ def test_ring_and_ulysses_on_changing_groups_equal_one_process(tmp_path) -> None
     assert max(errors.values()) < 1e-5, {k: v for k, v in errors.items() if v >= 1e-5}
 
 
-def _train(tmp: Path, name: str, nproc: int, *extra: str) -> list[dict]:
+def _train(tmp: Path, name: str, nproc: int, *extra: str, model: str = MODEL, steps: int = 3, documents: int = 8,
+           env: dict[str, str] | None = None) -> list[dict]:
     metrics = tmp / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", MODEL, "--nproc", str(nproc), "--steps", "3",
-           "--global-batch", "8", "--lr", "0.01", "--metrics-out", str(metrics), *extra]
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", model, "--nproc", str(nproc),
+           "--steps", str(steps), "--global-batch", str(documents), "--lr", "0.01", "--metrics-out", str(metrics), *extra]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
@@ -111,7 +112,8 @@ def single(tmp_path_factory) -> list[dict]:
     return _train(tmp_path_factory.mktemp("varlen"), "single", 1, "--varlen", "flexsp", "--capacity", "512")
 
 
-@pytest.mark.parametrize("method", [("flexsp",), ("bytescale",), ("static",), ("static", "--cp-mode", "ring")],
+@pytest.mark.parametrize("method", [("flexsp",), ("bytescale",), ("static",), ("static", "--cp-mode", "ring"),
+                                    ("bytescale", "--offload-above", "200", "--varlen-states", "replicated")],
                          ids=lambda m: " ".join(m))
 def test_every_layout_method_trains_like_one_process(tmp_path, single, method) -> None:
     runs = _train(tmp_path, method[0], 4, "--varlen", *method, "--capacity", "128")
@@ -119,10 +121,42 @@ def test_every_layout_method_trains_like_one_process(tmp_path, single, method) -
     for a, b in zip(single, runs):
         assert a["tokens"] == b["tokens"]
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5, (a["step"], a["loss"], b["loss"])
+    if "--offload-above" in method:  # the documents of 200+ tokens went to host memory and back, exactly
+        assert all(r["swap"]["swapped_bytes"] > 0 for r in runs), runs
+    else:
+        assert all("swap" not in r for r in runs)
     groups = {len(part.split()[0]) for r in runs for part in r["layout"].split(" | ")}
     assert groups, runs  # a layout was reported every step
     if method == ("flexsp",):  # groups of more than one rank appear when documents outgrow one rank
         assert any(not part.startswith("1x") for r in runs for part in r["layout"].split(" | ")), runs
+
+
+STATES_MODEL = "llama:layers=4,hidden=512,heads=8,kv_heads=4,ffn=1376,vocab=512,seq=256"
+"""Big enough that model states (12.1M parameters: 46 MiB of weights, 185 MiB with gradients and Adam)
+outweigh one step's activations on 4 ranks."""
+FREED_BUFFERS_LEAVE = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+"""glibc: allocations over 64 KiB mapped on their own, so a freed buffer (a gathered layer) leaves the resident
+set, as it leaves a GPU's caching allocator for reuse; otherwise the CPU high-water mark keeps every one."""
+
+
+def _above_reserve(record: dict) -> float:
+    """The largest peak over the ranks of what the run added to the process (bytes): states, activations,
+    buffers (`plait.runtime.memory` terms without the interpreter's reserve)."""
+    return max(t["total"] - t["reserve"] for t in record["memory_terms"])
+
+
+def test_sharded_states_hold_under_0_6x_the_replicated_peak_at_equal_losses(tmp_path) -> None:
+    args = ("--varlen", "flexsp", "--capacity", "128")
+    runs = {states: _train(tmp_path, states, 4, *args, "--varlen-states", states, model=STATES_MODEL, steps=2,
+                           documents=4, env=FREED_BUFFERS_LEAVE) for states in ("sharded", "replicated")}
+    sharded, replicated = runs["sharded"], runs["replicated"]
+    for a, b in zip(sharded, replicated):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-5, (a["step"], a["loss"], b["loss"])
+    states = [sum(r["memory_terms"][0][k] for k in ("weights", "grads", "optim"))
+              for r in (sharded[0], replicated[0])]
+    assert states[0] == pytest.approx(states[1] / 4, rel=0.01)  # each rank holds a quarter of the states
+    ratio = _above_reserve(sharded[0]) / _above_reserve(replicated[0])
+    assert ratio <= 0.6, (ratio, sharded[0]["memory_terms"], replicated[0]["memory_terms"])
 
 
 def test_train_varlen_resumes_from_its_checkpoint(tmp_path) -> None:
@@ -145,6 +179,8 @@ def test_train_varlen_resumes_from_its_checkpoint(tmp_path) -> None:
     (["--varlen", "flexsp", "--capacity", "16"], "raise it to 128"),
     (["--varlen", "flexsp", "--lengths", "/nonexistent/lengths.txt"], "cannot read lengths file"),
     (["--varlen", "flexsp", "--adaptive"], "do not combine with --varlen"),
+    (["--varlen", "flexsp", "--varlen-states", "half"], "--varlen-states must be one of"),
+    (["--varlen", "flexsp", "--offload-above", "-1"], "--offload-above is a document length"),
 ])
 def test_train_varlen_bad_input_is_one_line_and_exit_2(extra, needle) -> None:
     cmd = [sys.executable, "-m", "plait.cli", "train", "--model", MODEL, "--nproc", "4", *extra]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from plait.plan import Plan, Stage, expert_problem, kind_problem
+from plait.plan import Pipeline, Plan, Stage, expert_problem, kind_problem
 from plait.spec.model import ModelSpec
 
 
@@ -28,14 +28,15 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
                     "torch.distributed.pipelining needs at least one per stage: lower mbs or raise gbs")
         if not pipe.even_widths and (reason := _uneven_problem(plan, model, pi)) is not None:
             return reason
-    stages = plan.pipelines[0].stages
-    if model.tied_embeddings:
-        first, last = stages[0].strategies[0], stages[-1].strategies[-1]
-        if first.model_copy(update={"recompute": "none"}) != last.model_copy(update={"recompute": "none"}):
-            return (f"{model.name} ties its embedding and LM head, so the first and last layers must share one "
-                    f"layout ({first.short()} vs {last.short()})")
-        mixed = len({s.model_copy(update={"recompute": "none"}) for s in stages[0].strategies}) > 1
-        if len(stages) == 1 and mixed and first.zero > 0:
+    for pipe in plan.pipelines if model.tied_embeddings else ():
+        if len(pipe.stages) > 1:  # two copies, whose gradients add (`tied_ends_alike`)
+            continue
+        stage = pipe.stages[0]
+        first, last = stage.strategies[0], stage.strategies[-1]
+        if not tied_ends_alike(pipe):
+            return (f"{model.name} ties its embedding and LM head, so the first and last layers of a one-stage "
+                    f"pipeline must share one layout ({first.short()} vs {last.short()})")
+        if len({s.model_copy(update={"recompute": "none"}) for s in stage.strategies}) > 1 and first.zero > 0:
             return (f"{model.name} ties its embedding and LM head, which FSDP cannot shard as two units of a stage "
                     "with per-layer strategies; use zero=0 for its first and last layers")
     return None
@@ -44,6 +45,17 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
 UNEVEN_FAMILIES = ("gpt", "llama")
 """Model families whose stages hand over one hidden state [B, T, H], which stages of different widths re-lay
 out between them (`plait.runtime.boundary`)."""
+
+
+def tied_ends_alike(pipe: Pipeline) -> bool:
+    """Whether `pipe`'s first and last layers lay a tied embedding and head out alike (the same strategy but
+    for recompute, on as many ranks): the two copies' gradients then add shard by shard; else each end
+    gathers its whole gradient and all its ranks sum them (`plait.runtime.placement.Placement.tied_whole`).
+    A one-stage pipeline holds one table, which must be laid out alike."""
+    first, last = pipe.stages[0], pipe.stages[-1]
+    a, b = first.strategies[0], last.strategies[-1]
+    return len(first.ranks) == len(last.ranks) and \
+        a.model_copy(update={"recompute": "none"}) == b.model_copy(update={"recompute": "none"})
 
 
 def _uneven_problem(plan: Plan, model: ModelSpec, pi: int) -> str | None:
@@ -113,19 +125,13 @@ def holders(plan: Plan, layer: int) -> list[Stage]:
 def _unsupported_replicas(plan: Plan, model: ModelSpec) -> str | None:
     """Several pipelines (data-parallel replicas that may cut and shard the model differently): the runtime
     reduces each layer's gradients across pipelines, shard by shard where every pipeline shards it alike,
-    else as whole tensors over all its holders (`plait.runtime.placement.Replicas`). Not executed: ZeRO
-    over the pipelines themselves (a ZeRO stage without data or context parallelism inside it), and a tied
-    embedding and head that one pipeline holds in one stage and another in two."""
+    else as whole tensors over all its holders (`plait.runtime.placement.Replicas`). ZeRO over the pipelines
+    themselves (a ZeRO stage without data or context parallelism inside it) runs with that layer's optimizer
+    state whole on every holder (FSDP over the stage's one rank shards nothing), so the losses are exact but
+    the rank holds the state the cost model shares among the pipelines. Not executed: a tied embedding and
+    head that one pipeline holds in one stage and another in two."""
     if plan.chunks > 1:
         return "several pipelines with interleaved chunks are not executable yet; use one pipeline or vpp=1"
-    for pi, pipe in enumerate(plan.pipelines):
-        for stage in pipe.stages:
-            for layer in range(*stage.layers):
-                s = stage.strategy(layer)
-                if s.zero and s.dp * s.cp == 1:
-                    return (f"pipeline {pi} uses {s.short()} at layer {layer}: ZeRO across pipelines is not "
-                            "executed yet (ZeRO shards over the data- or context-parallel ranks of a stage); "
-                            "use zero=0 there, or dp or cp > 1 inside the stage")
     if model.tied_embeddings and len({len(p.stages) == 1 for p in plan.pipelines}) > 1:
         return (f"{model.name} ties its embedding and LM head, and some pipelines hold both in one stage "
                 "while others split them over two; give every pipeline one stage, or every pipeline several")

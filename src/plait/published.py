@@ -6,7 +6,9 @@ MFU/HFU, iteration time, tokens/s). GPT-style rows are Megatron GPT (LayerNorm, 
 positions) with the unfused attention of their time unless a row names its kernel (`"attention": "flash"`, or
 `"triton"` for the Triton FlashAttention that llm-foundry's MPT benchmarks ran). A row whose
 model gives a `"preset"` (the MoE rows) is that preset of `plait.spec.model` at the row's sequence length, and
-its layout may give the expert degrees `ep` and `etp` and the plan's `expert_load`.
+its layout may give the expert degrees `ep` and `etp` and the plan's `expert_load`. Offload and long-context rows
+(group "offload") may give `swap` (share of saved activations swapped to host memory) and `offload` ("optim") in
+their layout, and `host_memory_gb` (the node's host memory in GB, when the run used fewer GPUs than the node has).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from plait.errors import PlaitError
 from plait.plan import Plan, uniform_plan
 from plait.simulate import Report
-from plait.spec.cluster import Cluster, Link, dgx
+from plait.spec.cluster import GB, Cluster, Link, dgx
 from plait.spec.model import PRESETS, ModelSpec
 
 REPORTED_KEYS = ("hardware_tflops_per_gpu", "model_tflops_per_gpu", "iteration_time_s", "mfu", "hfu",
@@ -51,7 +53,7 @@ def _model(row: dict) -> ModelSpec:
         return ModelSpec(family="llama", kv_heads=md.get("kv_heads", md["heads"]), ffn=md["ffn"], gated_mlp=True,
                          norm="rmsnorm", bias=False, dropout=False, tied_embeddings=False, learned_positions=False,
                          attention=md.get("attention", "flash"), **common)
-    flags = {k: md[k] for k in ("bias", "dropout") if k in md}  # MPT: no biases, no dropout
+    flags = {k: md[k] for k in ("bias", "dropout", "learned_positions") if k in md}  # MPT: no biases, no dropout
     return ModelSpec(family="gpt", attention=md.get("attention", "eager"), **flags, **common)
 
 
@@ -65,7 +67,7 @@ def _strategy(layout: dict) -> str:
         "grad_reduce": layout.get("reduce_dtype", "auto"),
     }
     # MoE rows: expert parallel and expert tensor parallel degrees, and the busiest expert rank's load.
-    keys.update({k: layout[k] for k in ("ep", "etp", "expert_load") if k in layout})
+    keys.update({k: layout[k] for k in ("ep", "etp", "expert_load", "swap", "offload") if k in layout})
     return ",".join(f"{k}={v}" for k, v in keys.items())
 
 
@@ -103,6 +105,8 @@ def _cluster(row: dict, nodes: int, per_node: int) -> Cluster:
     if "network_gbps_per_node" in row:
         per_gpu = row["network_gbps_per_node"] * 1e9 / 8 / per_node
         cluster = replace(cluster, inter=Link(per_gpu, cluster.inter.latency))
+    if "host_memory_gb" in row:  # e.g. one GPU of a DGX-2 with the whole node's 1.5 TB
+        cluster = replace(cluster, host=replace(cluster.host_side, memory_bytes=row["host_memory_gb"] * GB))
     return cluster
 
 
@@ -119,3 +123,13 @@ def predicted(report: Report, key: str) -> float:
 def relative_errors(run: PublishedRun, report: Report) -> dict[str, tuple[float, float, float]]:
     """{key: (published, predicted, relative error)} for every figure the run reports."""
     return {k: (v, predicted(report, k), predicted(report, k) / v - 1) for k, v in run.reported.items()}
+
+
+def causal_mfu(report: Report, model: ModelSpec, seq_len: int) -> float:
+    """The report's MFU with the attention cores of causal layers counted at half their s x s FLOPs (the
+    convention of FlashAttention's benchmarks and of papers that count only unmasked scores), where plait's
+    MFU counts them whole (Megatron's 72*l*h^2*(1 + s/(6h) + V/(12lh)))."""
+    full = model.model_flops_per_token(seq_len)
+    masked = sum(b.attention_flops_per_token(seq_len) * b.seq(seq_len) * n
+                 for b, n in model.block_counts if b.causal) / seq_len
+    return report.mfu * (full - 3 * masked / 2) / full

@@ -29,6 +29,10 @@ def varlen_cmd(
     sp: Annotated[int | None, typer.Option("--sp", help="static: the sequence-parallel degree")] = None,
     cp_mode: Annotated[str, typer.Option("--cp-mode", help="static: ulysses | ring (a DP x CP mesh)")] = "ulysses",
     capacity: Annotated[int, typer.Option("--capacity", help="tokens a device holds at once")] = 32768,
+    states: Annotated[str, typer.Option("--states", help="model states: sharded (over all devices) | replicated")
+                      ] = "sharded",
+    offload_above: Annotated[int, typer.Option(
+        "--offload-above", help="sequences of at least this many tokens swap activations to host (0: none)")] = 0,
     precision: PrecisionOpt = "bf16",
     as_json: JsonOpt = False,
     report_out: ReportOpt = None,
@@ -41,13 +45,17 @@ def varlen_cmd(
         page_path = optional_output(report_out, "report.html", "--report")
         m, c, _ = load_inputs(model, cluster, None, None)
         _check_options(method, cp_mode, sp, c, batches, global_batch, capacity, precision)
+        held = _check_states(states, m, c, precision)
         mode = "ring" if method == "bytescale" else cp_mode
-        cost = SequenceCost(m, c, precision=precision, cp_mode=mode)
+        if offload_above < 0:
+            raise PlaitError(f"--offload-above is a length in tokens (0: no offloading), got {offload_above}")
+        cost = SequenceCost(m, c, precision=precision, cp_mode=mode, offload_above=offload_above)
         sampled = sample_batches(load_lengths(lengths), batches, global_batch, seed)
         rows = _plan_batches(sampled, c, cost, capacity, method, sp)
         total = sum(r["time_s"] for r in rows)
         solve = sum(r["solve_time_s"] for r in rows)
-        result = {"total_time_s": total, "solve_time_s": solve, "per_batch": rows}
+        result = {"total_time_s": total, "solve_time_s": solve, "states": states, "states_bytes_per_device": held,
+                  "per_batch": rows}
         if page_path is not None:
             from plait.report import write_page
 
@@ -58,7 +66,21 @@ def varlen_cmd(
         return
     _print_batches(rows, f"{m.name} on {c.name}, {method}{f' sp={sp}' if sp else ''}, {capacity} tokens per device")
     out.print(f"total planned time {total:.3f} s over {len(rows)} batches; solver {solve:.2f} s "
-              f"({solve / len(rows):.2f} s per batch)")
+              f"({solve / len(rows):.2f} s per batch); model states {held / 2**30:.2f} GiB per device ({states})")
+
+
+def _check_states(states: str, m, c: Cluster, precision: str) -> float:
+    """Model states' bytes per device; PlaitError if they are not sharded|replicated or exceed a device."""
+    from plait.planner.varlen import STATES, states_bytes
+
+    if states not in STATES:
+        raise PlaitError(f"--states must be one of {', '.join(STATES)}, got {states!r}")
+    held = states_bytes(m, c.world_size, precision, states)
+    if held > c.gpu.memory_bytes:
+        raise PlaitError(f"{states} model states take {held / 2**30:.1f} GiB per device, more than its "
+                         f"{c.gpu.memory_bytes / 2**30:.0f} GiB; "
+                         + ("use --states sharded" if states == "replicated" else "use more devices"))
+    return held
 
 
 def _check_options(method: str, cp_mode: str, sp: int | None, c: Cluster, batches: int, global_batch: int,

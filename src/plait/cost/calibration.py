@@ -89,6 +89,15 @@ HOPPER_CALIBRATION = Calibration(gemm_efficiency=HOPPER_GEMM_EFFICIENCY, flash_f
 """H100/H200: GEMMs at HOPPER_GEMM_EFFICIENCY; FlashAttention-2 reaches ~335-400 of 989 TFLOP/s (Dao 2023;
 Shah et al. 2024, FlashAttention-3, Fig. 1-2), a smaller share of the peak than on A100."""
 
+V100_GEMM_EFFICIENCY = 0.45
+"""Effective share of V100's 125 TFLOP/s fp16 tensor peak that a training step's GEMMs reach, everything
+2019-2021 V100 software does that plait does not price lumped in (unfused eager softmax/dropout, apex
+LayerNorm, fp16 loss scaling): chosen so that Megatron-LM's single-V100 baseline (Shoeybi et al. 2019, Sec. 5.1:
+a 1.2B GPT-2, 40 layers, hidden 1536, 16 heads, batch 8, sequence 1024, activation checkpointing, "39
+TeraFLOPs ... 30% of the theoretical peak") prices at 39.4 hardware TFLOP/s. Not chosen on any held-out row."""
+V100_CALIBRATION = Calibration(gemm_efficiency=V100_GEMM_EFFICIENCY)
+"""V100-32GB: GEMMs at V100_GEMM_EFFICIENCY, the rest as A100 (no FlashAttention on Volta; rows use eager)."""
+
 CALIBRATIONS: dict[str, Calibration] = {
     "A100-40GB": DEFAULT_CALIBRATION,
     "A100-80GB": DEFAULT_CALIBRATION,
@@ -96,6 +105,7 @@ CALIBRATIONS: dict[str, Calibration] = {
     "H200-141GB": HOPPER_CALIBRATION,
     "A800-80GB": DEFAULT_CALIBRATION,
     "GH200-96GB": HOPPER_CALIBRATION,
+    "V100-32GB": V100_CALIBRATION,
 }
 
 

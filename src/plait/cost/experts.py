@@ -121,6 +121,19 @@ def experts_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) ->
     return max(fwd, launch), max(bwd, 2 * launch)
 
 
+def expert_sync_window(block: Block, s: Strategy, ctx: BlockContext, group: comm.GroupShape,
+                       ep_pass: float) -> float:
+    """Seconds of one pass's token exchange (`ep_pass`, from `dispatch_time`) that a ZeRO-2/3 collective over
+    `group` can also run beside: the collectives sit on their own stream and keep going through the dispatch
+    and combine, and when the routed experts' weights sync over the expert data-parallel group across nodes
+    while the exchange stays inside one node (ep <= GPUs per node), the two use different links (InfiniBand and
+    NVLink), so the exchange lengthens the overlap window. 0 when the exchange also crosses nodes (the two
+    share the network), for the dense part's group, or without experts."""
+    if block.kind != "moe" or group != ctx.edp_group or group.nodes <= 1 or ctx.ep_group.nodes > 1:
+        return 0.0
+    return ep_pass
+
+
 def dispatch_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> float:
     """Seconds of one pass's token exchange on the busiest rank: dispatch and combine all-to-alls over the
     ep group, all-gather and reduce-scatter over the etp group (0 without experts or expert parallelism)."""

@@ -230,7 +230,9 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     elif s.zero >= 2:
         for held, group in experts.held_params(block, s, ctx):
             if group.size > 1 and held > 0:
-                f, b = zero_sync_time(held, s.zero, forward, backward + recompute, ctx, group)
+                window = experts.expert_sync_window(block, s, ctx, group, ep_pass)
+                f, b = zero_sync_time(held, s.zero, forward + window, backward + recompute + (
+                    2 if s.recompute == "full" else 1) * window, ctx, group)
                 zero_fwd, zero_bwd = zero_fwd + f, zero_bwd + b
 
     tp_recompute = tp_fwd if s.recompute == "full" else 0.0

@@ -5,7 +5,12 @@ the devices are split into sequence-parallel (Ulysses) groups of sizes 1, 2, 4, 
 runs whole on one group, all groups at once; the micro-batch takes as long as its slowest group. A
 sequence of s tokens on a group of d devices costs what the cost model says a block of `cp=d` costs at
 `seq_len=s` (attention grows with s^2, the rest with s; the all-to-alls on the group's links), times the
-layers, plus the embedding and head; a group holds at most d x `capacity` tokens (memory).
+layers, plus the embedding and head; a group holds at most d x `capacity` tokens (memory). Model states
+(weights, gradients, Adam) are sharded over all N devices (FSDP2, ZeRO-3, as FlexSP and `plait train
+--varlen` do) or replicated; `states_bytes` prices them, and `capacity` is what activations may use beside them.
+ByteScale's selective offloading: the saved activations of sequences of at least `offload_above` tokens go
+to host memory and back (priced as a `swap=1` block of the cost model: copies beside the compute); the
+capacity still counts their tokens.
 
 FlexSP, per global batch:
 1. the *sequence blaster* sorts the lengths and cuts them into K contiguous micro-batches of balanced work
@@ -42,6 +47,7 @@ from plait.cost import comm
 from plait.cost.calibration import Calibration, calibration_for
 from plait.cost.comm import GroupShape
 from plait.cost.layer import BlockContext
+from plait.cost.memory import model_state_bytes
 from plait.cost.precision import PRECISIONS
 from plait.cost.price import price, price_edge
 from plait.errors import PlaitError
@@ -60,6 +66,23 @@ EXTRA_MICRO_BATCH_COUNTS = 2
 MORE_MICRO_BATCHES = 16
 """Micro-batch counts tried beyond the fewest by token count when placement runs out of room."""
 
+STATES = ("sharded", "replicated")
+"""Model states sharded over every device (FSDP2, ZeRO-3) or replicated on each."""
+
+
+def states_bytes(model: ModelSpec, devices: int, precision: str, states: str) -> float:
+    """Bytes of model states (weights, gradients, optimizer) on each device: sharded over all `devices`
+    (ZeRO-3) or replicated."""
+    sharded = states == "sharded"
+    w, g, o = model_state_bytes(model.params, devices if sharded else 1, 3 if sharded else 0, PRECISIONS[precision])
+    return w + g + o
+
+
+def offloaded(length: int, above: int) -> bool:
+    """Whether a sequence of `length` tokens has its saved activations swapped to host memory (ByteScale's
+    selective offloading of the longest sequences: those of at least `above` tokens; 0: none)."""
+    return 0 < above <= length
+
 
 class SequenceCost:
     """Seconds of one sequence (forward and backward, every layer, embedding and head) on a sequence-parallel
@@ -67,14 +90,14 @@ class SequenceCost:
     `on(length, ranks)` on any set of ranks (the links it spans matter)."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, cal: Calibration | None = None, precision: str = "bf16",
-                 cp_mode: str = "ulysses") -> None:
+                 cp_mode: str = "ulysses", offload_above: int = 0) -> None:
         if any(b.kind not in ("decoder", "moe") for b in model.stack):
             raise PlaitError(f"variable-length planning packs decoder-only models; {model.name} has "
                              f"{', '.join(model.kind_counts())} layers")
         self.model, self.cluster = model, cluster
         self.cal = cal or calibration_for(cluster.gpu.name)
         self.prec = PRECISIONS[precision]
-        self.cp_mode = cp_mode
+        self.cp_mode, self.offload_above = cp_mode, offload_above
         self._cost = lru_cache(maxsize=1 << 17)(self._shaped)
         self.seconds = lru_cache(maxsize=1 << 17)(self._by_degree)
 
@@ -85,7 +108,8 @@ class SequenceCost:
         return self._cost(length, GroupShape.of(sorted(ranks), self.cluster.gpus_per_node))
 
     def _shaped(self, length: int, group: GroupShape) -> float:
-        s = Strategy(cp=group.size, cp_mode=self.cp_mode)  # type: ignore[arg-type]
+        s = Strategy(cp=group.size, cp_mode=self.cp_mode,  # type: ignore[arg-type]
+                     swap=float(offloaded(length, self.offload_above)))
         shape = group if group.size > 1 else comm.SINGLE
         ctx = BlockContext(self.model, self.cluster, self.cal, self.prec, length, 1, comm.SINGLE, shape, comm.SINGLE)
         layers = sum(n * price(b, s, ctx).micro_batch_s for b, n in self.model.block_counts)

@@ -79,7 +79,8 @@ class SavedActivations:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: Tensor) -> Tensor:
-        if t.requires_grad and t.grad_fn is None:  # a parameter (FSDP's gathered one too), not an activation
+        base = t._base if t._base is not None else t  # a view of a parameter (a linear's transposed weight)
+        if base.requires_grad and base.grad_fn is None:  # a parameter (FSDP's gathered one too), not an activation
             return t
         local = t.to_local() if isinstance(t, DTensor) else t
         try:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.errors import PlaitError
-from plait.executable import holders, shard_shape, unsupported
+from plait.executable import holders, shard_shape, tied_ends_alike, unsupported
 from plait.layout import Layout
 from plait.plan import Plan, Strategy
 from plait.spec.degrees import MESH_DIMS, Degrees
@@ -117,6 +117,8 @@ class Placement:
     tied_group: dist.ProcessGroup | None  # first- and last-stage ranks at this position, when they share weights
     replicas: dict[int, Replicas] = field(default_factory=dict)  # several pipelines: layer -> the ranks its
     # gradients are reduced over across pipelines (layer -1: the embedding, layers: the head)
+    tied_whole: float | None = None  # the ends of the pipeline lay a tied table out differently: the weight of
+    # this rank's whole gradient in the sum over `tied_group` (1 / its stage's ranks); None: shard by shard
     norm_share: float = 1.0  # weight of this rank's squared gradient norm in the sum over `pp_group` (1 / the
     # stage's ranks when that group holds every rank of the pipeline: each of them has the stage's whole norm)
 
@@ -264,15 +266,22 @@ def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: 
             group = dist.new_group(sorted(pipe.stages[d].ranks[i] for d in range(pp)))
             if i == position:
                 pp_group = group
-    tied_group = None
-    if tied_embeddings and len(pipe.stages) > 1:
+    tied_group, tied_whole = None, None
+    if tied_embeddings and len(pipe.stages) > 1 and tied_ends_alike(pipe):
         for i, (a, b) in enumerate(zip(pipe.stages[0].ranks, pipe.stages[-1].ranks)):
             group = dist.new_group(sorted((a, b)))
             if rank in (a, b) and i == position:
                 tied_group = group
+    elif tied_embeddings and len(pipe.stages) > 1:  # the ends lay the table out differently: whole gradients
+        ends = (pipe.stages[0].ranks, pipe.stages[-1].ranks)
+        group = groups.group(ends[0] + ends[1])
+        mine = next((e for e in ends if rank in e), None)
+        if mine is not None:
+            tied_group, tied_whole = group, 1 / len(mine)
     if not chunks:
         return None
-    return Placement(rank, pi, chunks[0].index % pp, pp, tuple(chunks), pp_group, tied_group, norm_share=norm_share)
+    return Placement(rank, pi, chunks[0].index % pp, pp, tuple(chunks), pp_group, tied_group, norm_share=norm_share,
+                     tied_whole=tied_whole)
 
 
 def _replica_groups(plan: Plan, rank: int, groups: _Groups) -> dict[int, Replicas]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 
@@ -37,7 +38,7 @@ class SwapMeter:
     @staticmethod
     def of(model: nn.Module) -> SwapMeter:
         """A meter that leaves out (and a swap that keeps) the storages of `model`'s parameters and buffers."""
-        return SwapMeter(exclude={t.untyped_storage().data_ptr()
+        return SwapMeter(exclude={(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
                                   for t in (*model.parameters(), *model.buffers()) if t is not None})
 
     def count(self, t: Tensor, host: bool) -> None:
@@ -123,10 +124,10 @@ class _LayerSwap:
 
     def pack(self, t: Tensor) -> object:
         dim = token_dim(t, self.tokens, self.rows) if self.tokens else None
-        if (t.requires_grad and t.grad_fn is None) or dim is None or \
-                t.untyped_storage().data_ptr() in self.meter.exclude:
-            return t  # a parameter, a buffer or a tensor without tokens (autocast's weight copies)
         base = t._base if t._base is not None else t
+        if (base.requires_grad and base.grad_fn is None) or dim is None or \
+                t.untyped_storage().data_ptr() in self.meter.exclude:
+            return t  # a parameter (or a view of one, FSDP's gathered ones too), a buffer, or no tokens
         storage = t.untyped_storage()
         flat = base.numel() * base.element_size() == storage.nbytes()  # base covers its storage densely
         if flat:  # views of one storage (x, x.view(B*T, H), an expanded k, a transposed output) share one cut
@@ -173,6 +174,19 @@ def attach(block: nn.Module, share: float, meter: SwapMeter) -> list[torch.utils
     `meter`); the hook handles."""
     swap = _LayerSwap(share, meter)
     return [block.register_forward_pre_hook(swap.pre), block.register_forward_hook(swap.post, always_call=True)]
+
+
+def switchable(model: nn.Module) -> list[_LayerSwap]:
+    """Swap hooks on every block of `model`, counted by `model.swap_meter`, that swap nothing (share 0) until
+    the caller sets their `share` before a pass: ByteScale's selective offloading of chosen sequences."""
+    if getattr(model, "swap_meter", None) is None:
+        model.swap_meter = SwapMeter.of(model)
+    swaps = []
+    for block in model.layers.values():
+        swaps.append(_LayerSwap(0.0, model.swap_meter))
+        block.register_forward_pre_hook(swaps[-1].pre)
+        block.register_forward_hook(swaps[-1].post, always_call=True)
+    return swaps
 
 
 def apply_swap(model: nn.Module, share: float, layers: list[str]) -> None:

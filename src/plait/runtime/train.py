@@ -77,6 +77,8 @@ class TrainConfig:
     capacity: int = 0
     sp: int | None = None
     cp_mode: str = "ulysses"
+    varlen_states: str = "sharded"  # model states: sharded over the world (FSDP2, ZeRO-3) | replicated
+    offload_above: int = 0  # documents of at least this many tokens swap their saved activations to host; 0 = none
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -222,9 +224,13 @@ def _tied_weight(chunks: list[torch.nn.Module], where: Placement) -> torch.nn.Pa
     return chunks[0].tok_embeddings.weight if where.first else chunks[-1].output.weight
 
 
-def _sum_tied_grad(weight: torch.nn.Parameter, group: dist.ProcessGroup) -> None:
-    """Add the head's gradient of a tied embedding table to the embedding's, and back (same shards on both
-    ends)."""
+def _sum_tied_grad(weight: torch.nn.Parameter, group: dist.ProcessGroup, whole: float | None = None) -> None:
+    """Add the head's gradient of a tied embedding table to the embedding's, and back: shard by shard where
+    both ends shard it alike, else as whole gradients, this rank's weighted by `whole`
+    (`Placement.tied_whole`)."""
+    if whole is not None:
+        sync_whole_gradients([weight], group, whole)
+        return
     grad = weight.grad  # already sharded like the weight (`_shard_grads_like_params`)
     dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
 
@@ -433,7 +439,7 @@ class PlanSteps:
         for sync in placed.manual_sync:
             sync()
         if placed.tied is not None and placed.tied.grad is not None:
-            _sum_tied_grad(placed.tied, where.tied_group)
+            _sum_tied_grad(placed.tied, where.tied_group, where.tied_whole)
         t2 = time.perf_counter()
         if not where.idle:
             grad_norm = clip_grads(params, cfg.clip, where.pp_group, uncounted=None if where.first else placed.tied,

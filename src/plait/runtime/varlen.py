@@ -8,13 +8,20 @@ Every step's global batch of documents (lengths drawn from a real distribution) 
 groups change from micro-batch to micro-batch; their process groups are made once and reused. Planning runs
 on rank 0 in a background thread one step ahead (overlapped with training) and its result is broadcast.
 
-Weights are replicated on every rank. The loss is the sum of every target token's cross-entropy divided by
-the global batch's target tokens, so gradients summed over the ranks are the single-process gradient of
-the whole batch, whatever the layout.
+Model states (weights, gradients, optimizer state) are sharded over all ranks by default (FSDP2, ZeRO-3, as
+FlexSP does: each layer gathered for its forward and backward, gradients reduce-scattered), or replicated
+(`--varlen-states replicated`, gradients all-reduced once per step). Either way the loss is the sum of
+every target token's cross-entropy divided by the global batch's target tokens, and the gradients are summed
+over the ranks (never averaged), so they are the single-process gradient of the whole batch, whatever the
+layout. Sharded, every rank makes the same passes in the same order (`slots`): a rank with no work in a
+slot runs a one-token filler pass whose loss counts zero. ByteScale's selective offloading
+(`cfg.offload_above`): a pass whose row holds a document at least that long swaps every layer's saved
+activations to host memory (`runtime/swap.py`), as the planner prices it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +36,7 @@ from torch import Tensor, nn
 
 from plait.errors import PlaitError
 from plait.models import build_model
-from plait.runtime import checkpoint, memory
+from plait.runtime import checkpoint, memory, swap
 from plait.runtime.data import BYTE_VOCAB, TokenSource
 from plait.runtime.optim import make_optimizer
 from plait.runtime.packing import IGNORE, Packed, contiguous, document_mask, pack, zigzag
@@ -39,6 +46,8 @@ from plait.runtime.ulysses import Ulysses
 from plait.spec.model import ModelSpec, load_model
 
 METHODS = ("flexsp", "bytescale", "static")
+STATES = ("sharded", "replicated")
+"""How the variable-length runtime keeps model states: sharded over every rank (FSDP2) or replicated."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,42 @@ def run_group(model: nn.Module, packed: Packed, ranks: tuple[int, ...], mode: st
             a.context_parallel = None
 
 
+def slots(mb: list[Work]) -> list[list[Work]]:
+    """A micro-batch's works in passes that every rank makes together: a work goes in the first slot after
+    every slot its ranks already use, so each rank's works keep the layout's order and all ranks of a work
+    run it in the same slot."""
+    used: dict[int, int] = {}
+    out: list[list[Work]] = []
+    for w in mb:
+        slot = max(used.get(r, 0) for r in w.ranks)
+        used.update(dict.fromkeys(w.ranks, slot + 1))
+        out.extend([] for _ in range(slot + 1 - len(out)))
+        out[slot].append(w)
+    return out
+
+
+def shard_states(model: nn.Module, world: int) -> None:
+    """FSDP2 (ZeRO-3) over all `world` ranks: each layer and the rest (embedding, norm, head) one unit;
+    gradients summed over the ranks, not averaged (the loss is already divided by the batch's tokens)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from plait.runtime.zero import shard_unit
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers.values():
+        shard_unit(layer, mesh, 3)
+    shard_unit(model, mesh, 3)
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        if world > 1:  # gloo has no pre-multiplied sum (see plait.runtime.experts._zero)
+            unit.set_force_sum_reduction_for_comms(True)
+        unit.set_gradient_divide_factor(1.0)
+
+
+FILLER = torch.tensor([0, 0])
+"""The document of a filler pass: one input token and one target."""
+
+
 def padding_multiple(ranks: int, mode: str) -> int:
     """Rows run by `ranks` ranks are padded to a multiple of this (ring: two zigzag pieces per rank)."""
     return 1 if ranks == 1 else 2 * ranks if mode == "ring" else ranks
@@ -172,7 +217,7 @@ class Planner:
         self.rank = dist.get_rank()
         cluster, cal = local_cost(cfg.profile, world)
         precision = "bf16" if cfg.dtype == "bf16" else "fp32"
-        self.cost = SequenceCost(spec, cluster, cal, precision, self.mode)
+        self.cost = SequenceCost(spec, cluster, cal, precision, self.mode, cfg.offload_above)
         # Static: one degree for the whole run, the smallest that holds the longest document it can meet.
         self.degree = (cfg.sp or smallest_degree(spec.max_seq_len, cfg.capacity, world)) \
             if cfg.varlen == "static" else None
@@ -227,6 +272,11 @@ def check_config(cfg, spec: ModelSpec, world: int) -> None:
         raise PlaitError(f"--varlen does not train MoE layers yet ({spec.name}); drop --varlen")
     if cfg.varlen not in METHODS:
         raise PlaitError(f"--varlen must be one of {', '.join(METHODS)}, got {cfg.varlen!r}")
+    if cfg.varlen_states not in STATES:
+        raise PlaitError(f"--varlen-states must be one of {', '.join(STATES)}, got {cfg.varlen_states!r}")
+    if cfg.offload_above < 0:
+        raise PlaitError(f"--offload-above is a document length in tokens (0: no offloading), "
+                         f"got {cfg.offload_above}")
     if cfg.cp_mode not in ("ulysses", "ring"):
         raise PlaitError(f"--cp-mode must be ulysses or ring, got {cfg.cp_mode!r}")
     if cfg.capacity <= 0:
@@ -264,23 +314,32 @@ def run_varlen(cfg, report=None, before_step=None) -> list[dict]:
     source = DocumentSource(load_lengths(cfg.lengths), cfg.global_batch, cfg.seed, spec.vocab,
                             spec.max_seq_len, cfg.data, cfg.data_dtype)
     steps = DocumentSteps(cfg, spec, source, world)
-    start = resume(cfg, spec, [steps.model], [steps.optimizer], dist.get_rank())
+    start = steps.start = resume(cfg, spec, [steps.model], [steps.optimizer], dist.get_rank())
     return train_loop(cfg, steps, start, report, before_step)
 
 
 class DocumentSteps:
     """Steps of variable-length documents (`plait.runtime.loop.Stepper`): each step's documents are laid
-    out by the planner (one step ahead, on rank 0) and packed per group; weights replicated on every rank."""
+    out by the planner (one step ahead, on rank 0) and packed per group; model states sharded over all ranks
+    or replicated (`cfg.varlen_states`)."""
 
     def __init__(self, cfg, spec: ModelSpec, source: DocumentSource, world: int) -> None:
         self.cfg, self.spec, self.source, self.rank = cfg, spec, source, dist.get_rank()
+        self.reserve = memory.current_bytes()  # before any model state
+        self.sharded = cfg.varlen_states == "sharded"
         self.model = build_model(spec)
         self.model.init_weights(cfg.seed)
+        if self.sharded:
+            shard_states(self.model, world)
+        # ByteScale's selective offloading: passes holding a document of at least cfg.offload_above tokens
+        # swap every layer's saved activations to host memory (exact values back in backward).
+        self.swaps = swap.switchable(self.model) if cfg.offload_above > 0 else []
         self.params = list(self.model.parameters())
         self.optimizer = make_optimizer(self.params, cfg.lr)
         self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
         self.planner = Planner(cfg, spec, source, world)
         self.groups = Groups()
+        self.start = 0  # the first step this run trains (set after resuming)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -293,38 +352,74 @@ class DocumentSteps:
         from plait.runtime.loop import lr_at, step_optimizers
         from plait.runtime.train import clip_grads
 
-        cfg, rank, model, planner = self.cfg, self.rank, self.model, self.planner
-        layout, waited = planner.layout(step, cfg.steps)  # this step's plan
+        cfg, rank = self.cfg, self.rank
+        layout, waited = self.planner.layout(step, cfg.steps)  # this step's plan
         self.groups.prepare(layout)
         docs = self.source.documents(step)
         total = sum(len(d) - 1 for d in docs)  # target tokens of the global batch
         loss_sum = torch.zeros((), dtype=torch.float64)
+        first = step == self.start
+        if self.swaps:
+            self.model.swap_meter.reset()
+        meter = memory.SavedActivations(self.params) if first else contextlib.nullcontext()
         t1 = time.perf_counter()
-        for mb in layout.micro_batches:
-            # A rank may serve several groups of a micro-batch one after another (ByteScale's spread
-            # sequences); every rank takes its works in the layout's order, so no two groups wait on
-            # each other.
-            for work in (w for w in mb if rank in w.ranks):
-                mode = planner.mode
-                packed = pack([docs[i] for i in work.documents], padding_multiple(len(work.ranks), mode))
-                group = self.groups[work.ranks] if len(work.ranks) > 1 else None
-                with self.autocast:
-                    logits, targets = run_group(model, packed, work.ranks, mode, group)
-                    loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
-                (loss / total).backward()
-                loss_sum += loss.detach().double()
+        with meter:
+            for mb in layout.micro_batches:
+                # A rank may serve several groups of a micro-batch one after another (ByteScale's spread
+                # sequences); every rank takes its works in the layout's order, so no two groups wait on
+                # each other. Sharded states are gathered by all ranks at once: each makes one pass per
+                # slot, a filler where it has no work.
+                for slot in slots(mb):
+                    mine = next((w for w in slot if rank in w.ranks), None)
+                    if mine is None and not self.sharded:
+                        continue
+                    loss_sum += self._pass(mine, docs, total)
         t2 = time.perf_counter()
-        sum_gradients(self.params)
+        if not self.sharded:
+            sum_gradients(self.params)
+        grads = memory.tensor_bytes(p.grad for p in self.params) if first else 0.0
         grad_norm = clip_grads(self.params, cfg.clip, None)
         step_optimizers([self.optimizer])
         dist.all_reduce(loss_sum)
         elapsed = time.perf_counter() - t0
-        return {"step": step, "loss": float(loss_sum / total), "step_time_s": elapsed,
-                "tokens_per_s": total / elapsed, "tokens": total, "lr": lr_at(step, cfg),
-                "grad_norm": grad_norm, "peak_memory_bytes": memory.peak_bytes(),
-                "layout": layout.summary(), "planned_s": layout.planned_s, "solve_s": layout.solve_s,
-                "plan_wait_s": waited, "phases_s": {"plan_and_groups": t1 - t0, "forward_backward": t2 - t1,
-                                                    "gradient_sync_and_step": elapsed - (t2 - t0)}}
+        record = {"step": step, "loss": float(loss_sum / total), "step_time_s": elapsed,
+                  "tokens_per_s": total / elapsed, "tokens": total, "lr": lr_at(step, cfg),
+                  "grad_norm": grad_norm, "peak_memory_bytes": memory.peak_bytes(),
+                  "layout": layout.summary(), "planned_s": layout.planned_s, "solve_s": layout.solve_s,
+                  "plan_wait_s": waited, "phases_s": {"plan_and_groups": t1 - t0, "forward_backward": t2 - t1,
+                                                      "gradient_sync_and_step": elapsed - (t2 - t0)}}
+        if (swapped := swap.step_metrics([self.model])) is not None:
+            record["swap"] = swapped
+        if first:  # the peak's terms on every rank, as `plait simulate` predicts them
+            mine_terms = memory.terms(memory.tensor_bytes(self.params), grads,
+                                      memory.optimizer_state_bytes([self.optimizer]), getattr(meter, "peak", 0.0),
+                                      self.reserve, memory.peak_bytes())
+            by_rank: list[dict | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(by_rank, mine_terms)
+            record["memory_terms"] = by_rank
+        return record
+
+    def _pass(self, work: Work | None, docs: list[Tensor], total: int) -> Tensor:
+        """Forward and backward of this rank's share of `work` (a filler pass, counting zero, if None);
+        returns its summed token loss (float64)."""
+        from plait.planner.varlen import offloaded
+
+        mode = self.planner.mode
+        ranks = work.ranks if work is not None else (self.rank,)
+        rows = [docs[i] for i in work.documents] if work is not None else [FILLER]
+        packed = pack(rows, padding_multiple(len(ranks), mode))
+        group = self.groups[ranks] if len(ranks) > 1 else None
+        offload = work is not None and any(offloaded(len(docs[i]) - 1, self.cfg.offload_above)
+                                           for i in work.documents)
+        for layer_swap in self.swaps:
+            layer_swap.share = 1.0 if offload else 0.0
+        with self.autocast:
+            logits, targets = run_group(self.model, packed, ranks, mode, group)
+            loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
+        if work is None:
+            loss = loss * 0.0
+        (loss / total).backward()
+        return loss.detach().double()
 
     def after_step(self, step: int, record: dict) -> None:
         pass  # the layout changes every step inside train_step; there is no plan to switch between steps

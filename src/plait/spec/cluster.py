@@ -61,6 +61,9 @@ GPUS: dict[str, GPU] = {
     "A800-80GB": GPU("A800-80GB", 312 * TFLOPS, 156 * TFLOPS, 81920 * 2**20, 2039 * GB, 108),
     # GH200 superchip's Hopper GPU (GH200 datasheet: 96 GB HBM3 at 4 TB/s, H100 SXM's tensor cores).
     "GH200-96GB": GPU("GH200-96GB", 989 * TFLOPS, 494 * TFLOPS, 96 * GIB, 4000 * GB, 132),
+    # V100 SXM3 32GB (Tesla V100 datasheet: 125 TFLOP/s fp16 tensor, 15.7 TFLOP/s fp32 -- no TF32, so fp32
+    # training runs on CUDA cores; 900 GB/s HBM2; 80 SMs; nvidia-smi reports 32510 MiB).
+    "V100-32GB": GPU("V100-32GB", 125 * TFLOPS, 15.7 * TFLOPS, 32510 * 2**20, 900 * GB, 80),
 }
 
 NVLINK_LATENCY_S = 3e-6
@@ -82,6 +85,9 @@ DGX_LINKS: dict[str, tuple[Link, Link]] = {
     # DGX GH200: every superchip on the NVLink switch system (18 NVLink4 links, 450 GB/s per direction) and
     # one NDR 400 Gb/s NIC per superchip.
     "GH200-96GB": (Link(450 * GB, NVLINK_LATENCY_S), Link(50 * GB, IB_LATENCY_S)),
+    # DGX-2 (16 V100 32GB on NVSwitch): NVLink2 6 links x 25 GB/s = 150 GB/s per direction per GPU; 8 EDR
+    # 100 Gb/s NICs per 16 GPUs = 6.25 GB/s per GPU (DGX-2 datasheet).
+    "V100-32GB": (Link(150 * GB, NVLINK_LATENCY_S), Link(6.25 * GB, IB_LATENCY_S)),
 }
 
 PCIE_LATENCY_S = 10e-6
@@ -105,6 +111,9 @@ PCIE4_X16 = 25 * GB
 CUDA's bandwidthTest with pinned memory)."""
 PCIE5_X16 = 50 * GB
 """Host<->device copy rate of one PCIe Gen5 x16 link (64 GB/s raw per direction; ~ 50 GB/s pinned)."""
+PCIE3_X16 = 12.5 * GB
+"""Host<->device copy rate of one PCIe Gen3 x16 link (16 GB/s raw per direction; ~ 12-13 GB/s pinned,
+CUDA's bandwidthTest on DGX-1/DGX-2 V100)."""
 C2C = 450 * GB
 """NVLink-C2C between Grace and Hopper on GH200 (900 GB/s bidirectional, GH200 datasheet)."""
 NVME_GEN4_DRIVE = 6.5 * GB
@@ -123,6 +132,9 @@ DGX_HOSTS: dict[str, Host] = {
     "H100-80GB": Host(2000 * GB, Link(PCIE5_X16, PCIE_LATENCY_S), 8 * 3.84e12, 8 * NVME_GEN4_DRIVE),
     "H200-141GB": Host(2000 * GB, Link(PCIE5_X16, PCIE_LATENCY_S), 8 * 3.84e12, 8 * NVME_GEN4_DRIVE),
     "GH200-96GB": Host(480 * GB, Link(C2C, PCIE_LATENCY_S)),
+    # DGX-2 (ZeRO-Offload's machine, Ren et al. ATC'21 Sec. 6.1): 1.5 TB DDR4 per 16 GPUs, a PCIe Gen3 x16
+    # link per GPU, 30 TB NVMe (8 x 3.84 TB); quoted per 8 GPUs like the others.
+    "V100-32GB": Host(750 * GB, Link(PCIE3_X16, PCIE_LATENCY_S), 4 * 3.84e12, 4 * NVME_GEN4_DRIVE),
 }
 DGX_GPUS_PER_NODE = 8
 """GPUs of the DGX node whose host memory and NVMe DGX_HOSTS quote (GH200: 1 per superchip, scaled below)."""
