@@ -10,8 +10,9 @@ import pytest
 from test_runtime import STEPS, _losses, assert_same, text, train_together  # noqa: F401 (fixture)
 
 from plait.executable import holders, shard_shape, unsupported
-from plait.plan import Pipeline, Plan, Stage
+from plait.plan import Pipeline, Plan, Stage, validate_plan
 from plait.plan import Strategy as S
+from plait.spec.cluster import local_ranks
 from plait.spec.model import PRESETS
 
 MODEL = "tiny-moe"  # layer 0 dense, layers 1-3 MoE (8 experts, top-2, shared experts)
@@ -63,6 +64,7 @@ def test_cases_run_and_cover_both_reduction_paths() -> None:
     assert [b.kind for b in spec.stack] == ["decoder", "moe", "moe", "moe"]
     assert [len(_shapes(plan, 3)) for plan in CASES.values()] == [2, 2, 1, 2, 1, 2, 2]
     for name, plan in CASES.items():
+        validate_plan(plan, spec, local_ranks(4))  # raises on an invalid plan
         assert unsupported(plan, spec) is None, name
 
 
@@ -104,7 +106,6 @@ def test_simulate_prices_whole_expert_gradients_across_pipelines() -> None:
     plus the whole gradients of every holder. The ep2 stage's extra is the larger: the same whole gradient
     (all 8 experts, not the 4 an ep2 rank holds) all-reduced, after gathering it over ep."""
     from plait.simulate import simulate
-    from plait.spec.cluster import local_ranks
 
     def sync_s(plan: Plan) -> list[float]:  # per device group: ep2 (or first) stage, then dp2 stage
         report = simulate(plan, PRESETS[MODEL], local_ranks(4), validate=False)
