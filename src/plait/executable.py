@@ -114,10 +114,11 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
 
 def shard_shape(stage: Stage, layer: int) -> tuple:
     """What decides how a stage's ranks shard `layer`'s weights and gradients: the stage's width, the
-    tensor-, data- and context-parallel degrees and whether ZeRO shards them. Pipelines whose holders of a
+    tensor-, data- and context-parallel degrees, whether ZeRO shards them, and the expert-parallel and
+    expert-tensor-parallel degrees (1 and tp outside MoE layers). Pipelines whose holders of a
     layer differ in it reduce its gradients as whole tensors (`plait.runtime.placement.Replicas`)."""
     s = stage.strategy(layer)
-    return len(stage.ranks), s.tp, s.dp, s.cp, s.zero > 0
+    return len(stage.ranks), s.tp, s.dp, s.cp, s.zero > 0, s.ep, s.expert_tp
 
 
 def holders(plan: Plan, layer: int) -> list[Stage]:
@@ -193,18 +194,17 @@ def _kind_problem(plan: Plan, model: ModelSpec) -> str | None:
 
 
 def _expert_problem(plan: Plan, model: ModelSpec) -> str | None:
-    """The first MoE layer whose expert layout the runtime does not run: several pipelines (their experts'
-    gradients would cross pipelines), or degrees that do not lay out its experts (`plait.plan.expert_problem`)."""
+    """The first MoE layer whose degrees do not lay out its experts over its stage's ranks
+    (`plait.plan.expert_problem`). Each stage of each pipeline holds whole experts (ep and etp span a
+    stage's ranks only), so with several pipelines their gradients cross pipelines like any layer's
+    (`plait.runtime.placement.Replicas`), under the same rules (`_unsupported_replicas`)."""
     if "moe" not in model.kind_counts():
         return None
-    if len(plan.pipelines) > 1:
-        return "a model with MoE layers runs as one pipeline; use one pipeline (a uniform dp x pp layout)"
-    for stage in plan.pipelines[0].stages:
-        for layer in range(*stage.layers):
-            block, s = model.stack[layer], stage.strategy(layer)
-            if block.kind != "moe":
-                continue
-            where = f"layer {layer} (moe, {s.short()})"
-            if (why := expert_problem(s, block)) is not None:
-                return f"{where}: {why}"
+    for pi, pipe in enumerate(plan.pipelines):
+        which = f"pipeline {pi} " if len(plan.pipelines) > 1 else ""
+        for stage in pipe.stages:
+            for layer in range(*stage.layers):
+                block, s = model.stack[layer], stage.strategy(layer)
+                if block.kind == "moe" and (why := expert_problem(s, block)) is not None:
+                    return f"{which}layer {layer} (moe, {s.short()}): {why}"
     return None

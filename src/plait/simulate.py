@@ -317,7 +317,7 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
                cal: Calibration, prec: PrecisionBytes) -> tuple[float, float, float]:
     """(reduce seconds before the optimizer, gather seconds after it, optimizer seconds) of a device group."""
     reduce_t = sum(count * c.grad_reduce for cost in costs for c, count, _, _ in cost.priced)
-    reduce_t += _whole_reduce(costs, plan, stage, cluster, cal, prec)
+    reduce_t += _whole_reduce(costs, plan, stage, model, cluster, cal, prec)
     gather_t = sum(count * c.param_gather for cost in costs for c, count, _, _ in cost.priced)
     ctx = BlockContext(model, cluster, cal, prec, plan.seq_len, 1, comm.SINGLE, comm.SINGLE, comm.SINGLE)
     if model.tied_embeddings and len(plan.pipelines[0].stages) > 1:
@@ -327,12 +327,12 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
     return reduce_t, gather_t, optimizer_time(held, ctx)
 
 
-def _whole_reduce(costs: list[StageCost], plan: Plan, stage: Stage, cluster: Cluster, cal: Calibration,
-                  prec: PrecisionBytes) -> float:
+def _whole_reduce(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpec, cluster: Cluster,
+                  cal: Calibration, prec: PrecisionBytes) -> float:
     """Seconds a device group spends reducing, across pipelines, the layers that pipelines shard differently
     (`plait.executable.shard_shape`), as the runtime does (`sync_whole_gradients`): the whole gradient
-    gathered over the stage where tensor parallelism or ZeRO splits it, then all-reduced over every holder
-    in every pipeline."""
+    gathered over the stage where tensor, expert (tensor) parallelism or ZeRO splits it, then all-reduced
+    over every holder in every pipeline. An MoE layer's whole gradient is all its parameters (every expert)."""
     if len(plan.pipelines) == 1:
         return 0.0
     gpn, total = cluster.gpus_per_node, 0.0
@@ -341,9 +341,10 @@ def _whole_reduce(costs: list[StageCost], plan: Plan, stage: Stage, cluster: Clu
             holding = holders(plan, layer)
             if len({shard_shape(st, layer) for st in holding}) == 1:
                 continue
-            whole = c.params * s.tp * prec.reduce_bytes
-            gather = comm.all_gather(whole, GroupShape.of(stage.ranks, gpn), cluster, cal) \
-                if s.tp > 1 or (s.zero and s.dp * s.cp > 1) else 0.0
+            moe = 0 <= layer < model.layers and model.stack[layer].kind == "moe"
+            whole = (model.stack[layer].params if moe else c.params * s.tp) * prec.reduce_bytes
+            split = s.tp > 1 or (s.zero and s.dp * s.cp > 1) or (moe and s.ep * s.expert_tp > 1)
+            gather = comm.all_gather(whole, GroupShape.of(stage.ranks, gpn), cluster, cal) if split else 0.0
             everyone = GroupShape.of(tuple(r for st in holding for r in st.ranks), gpn)
             total += count * (gather + comm.all_reduce(whole, everyone, cluster, cal))
     return total
