@@ -174,8 +174,8 @@ def test_states_on_nvme_are_priced_at_its_bandwidth_and_capacity() -> None:
     assert nvme.syncs[0][0][2] == pytest.approx(max(paged.syncs[0][0][2], 2 * local * 8 / side.nvme_bandwidth))
     report = finish(swapped)
     assert report.fits and report.nvme_gib == pytest.approx(nvme.nvme_peak_bytes / GIB) and report.to_dict()["nvme_gib"] > 0
-    bare = _llama_on_a800("tp=8,sp=1,zero=1,swap=1,offload=nvme", cluster="1x8xGH200-96GB")  # no local NVMe
-    assert bare.cluster.host_side.nvme_bytes == 0 and not bare.fits
+    with pytest.raises(PlaitError, match="has no NVMe; give its nodes nvme_tb and nvme_gbps"):  # no local NVMe
+        _llama_on_a800("tp=8,sp=1,zero=1,swap=1,offload=nvme", cluster="1x8xGH200-96GB")
 
 
 # ---- search ------------------------------------------------------------------------------------------

@@ -337,6 +337,9 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
             for (strategy, block), layer in seen.items():
                 _validate_strategy(strategy, block, len(stage.ranks), pipe.micro_batch_sequences, plan,
                                    f"{sw} layer {layer} ({block.kind})")
+                if strategy.offload == "nvme" and cluster.host_side.nvme_bandwidth <= 0:
+                    raise PlaitError(f"{sw} layer {layer} offloads to NVMe, but cluster {cluster.name} has no NVMe; "
+                                     "give its nodes nvme_tb and nvme_gbps in the cluster YAML, or use offload=params")
         if expected != model.layers:
             raise PlaitError(f"{where} covers layers 0..{expected - 1} but {model.name} has {model.layers} "
                              f"layers; make the last stage end at {model.layers}")
