@@ -54,11 +54,18 @@ def test_refusals_name_their_cause() -> None:
     assert "micro-batches" in unsupported(few, llama)
 
 
-def test_hsdp_and_a_chosen_reduce_precision_are_priced_but_refused_in_one_line() -> None:
-    llama = PRESETS["tiny-llama"]
+def test_hsdp_and_a_chosen_reduce_precision_run_but_not_hsdp_in_moe_layers() -> None:
+    llama, moe = PRESETS["tiny-llama"], PRESETS["tiny-moe"]
     hsdp = plan("tiny-llama", [Stage(layers=(0, 4), ranks=(0, 1, 2, 3), strategies=(S(dp=4, zero=3, shard=2),))])
-    why = unsupported(hsdp, llama)
-    assert why is not None and "HSDP" in why and "shard=0" in why and "\n" not in why
-    fsdp = plan("tiny-llama", [Stage(layers=(0, 4), ranks=(0, 1, 2, 3), strategies=(S(dp=4, zero=3),))])
-    assert unsupported(fsdp, llama) is None
-    assert "grad_reduce" in unsupported(fsdp.model_copy(update={"grad_reduce": "bf16"}), llama)
+    assert unsupported(hsdp, llama) is None
+    for reduce in ("fp32", "bf16"):
+        assert unsupported(hsdp.model_copy(update={"grad_reduce": reduce}), llama) is None
+    moe_hsdp = plan("tiny-moe", [Stage(layers=(0, moe.layers), ranks=(0, 1, 2, 3),
+                                       strategies=(S(dp=4, zero=3, shard=2),))])
+    why = unsupported(moe_hsdp, moe)
+    assert why is not None and why.startswith("layer 1 (moe") and "shard=0" in why and "\n" not in why
+    moe_fsdp = moe_hsdp.model_copy(update={"pipelines": (moe_hsdp.pipelines[0].model_copy(update={"stages": (
+        Stage(layers=(0, moe.layers), ranks=(0, 1, 2, 3), strategies=(S(dp=4, zero=3),)),)}),)})
+    assert unsupported(moe_fsdp, moe) is None
+
+

@@ -278,10 +278,11 @@ def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
 
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from plait.runtime.parallelize import _offload_policy
+    from plait.runtime.parallelize import _fsdp_policy
 
-    policy = _offload_policy("optim")["offload_policy"]
-    assert isinstance(policy, CPUOffloadPolicy) and not policy.pin_memory and _offload_policy("none") == {}
+    policy = _fsdp_policy("optim", None)["offload_policy"]
+    assert isinstance(policy, CPUOffloadPolicy) and not policy.pin_memory
+    assert _fsdp_policy("none", None) == {"reduce_dtype": None}
     model = load_model("tiny-llama")
     for text in ("dp=2,zero=1,swap=0.5", "dp=2,recompute=full,swap=1", "tp=2,sp=1,swap=0.5", "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim",
                  "dp=2,zero=1,offload=params", "dp=2,pp=2,zero=1,offload=optim", "dp=2,tp=2,zero=1,offload=params"):

@@ -14,7 +14,7 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     if (reason := unbuildable(model)) is not None or (reason := _kind_problem(plan, model)) is not None or \
             (reason := _expert_problem(plan, model)) is not None:
         return reason
-    if (reason := _unsupported_sharding(plan)) is not None or \
+    if (reason := _unsupported_sharding(plan, model)) is not None or \
             (reason := _unsupported_hierarchy(plan, model)) is not None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
@@ -74,16 +74,20 @@ def _uneven_problem(plan: Plan, model: ModelSpec, pi: int) -> str | None:
     return None
 
 
-def _unsupported_sharding(plan: Plan) -> str | None:
-    """HSDP (a ZeRO shard group smaller than the data-parallel ranks) and a chosen gradient reduce precision
-    are priced but not executed yet."""
-    if plan.grad_reduce != "auto":
-        return (f"grad_reduce={plan.grad_reduce} is priced but not executed yet; the runtime reduces gradients in "
-                "the precision's gradient dtype: use grad_reduce=auto")
-    hsdp = next((s for p in plan.pipelines for st in p.stages for s in st.strategies if s.shard), None)
-    if hsdp is not None:
-        return (f"{hsdp.short()} is hybrid sharded data parallelism (HSDP), which the runtime does not execute "
-                "yet; use shard=0 (ZeRO over all data-parallel ranks)")
+def _unsupported_sharding(plan: Plan, model: ModelSpec) -> str | None:
+    """HSDP (a ZeRO shard group smaller than the data-parallel ranks) runs on FSDP2's 2-D mesh
+    (`plait.runtime.placement.Segment.hsdp`), not in MoE layers, whose experts ZeRO shards over their own
+    expert data-parallel groups. Every `grad_reduce` runs (`plait.runtime.zero.REDUCE_DTYPES`)."""
+    kinds = model.kind_counts()
+    if "moe" not in kinds:
+        return None
+    for pipe in plan.pipelines:
+        for stage in pipe.stages:
+            for layer in range(*stage.layers):
+                s = stage.strategy(layer)
+                if s.shard and layer < model.layers and model.stack[layer].kind == "moe":
+                    return (f"layer {layer} (moe, {s.short()}): HSDP (shard > 0) is not executed in MoE layers, "
+                            "whose experts shard over their expert data-parallel group; use shard=0 there")
     return None
 
 
@@ -114,11 +118,12 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
 
 def shard_shape(stage: Stage, layer: int) -> tuple:
     """What decides how a stage's ranks shard `layer`'s weights and gradients: the stage's width, the
-    tensor-, data- and context-parallel degrees, whether ZeRO shards them, and the expert-parallel and
+    tensor-, data- and context-parallel degrees, whether ZeRO shards them and over how many (HSDP), and the
+    expert-parallel and
     expert-tensor-parallel degrees (1 and tp outside MoE layers). Pipelines whose holders of a
     layer differ in it reduce its gradients as whole tensors (`plait.runtime.placement.Replicas`)."""
     s = stage.strategy(layer)
-    return len(stage.ranks), s.tp, s.dp, s.cp, s.zero > 0, s.ep, s.expert_tp
+    return len(stage.ranks), s.tp, s.dp, s.cp, s.zero > 0, s.shard, s.ep, s.expert_tp
 
 
 def holders(plan: Plan, layer: int) -> list[Stage]:

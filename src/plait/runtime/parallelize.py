@@ -123,26 +123,32 @@ def apply_ac(model: nn.Module, mode: str, layers: list[str]) -> None:
                                                 **context)
 
 
-def _offload_policy(offload: str) -> dict:
-    """fully_shard's keyword for a strategy's `offload`: FSDP2 keeps the sharded parameters, gradients and
-    optimizer states in host memory and the optimizer steps there (pinned only with an accelerator)."""
-    return {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload != "none" else {}
+def _fsdp_policy(offload: str, reduce_dtype: torch.dtype | None) -> dict:
+    """shard_unit's keywords for a strategy's `offload` (FSDP2 keeps the sharded parameters, gradients and
+    optimizer states in host memory and the optimizer steps there, pinned only with an accelerator) and the
+    plan's gradient reduce dtype."""
+    policy: dict = {"reduce_dtype": reduce_dtype}
+    if offload != "none":
+        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    return policy
 
 
-def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, hand_sync: bool, offload: str = "none") -> bool:
+def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, hand_sync: bool, offload: str = "none",
+             reduce_dtype: torch.dtype | None = None) -> bool:
     """Data parallelism of a whole chunk over `dp_mesh`: gradients all-reduced (ZeRO-0) or sharded with
-    FSDP2 (ZeRO-1/2/3; only ZeRO-3 frees the gathered parameters after forward). Returns True when the
-    caller must all-reduce gradients itself (`sync_gradients`), which ZeRO-0 asks for with `hand_sync`:
-    composable `replicate` mis-scales DTensor gradients under TP, takes no 2-D (dp x cp) mesh, and its
-    reducer is not told about a pipeline schedule's several forwards before the backwards."""
+    FSDP2 (ZeRO-1/2/3; only ZeRO-3 frees the gathered parameters after forward; a 2-D mesh is HSDP).
+    Returns True when the caller must all-reduce gradients itself (`sync_gradients`), which ZeRO-0 asks for
+    with `hand_sync` or a `reduce_dtype`: composable `replicate` mis-scales DTensor gradients under TP,
+    takes no 2-D (dp x cp) mesh, its reducer is not told about a pipeline schedule's several forwards before
+    the backwards, and it reduces in the gradients' dtype."""
     if dp_mesh.size() == 1:
         return False
     if zero == 0:
-        if hand_sync:
+        if hand_sync or reduce_dtype is not None:
             return True
         replicate(model, device_mesh=dp_mesh)
         return False
-    policy = _offload_policy(offload)
+    policy = _fsdp_policy(offload, reduce_dtype)
     for block in model.layers.values():
         shard_unit(block, dp_mesh, zero, **policy)
     shard_unit(model, dp_mesh, zero, **policy)
@@ -150,7 +156,7 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, hand_sync: bool, 
 
 
 def apply_dp_segment(model: nn.Module, layers: list[str], edges: list[nn.Module], dp_mesh: DeviceMesh,
-                     zero: int, offload: str = "none") -> bool:
+                     zero: int, offload: str = "none", reduce_dtype: torch.dtype | None = None) -> bool:
     """Data parallelism of some blocks (and the embedding or head modules `edges`) of a chunk whose layers
     use different strategies: FSDP2 per block and per edge module (ZeRO-1/2/3), or, for ZeRO-0,
     True: the caller all-reduces their gradients (`sync_gradients`)."""
@@ -158,7 +164,7 @@ def apply_dp_segment(model: nn.Module, layers: list[str], edges: list[nn.Module]
         return False
     if zero == 0:
         return True
-    policy = _offload_policy(offload)
+    policy = _fsdp_policy(offload, reduce_dtype)
     for name in layers:
         shard_unit(model.layers[name], dp_mesh, zero, **policy)
     for edge in edges:
@@ -166,9 +172,11 @@ def apply_dp_segment(model: nn.Module, layers: list[str], edges: list[nn.Module]
     return False
 
 
-def sync_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, weight: float | None = None) -> None:
+def sync_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, weight: float | None = None,
+                   reduce_dtype: torch.dtype | None = None) -> None:
     """Average gradients over the ranks that share the weights (the local shards of DTensor gradients), or,
-    with `weight`, sum them after scaling this rank's by it (replicas that trained on unequal shares)."""
+    with `weight`, sum them after scaling this rank's by it (replicas that trained on unequal shares); on
+    the wire in `reduce_dtype` (None: the gradients' own dtype)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
@@ -178,7 +186,10 @@ def sync_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, weight:
         flat = _flatten_dense_tensors(grads)
         if weight is not None:
             flat.mul_(weight)
-        dist.all_reduce(flat, group=group)
+        wire = flat if reduce_dtype is None else flat.to(reduce_dtype)
+        dist.all_reduce(wire, group=group)
+        if wire is not flat:
+            flat.copy_(wire)
         if weight is None:
             flat.div_(dist.get_world_size(group))
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
@@ -218,13 +229,14 @@ def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str], m
                 getattr(model.layers[name], attn).context_parallel = cp
 
 
-def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: bool, grad_accumulation: int = 1
-                      ) -> list[Sync]:
+def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: bool, grad_accumulation: int = 1,
+                      reduce_dtype: torch.dtype | None = None) -> list[Sync]:
     """Apply each segment's strategy to its layers of a model chunk (the embedding goes with the first
     segment, the head with the last), re-layout the hidden state where segments (or the previous stage)
     split it differently, and return the (parameters, group, weight) whose gradients need `sync_gradients`.
     A chunk with MoE layers reduces every gradient by hand (`plait.runtime.experts`; `grad_accumulation`
-    micro-batches are averaged by the caller's backward)."""
+    micro-batches are averaged by the caller's backward). FSDP units reduce gradients in `reduce_dtype`
+    (None: their own); the caller reduces the returned ones in it too."""
     segments = chunk.segments
     names = [[str(i) for i in range(*seg.layers)] for seg in segments]
     relayouts = {}
@@ -245,13 +257,13 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
         if s.cp > 1:
             apply_cp(model, seg.mesh["cp"].get_group(), layers, s.cp_mode, seq_len)
         if s.tp > 1:
-            apply_tp(model, seg.mesh["tp"], s.sp, layers, embedding=k == 0, head=k == len(segments) - 1)
+            apply_tp(model, seg.tp_mesh, s.sp, layers, embedding=k == 0, head=k == len(segments) - 1)
         apply_ac(model, s.recompute, layers)
         apply_swap(model, s.swap, layers, s.tp if s.sp else 1)
     synced = expert_params(model)  # reduced by the syncs of apply_ep
     if len(segments) == 1:
         hand_sync = first.strategy.tp > 1 or first.strategy.cp > 1 or pipelined or bool(synced)
-        if apply_dp(model, first.weight_mesh, first.strategy.zero, hand_sync, first.strategy.offload):
+        if apply_dp(model, first.weight_mesh, first.strategy.zero, hand_sync, first.strategy.offload, reduce_dtype):
             manual.append(([p for p in model.parameters() if id(p) not in synced], first.replica_group, None))
         return manual
     # a tied embedding and head are one parameter: sync it once
@@ -261,7 +273,8 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
             edges += [m for m in (model.tok_embeddings, model.pos_embeddings) if m is not None]
         if k == len(segments) - 1:
             edges += [m for m in (model.norm, model.output) if m is not None]
-        if apply_dp_segment(model, layers, edges, seg.weight_mesh, seg.strategy.zero, seg.strategy.offload):
+        if apply_dp_segment(model, layers, edges, seg.weight_mesh, seg.strategy.zero, seg.strategy.offload,
+                            reduce_dtype):
             params = [p for name in layers for p in model.layers[name].parameters() if id(p) not in synced]
             params += [p for m in edges for p in m.parameters() if id(p) not in synced]
             synced.update(id(p) for p in params)

@@ -25,6 +25,9 @@ EXPERT_MESH_DIMS = ("edp", "ep", "etp")
 """Names of the device-mesh dimensions of an MoE layer's experts, slowest first (Megatron's order)."""
 from plait.spec.model import ModelSpec
 
+HSDP_MESH_DIMS = ("replicate", "shard", "tp")
+"""Names of a stage's HSDP mesh dimensions, slowest first: shard groups of consecutive data-parallel ranks."""
+
 
 @dataclass(frozen=True)
 class ExpertGroups:
@@ -49,6 +52,8 @@ class Segment:
     mesh: DeviceMesh  # dims ("dp", "cp", "tp") over the stage's ranks
     replica_group: dist.ProcessGroup | None  # ranks sharing this rank's weight shard (dp x cp), None if alone
     experts: ExpertGroups | None = None  # groups of the segment's MoE layers (None: it has none)
+    hsdp: DeviceMesh | None = None  # HSDP (shard < dp*cp): dims ("replicate", "shard", "tp") over the stage's
+    # ranks, the root of this segment's ZeRO and tensor-parallel meshes; None without HSDP
 
     @property
     def layout(self) -> Layout:
@@ -56,12 +61,20 @@ class Segment:
 
     @property
     def weight_mesh(self) -> DeviceMesh:
-        """The mesh whose ranks hold the same weights (data and context parallel) for FSDP/DDP: HSDP
-        (replicate over dp, shard over cp) when both are > 1."""
+        """The mesh whose ranks hold the same weights (data and context parallel) for FSDP/DDP: with a shard
+        group (`hsdp`), FSDP2's HSDP mesh ("replicate", "shard"); else HSDP (replicate over dp, shard over cp)
+        when both are > 1."""
         s = self.strategy
+        if self.hsdp is not None:
+            return self.hsdp["replicate", "shard"]
         if s.cp == 1:
             return self.mesh["dp"]
         return self.mesh["cp"] if s.dp == 1 else self.mesh["dp", "cp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        """The tensor-parallel mesh (under HSDP a dim of `hsdp`: FSDP2 needs its mesh and TP's to share a root)."""
+        return (self.hsdp if self.hsdp is not None else self.mesh)["tp"]
 
     def batch_rows(self, sequences: int) -> tuple[int, int]:
         """(first, count) of this rank's sequences in a micro-batch of `sequences`."""
@@ -203,6 +216,14 @@ class _Groups:
                 self.group(degrees.group(ranks, "data", i))
         return self.meshes[key]
 
+    def hsdp_mesh(self, ranks: tuple[int, ...], degrees: Degrees) -> DeviceMesh | None:
+        """HSDP's mesh of a stage (`Degrees.split_data`): dims ("replicate", "shard", "tp"), consecutive runs
+        of `shard` data-parallel ranks sharding; None without a shard group smaller than dp*cp."""
+        if degrees.replicas == 1:
+            return None
+        grid = torch.tensor(ranks).view(degrees.replicas, degrees.shard_size, degrees.tp)
+        return self.named_mesh(grid, HSDP_MESH_DIMS)
+
 
 def _segments(stage_layers: tuple[int, int], strategies: list[tuple[Strategy, int]]) -> list[tuple[tuple[int, int], Strategy]]:
     out, start = [], stage_layers[0]
@@ -243,12 +264,13 @@ def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: 
         for layers, strategy in _segments(stage.layers, stage.layer_strategies()):
             degrees = strategy.degrees
             mesh = groups.mesh(stage.ranks, degrees)
+            hsdp = groups.hsdp_mesh(stage.ranks, degrees)
             position = stage.ranks.index(rank) if rank in stage.ranks else 0
             experts = groups.experts(stage.ranks, strategy, position) if expert_layers.intersection(
                 range(*layers)) else None
             if rank in stage.ranks:
                 replica = groups.group(degrees.group(stage.ranks, "data", position))
-                segments.append(Segment(layers, strategy, position, mesh, replica, experts))
+                segments.append(Segment(layers, strategy, position, mesh, replica, experts, hsdp))
         stage_group = groups.group(stage.ranks)
         if not pipe.even_widths and previous is not None:  # the boundary hands over this stage's own layout
             previous = Layout.of(stage.strategy(stage.layers[0]))

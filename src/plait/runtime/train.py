@@ -37,7 +37,7 @@ from plait.runtime.parallelize import parallelize_chunk, sync_gradients, sync_wh
 from plait.runtime.pipeline_uneven import UnevenSchedule
 from plait.runtime.placement import Placement, Replicas, check_executable, place
 from plait.runtime.stragglers import Adaptive, ComputeClock
-from plait.runtime.zero import follow_zero_stages, micro_batch_flags
+from plait.runtime.zero import REDUCE_DTYPES, follow_zero_stages, micro_batch_flags
 from plait.spec.model import ModelSpec, load_model
 
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -94,6 +94,7 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
     parallelised with the chunk's strategies; and the gradients that need a manual sync (`hand_sync`:
     every data-parallel reduction after the backward, none inside it)."""
     stages = plan.pipelines[where.pipeline].stages
+    reduce = REDUCE_DTYPES[plan.grad_reduce]
     chunks = []
     manual_sync: list[GradientSync] = []
     for chunk in where.chunks:
@@ -114,8 +115,8 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
             load_hf_safetensors(model, hf_checkpoint)
         accumulated = 1 if where.pp > 1 else plan.pipelines[where.pipeline].micro_batches
         synced = parallelize_chunk(model, chunk, plan.seq_len, pipelined=where.pp > 1 or hand_sync,
-                                   grad_accumulation=accumulated)
-        manual_sync += [GradientSync(params, group, weight) for params, group, weight in synced]
+                                   grad_accumulation=accumulated, reduce_dtype=reduce)
+        manual_sync += [GradientSync(params, group, weight, reduce_dtype=reduce) for params, group, weight in synced]
         chunks.append(model)
     if where.replicas:
         manual_sync += _replica_sync(chunks, where, plan, spec.layers)
@@ -127,19 +128,21 @@ class GradientSync:
     """Gradients reduced by hand over `group`: averaged, or summed after scaling by `weight` (several
     pipelines: the share of the global batch this rank's pipeline trained on; MoE weights: see
     `plait.runtime.experts`), which also applies when the group is this rank alone (None). `whole`: the
-    group's ranks shard the parameters differently, so whole gradients are summed (`sync_whole_gradients`)."""
+    group's ranks shard the parameters differently, so whole gradients are summed (`sync_whole_gradients`).
+    `reduce_dtype`: the dtype averaged gradients cross the wire in (the plan's `grad_reduce`; None: their own)."""
 
     params: list[torch.nn.Parameter]
     group: dist.ProcessGroup | None
     weight: float | None = None
     whole: bool = False
+    reduce_dtype: torch.dtype | None = None
 
     def __call__(self) -> None:
         if self.whole:
             assert self.group is not None and self.weight is not None
             sync_whole_gradients(self.params, self.group, self.weight)
         elif self.group is not None:
-            sync_gradients(self.params, self.group, self.weight)
+            sync_gradients(self.params, self.group, self.weight, self.reduce_dtype)
         elif self.weight is not None and self.weight != 1.0:
             grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
                      if p.grad is not None]

@@ -18,16 +18,28 @@ stage, and `follow_zero_stages` makes a pipeline stage's calls go through it.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 ZERO_ATTR = "plait_zero"
 """Attribute of a `shard_unit` module holding its ZeRO stage (1, 2 or 3)."""
 
 
-def shard_unit(module: nn.Module, mesh: DeviceMesh, zero: int, **kwargs) -> None:
-    """`fully_shard` `module` over `mesh` as ZeRO stage `zero` (only ZeRO-3 frees parameters after forward)."""
+REDUCE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp32": None, "bf16": torch.bfloat16}
+"""The dtype a plan's `grad_reduce` reduces gradients in (None: the gradients' own). The runtime keeps fp32
+gradients under both precisions it trains in (fp32, and bf16 autocast over fp32 master weights), which is
+what "auto" means there (`plait.cost.precision`: bf16's and fp32's `grad` are 4 bytes), so fp32 is auto."""
+
+
+def shard_unit(module: nn.Module, mesh: DeviceMesh, zero: int, reduce_dtype: torch.dtype | None = None,
+               **kwargs) -> None:
+    """`fully_shard` `module` over `mesh` as ZeRO stage `zero` (only ZeRO-3 frees parameters after forward),
+    reducing its gradients in `reduce_dtype` (None: their own dtype). A 2-D mesh ("replicate", "shard") is
+    HSDP: reduce-scatter in the shard group, then all-reduce of the shard over the replicas."""
+    if reduce_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, **kwargs)
     setattr(module, ZERO_ATTR, zero)
 
