@@ -30,8 +30,8 @@ def _mixed() -> Plan:
                 pipelines=(Pipeline(stages=(stage,), micro_batches=2, micro_batch_sequences=GBS // 2),))
 
 
-def _uniform(text_: str) -> Plan:
-    return uniform_plan(f"{text_},gbs={GBS},precision=fp32", PRESETS[MODEL], local_ranks(NPROC), SEQ)
+def _uniform(text_: str, model: str = MODEL) -> Plan:
+    return uniform_plan(f"{text_},gbs={GBS},precision=fp32", PRESETS[model], local_ranks(NPROC), SEQ)
 
 
 EXACT = {  # fp32 training and fp32 (or auto) reduction: the single-process losses within 1e-5
@@ -45,6 +45,7 @@ EXACT = {  # fp32 training and fp32 (or auto) reduction: the single-process loss
 BF16_REDUCE = {  # fp32 training, gradients reduced in bf16: close to the single-process losses
     "dp4 zero3 shard2, bf16 reduce": _uniform("dp=4,zero=3,shard=2,grad_reduce=bf16"),
     "dp4 zero0, bf16 reduce": _uniform("dp=4,grad_reduce=bf16"),
+    "tiny-moe dp4 ep2 zero3, bf16 reduce": _uniform("dp=4,ep=2,zero=3,grad_reduce=bf16", "tiny-moe"),
 }
 BF16_TRAINING = {  # bf16 training: fp32 reduction is what auto does (the gradients are fp32)
     "bf16 training, auto reduce": _uniform("dp=4,zero=2,shard=2"),
@@ -53,14 +54,20 @@ BF16_TRAINING = {  # bf16 training: fp32 reduction is what auto does (the gradie
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, text) -> list[float]:  # noqa: F811
-    return reference_losses(tmp_path_factory.mktemp("reference"), text, [(MODEL, GBS)])[(MODEL, GBS)]
+def references(tmp_path_factory, text) -> dict[str, list[float]]:  # noqa: F811
+    curves = reference_losses(tmp_path_factory.mktemp("reference"), text, [(MODEL, GBS), ("tiny-moe", GBS)])
+    return {model: losses for (model, _), losses in curves.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> list[float]:
+    return references[MODEL]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, text) -> tuple:  # noqa: F811
     """Every case in one 4-rank torchrun job."""
-    cases = {k: (MODEL, p) for k, p in (EXACT | BF16_REDUCE | BF16_TRAINING).items()}
+    cases = {k: (p.model, p) for k, p in (EXACT | BF16_REDUCE | BF16_TRAINING).items()}
     options = {k: {"dtype": "bf16"} for k in BF16_TRAINING}
     return _train_together(tmp_path_factory.mktemp("hsdp"), text, NPROC, cases, options)
 
@@ -79,10 +86,11 @@ def test_hsdp_plans_match_single_process(runs, reference, name) -> None:
 
 
 @pytest.mark.parametrize("name", list(BF16_REDUCE))
-def test_bf16_gradient_reduction_stays_close(runs, reference, name) -> None:
-    """bf16 reduction (FSDP2's reduce_dtype; the hand all-reduce of ZeRO-0) changes the numerics a little:
-    within 1e-2 of one process, and not within fp32's 1e-5 (so the reduction did run in bf16)."""
-    losses = _losses(runs, name)
+def test_bf16_gradient_reduction_stays_close(runs, references, name) -> None:
+    """bf16 reduction (FSDP2's reduce_dtype, also on MoE experts' units; the hand all-reduce of ZeRO-0)
+    changes the numerics a little: within 1e-2 of one process, and not within fp32's 1e-5 (so the reduction
+    did run in bf16)."""
+    losses, reference = _losses(runs, name), references[BF16_REDUCE[name].model]
     assert losses == pytest.approx(reference, rel=BF16_REDUCE_RTOL)
     assert max(abs(a - b) for a, b in zip(losses, reference)) > TOLERANCE, (losses, reference)
 

@@ -139,21 +139,23 @@ def shard_experts(moe: MoE, mesh: DeviceMesh) -> None:
         setattr(moe.experts, name, nn.Parameter(local))
 
 
-def _zero(module: nn.Module, mesh: DeviceMesh, zero: int, data: int) -> None:
-    """ZeRO (FSDP2) of one MoE part over `mesh`: gradients summed over it, divided by `data`."""
-    shard_unit(module, mesh, zero)
+def _zero(module: nn.Module, mesh: DeviceMesh, zero: int, data: int, reduce_dtype: torch.dtype | None) -> None:
+    """ZeRO (FSDP2) of one MoE part over `mesh`: gradients summed over it (in `reduce_dtype`; None: their own),
+    divided by `data`."""
+    shard_unit(module, mesh, zero, reduce_dtype)
     if mesh.size() > 1:  # gloo has no pre-multiplied sum: sum, then divide (a one-rank mesh divides once
         module.set_force_sum_reduction_for_comms(True)  # in its copy, and would divide twice with this)
     module.set_gradient_divide_factor(float(data))
 
 
 def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dist.ProcessGroup | None,
-             grad_accumulation: int) -> list[Sync]:
+             grad_accumulation: int, reduce_dtype: torch.dtype | None = None) -> list[Sync]:
     """Expert (tensor) parallelism on the MoE layers among `layers` (segment `seg`'s strategy): shard their
     experts, route through all-to-alls and the etp group's all-gather and reduce-scatter (of LSH-MoE
     centroids under moe_comm=lsh), set the auxiliary loss's gradient weight (`grad_accumulation`
     micro-batches whose mean loss the caller backpropagates; 1 under a pipeline schedule, which scales
-    gradients itself); with ZeRO, shard the router, shared experts and experts with FSDP2. Returns the
+    gradients itself); with ZeRO, shard the router, shared experts and experts with FSDP2 (reducing in
+    `reduce_dtype`). Returns the
     MoE weights whose gradients are reduced by hand (zero=0)."""
     moes = moe_layers(model, layers)
     if not moes:
@@ -175,11 +177,11 @@ def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dis
         dense = [moe.router] + ([moe.shared] if moe.shared is not None else [])
         if s.zero > 0 and groups.stage is not None:
             for part in dense:
-                _zero(part, groups.stage, s.zero, data)
+                _zero(part, groups.stage, s.zero, data, reduce_dtype)
         else:
             syncs.append(([p for m in dense for p in m.parameters()], stage_group, 1.0 / data))
         if s.zero > 0 and groups.mesh is not None:  # also when edp == 1: the layer's FSDP unit must skip them
-            _zero(moe.experts, groups.mesh["edp"], s.zero, data)
+            _zero(moe.experts, groups.mesh["edp"], s.zero, data, reduce_dtype)
         else:
             syncs.append((list(moe.experts.parameters()), groups.edp, 1.0 / data))
     return syncs

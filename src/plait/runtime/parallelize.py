@@ -253,7 +253,7 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
     manual: list[Sync] = []
     for k, (seg, layers) in enumerate(zip(segments, names)):
         s = seg.strategy
-        manual += apply_ep(model, seg, layers, chunk.group, grad_accumulation)
+        manual += apply_ep(model, seg, layers, chunk.group, grad_accumulation, reduce_dtype)
         if s.cp > 1:
             apply_cp(model, seg.mesh["cp"].get_group(), layers, s.cp_mode, seq_len)
         if s.tp > 1:
