@@ -23,7 +23,8 @@ BF16_REDUCE_RTOL = 1e-2
 
 
 def _mixed() -> Plan:
-    """One 4-rank stage whose layers shard differently: HSDP ZeRO-3, dp2 x tp2, HSDP ZeRO-1, ZeRO-2 over all."""
+    """One 4-rank stage whose layers shard differently: HSDP ZeRO-3, dp2 x tp2, HSDP ZeRO-1, ZeRO-2 over
+    all four."""
     stage = Stage(layers=(0, 4), ranks=(0, 1, 2, 3), strategies=(
         S(dp=4, zero=3, shard=2), S(dp=2, tp=2), S(dp=4, zero=1, shard=2), S(dp=4, zero=2)))
     return Plan(model=MODEL, seq_len=SEQ, global_batch=GBS, precision="fp32",
@@ -96,7 +97,7 @@ def test_bf16_gradient_reduction_stays_close(runs, references, name) -> None:
 
 
 def test_fp32_reduction_under_bf16_training_is_auto(runs) -> None:
-    """The runtime's gradients are fp32 under bf16 autocast, so fp32 reduction is the auto one, bit for bit."""
+    """The runtime's gradients are fp32 under bf16 autocast, so fp32 reduction is auto's, bit for bit."""
     auto, fp32 = (_losses(runs, name) for name in BF16_TRAINING)
     assert fp32 == auto
 

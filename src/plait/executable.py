@@ -86,8 +86,8 @@ def _unsupported_sharding(plan: Plan, model: ModelSpec) -> str | None:
             for layer in range(*stage.layers):
                 s = stage.strategy(layer)
                 if s.shard and layer < model.layers and model.stack[layer].kind == "moe":
-                    return (f"layer {layer} (moe, {s.short()}): HSDP (shard > 0) is not executed in MoE layers, "
-                            "whose experts shard over their expert data-parallel group; use shard=0 there")
+                    return (f"layer {layer} (moe, {s.short()}): HSDP (shard > 0) is not executed in MoE "
+                            "layers, whose experts shard over their expert data-parallel group; use shard=0")
     return None
 
 

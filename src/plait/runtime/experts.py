@@ -139,9 +139,10 @@ def shard_experts(moe: MoE, mesh: DeviceMesh) -> None:
         setattr(moe.experts, name, nn.Parameter(local))
 
 
-def _zero(module: nn.Module, mesh: DeviceMesh, zero: int, data: int, reduce_dtype: torch.dtype | None) -> None:
-    """ZeRO (FSDP2) of one MoE part over `mesh`: gradients summed over it (in `reduce_dtype`; None: their own),
-    divided by `data`."""
+def _zero(module: nn.Module, mesh: DeviceMesh, zero: int, data: int, reduce_dtype: torch.dtype | None
+          ) -> None:
+    """ZeRO (FSDP2) of one MoE part over `mesh`: gradients summed over it (in `reduce_dtype`; None: their
+    own), divided by `data`."""
     shard_unit(module, mesh, zero, reduce_dtype)
     if mesh.size() > 1:  # gloo has no pre-multiplied sum: sum, then divide (a one-rank mesh divides once
         module.set_force_sum_reduction_for_comms(True)  # in its copy, and would divide twice with this)

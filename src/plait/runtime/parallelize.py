@@ -229,8 +229,8 @@ def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str], m
                 getattr(model.layers[name], attn).context_parallel = cp
 
 
-def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: bool, grad_accumulation: int = 1,
-                      reduce_dtype: torch.dtype | None = None) -> list[Sync]:
+def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: bool,
+                      grad_accumulation: int = 1, reduce_dtype: torch.dtype | None = None) -> list[Sync]:
     """Apply each segment's strategy to its layers of a model chunk (the embedding goes with the first
     segment, the head with the last), re-layout the hidden state where segments (or the previous stage)
     split it differently, and return the (parameters, group, weight) whose gradients need `sync_gradients`.
@@ -263,7 +263,8 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
     synced = expert_params(model)  # reduced by the syncs of apply_ep
     if len(segments) == 1:
         hand_sync = first.strategy.tp > 1 or first.strategy.cp > 1 or pipelined or bool(synced)
-        if apply_dp(model, first.weight_mesh, first.strategy.zero, hand_sync, first.strategy.offload, reduce_dtype):
+        s = first.strategy
+        if apply_dp(model, first.weight_mesh, s.zero, hand_sync, s.offload, reduce_dtype):
             manual.append(([p for p in model.parameters() if id(p) not in synced], first.replica_group, None))
         return manual
     # a tied embedding and head are one parameter: sync it once

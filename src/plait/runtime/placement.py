@@ -73,7 +73,8 @@ class Segment:
 
     @property
     def tp_mesh(self) -> DeviceMesh:
-        """The tensor-parallel mesh (under HSDP a dim of `hsdp`: FSDP2 needs its mesh and TP's to share a root)."""
+        """The tensor-parallel mesh (under HSDP a dim of `hsdp`: FSDP2 needs its mesh and TP's to share a
+        root mesh)."""
         return (self.hsdp if self.hsdp is not None else self.mesh)["tp"]
 
     def batch_rows(self, sequences: int) -> tuple[int, int]:

@@ -116,7 +116,8 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
         accumulated = 1 if where.pp > 1 else plan.pipelines[where.pipeline].micro_batches
         synced = parallelize_chunk(model, chunk, plan.seq_len, pipelined=where.pp > 1 or hand_sync,
                                    grad_accumulation=accumulated, reduce_dtype=reduce)
-        manual_sync += [GradientSync(params, group, weight, reduce_dtype=reduce) for params, group, weight in synced]
+        manual_sync += [GradientSync(params, group, weight, reduce_dtype=reduce)
+                        for params, group, weight in synced]
         chunks.append(model)
     if where.replicas:
         manual_sync += _replica_sync(chunks, where, plan, spec.layers)
@@ -129,7 +130,8 @@ class GradientSync:
     pipelines: the share of the global batch this rank's pipeline trained on; MoE weights: see
     `plait.runtime.experts`), which also applies when the group is this rank alone (None). `whole`: the
     group's ranks shard the parameters differently, so whole gradients are summed (`sync_whole_gradients`).
-    `reduce_dtype`: the dtype averaged gradients cross the wire in (the plan's `grad_reduce`; None: their own)."""
+    `reduce_dtype`: the dtype averaged gradients cross the wire in (the plan's `grad_reduce`; None: their
+    own)."""
 
     params: list[torch.nn.Parameter]
     group: dist.ProcessGroup | None
