@@ -42,6 +42,7 @@ EXACT = {  # fp32 training and fp32 (or auto) reduction: the single-process loss
     "per-layer mix with shard on some layers": _mixed(),
     "pp2 x dp2 zero3 shard1": _uniform("pp=2,dp=2,zero=3,shard=1,mbs=1"),
     "dp2 x tp2 zero3 shard1": _uniform("dp=2,tp=2,zero=3,shard=1"),
+    "dp2 x cp2 zero3 shard2": _uniform("dp=2,cp=2,zero=3,shard=2"),
 }
 BF16_REDUCE = {  # fp32 training, gradients reduced in bf16: close to the single-process losses
     "dp4 zero3 shard2, bf16 reduce": _uniform("dp=4,zero=3,shard=2,grad_reduce=bf16"),
@@ -52,6 +53,11 @@ BF16_TRAINING = {  # bf16 training: fp32 reduction is what auto does (the gradie
     "bf16 training, auto reduce": _uniform("dp=4,zero=2,shard=2"),
     "bf16 training, fp32 reduce": _uniform("dp=4,zero=2,shard=2,grad_reduce=fp32"),
 }
+
+
+RESUME_AT = 3  # the saved run (dp4 zero3 shard2) stops after step 3; the resumed one trains steps 4 and 5
+SAVE, RESUME = "saved under dp4 zero3 shard2", "resumed under dp2 x tp2 zero1 shard1"
+CHECKPOINTED = {SAVE: EXACT["dp4 zero3 shard2"], RESUME: _uniform("dp=2,tp=2,zero=1,shard=1")}
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +73,12 @@ def reference(references) -> list[float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, text) -> tuple:  # noqa: F811
-    """Every case in one 4-rank torchrun job."""
-    cases = {k: (p.model, p) for k, p in (EXACT | BF16_REDUCE | BF16_TRAINING).items()}
-    options = {k: {"dtype": "bf16"} for k in BF16_TRAINING}
+    """Every case in one 4-rank torchrun job; the last two save a checkpoint under HSDP and resume it under
+    another HSDP layout."""
+    cases = {k: (p.model, p) for k, p in (EXACT | BF16_REDUCE | BF16_TRAINING | CHECKPOINTED).items()}
+    ckpt = str(tmp_path_factory.mktemp("checkpoint"))
+    options = {k: {"dtype": "bf16"} for k in BF16_TRAINING} | {
+        SAVE: {"steps": RESUME_AT, "checkpoint_dir": ckpt}, RESUME: {"checkpoint_dir": ckpt}}
     return _train_together(tmp_path_factory.mktemp("hsdp"), text, NPROC, cases, options)
 
 
@@ -119,3 +128,13 @@ def test_each_rank_holds_one_shard_group_share_of_the_states(runs) -> None:
         assert t["grads"] == pytest.approx(4 * params / 2, rel=0.02, abs=4096), (rank, t)
         p = next(d for d in predicted.devices if rank in d.ranks).memory
         assert t["optim"] == pytest.approx(p.optimizer, rel=0.02, abs=4096), (rank, t, p)
+
+
+def test_checkpoint_moves_between_hsdp_layouts(runs, reference) -> None:
+    """A checkpoint saved with shard groups of 2 (FSDP2's 2-D mesh) loads into dp2 x tp2 with shard groups
+    of 1: the saved and resumed losses are the single-process ones (steps 1-3, then 4-5)."""
+    proc, losses = runs
+    saved, resumed = losses.get(SAVE), losses.get(RESUME)
+    assert saved is not None and len(saved) == RESUME_AT, proc.stderr[-3000:]
+    assert resumed is not None and len(resumed) == 5 - RESUME_AT, proc.stderr[-3000:]
+    assert_same(saved + resumed, reference)
