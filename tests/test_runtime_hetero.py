@@ -1,7 +1,8 @@
 """Several pipelines of different shapes (Malleus): a layer split differently in each pipeline (tensor
 parallel in one, data parallel or ZeRO inside another's stage, a shrunk tensor-parallel unit beside a full
 one) has its whole gradient summed over every holder (`plait.runtime.placement.Replicas`). Such plans train
-to the single-process losses (gloo, 4 ranks, one torchrun launch, fp32)."""
+to the single-process losses (gloo, 4 ranks, one torchrun launch, fp32). ZeRO across pipelines splits the
+optimizer state of a layer held alike among its holders (`plait.runtime.replica_zero`), as simulate prices."""
 
 from __future__ import annotations
 
@@ -125,3 +126,23 @@ def test_zero_across_pipelines_splits_the_optimizer_state(hetero_runs) -> None:
     assert pp[0] == _sliced_optimizer_bytes("tiny-llama", 2, 0)
     assert pp[1] == _sliced_optimizer_bytes("tiny-llama", 2, 1, ("tok_embeddings", "layers.0.", "layers.1."))
     assert pp[2] == _sliced_optimizer_bytes("tiny-llama", 2, 1, ("layers.2.", "layers.3.", "norm", "output"))
+
+
+def test_simulate_prices_what_zero_across_pipelines_holds() -> None:
+    """The cost model prices the runtime's states: a layer held alike by one rank of each of two pipelines
+    under ZeRO-2 keeps half of the AdamW moments but its whole gradient (the pipelines reduce once per step);
+    held differently (one rank beside a dp2 stage) the one rank keeps the whole optimizer state."""
+    from plait.simulate import simulate
+    from plait.spec.cluster import local_ranks
+
+    def memory(plan: Plan) -> dict[tuple[int, ...], tuple[float, float]]:
+        report = simulate(plan, PRESETS[plan.model], local_ranks(4), validate=False)
+        return {d.ranks: (d.memory.optimizer, d.memory.gradients) for d in report.devices}
+
+    gpt_moments = _sliced_optimizer_bytes("tiny-gpt", 1, 0) - 4 * 68  # without the 68 step counters
+    alike = memory(ALIKE["ZeRO across pipelines: one-rank zero2 stages, micro-batches 3 and 1"])
+    assert alike[(0,)] == alike[(3,)] == (gpt_moments / 2, gpt_moments / 2)  # fp32 grads: 4 of the 8 bytes
+    llama_moments = _sliced_optimizer_bytes("tiny-llama", 1, 0) - 4 * 39
+    mixed = memory(CASES["ZeRO across pipelines: a one-rank zero1 stage beside a dp2 zero1 stage"])
+    assert mixed[(0,)][0] == llama_moments
+    assert mixed[(1, 2)][0] == llama_moments / 2
