@@ -1,7 +1,8 @@
 """Several pipelines of different shapes (Malleus): a layer split differently in each pipeline (tensor
 parallel in one, data parallel or ZeRO inside another's stage, a shrunk tensor-parallel unit beside a full
 one) has its whole gradient summed over every holder (`plait.runtime.placement.Replicas`). Such plans train
-to the single-process losses (gloo, 4 ranks, one torchrun launch, fp32)."""
+to the single-process losses (gloo, 4 ranks, one torchrun launch, fp32). ZeRO across pipelines splits the
+optimizer state of a layer held alike among its holders (`plait.runtime.replica_zero`), as simulate prices."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ CASES = {
 ALIKE = {
     "ZeRO across pipelines: one-rank zero2 stages, micro-batches 3 and 1": _plan(
         "tiny-gpt", [([((0, 4), (0,), S(zero=2))], 3, 1), ([((0, 4), (3,), S(zero=2))], 1, 1)]),
+    "ZeRO across pipelines: a one-rank zero1 stage beside a pp2 zero1 pipeline": _plan(
+        "tiny-llama", [([((0, 4), (0,), S(zero=1))], 2, 1), ([((0, 2), (1,), S(zero=1)), ((2, 4), (2,), S(zero=1))], 2, 1)]),
 }
 """Cases whose pipelines shard every layer alike (reduced shard by shard), run in the same job."""
 
@@ -92,3 +95,54 @@ def test_simulate_prices_the_whole_gradient_reduction() -> None:
     shrunk = CASES["shrunk tp1 unit beside a tp2 unit, micro-batches 3 and 1, rank 3 left out"]
     alike = _plan("tiny-llama", [([((0, 4), (0,), S())], 3, 1), ([((0, 4), (2,), S())], 1, 1)])
     assert sync_s(shrunk) > 1.5 * sync_s(alike)
+
+
+def _sliced_optimizer_bytes(model: str, members: int, index: int, prefixes: tuple[str, ...] = ("",)) -> int:
+    """AdamW state bytes of member `index` of `members` stepping its slice of every parameter whose name starts
+    with one of `prefixes`: two fp32 moments per element of the slice and a 4-byte step counter per slice."""
+    from plait.models import build_model
+    from plait.runtime.replica_zero import _bounds
+
+    total = 0
+    for name, p in build_model(PRESETS[model]).named_parameters():
+        start, end, _ = _bounds(p.numel(), members, index)
+        if name.startswith(prefixes) and end > start:
+            total += 2 * 4 * (end - start) + 4
+    return total
+
+
+def test_zero_across_pipelines_splits_the_optimizer_state(hetero_runs) -> None:
+    """Each holder of a layer held alike by one rank of every pipeline keeps 1/|R| of its AdamW state: two
+    pipelines, so half of the moments (plus a step counter per slice), on every rank that holds the layer."""
+    _, (proc, _) = hetero_runs
+    optim = lambda name: [t["optim"] for t in proc.first_records[name]["memory_terms"]]  # noqa: E731
+    both = optim("ZeRO across pipelines: one-rank zero2 stages, micro-batches 3 and 1")
+    whole = _sliced_optimizer_bytes("tiny-gpt", 1, 0)
+    assert both[0] == _sliced_optimizer_bytes("tiny-gpt", 2, 0)
+    assert both[3] == _sliced_optimizer_bytes("tiny-gpt", 2, 1)
+    assert both[1] == both[2] == 0
+    assert abs(both[0] - whole / 2) < 4 * 68  # 68 tensors: at most one step counter each beyond half
+    pp = optim("ZeRO across pipelines: a one-rank zero1 stage beside a pp2 zero1 pipeline")
+    assert pp[0] == _sliced_optimizer_bytes("tiny-llama", 2, 0)
+    assert pp[1] == _sliced_optimizer_bytes("tiny-llama", 2, 1, ("tok_embeddings", "layers.0.", "layers.1."))
+    assert pp[2] == _sliced_optimizer_bytes("tiny-llama", 2, 1, ("layers.2.", "layers.3.", "norm", "output"))
+
+
+def test_simulate_prices_what_zero_across_pipelines_holds() -> None:
+    """The cost model prices the runtime's states: a layer held alike by one rank of each of two pipelines
+    under ZeRO-2 keeps half of the AdamW moments but its whole gradient (the pipelines reduce once per step);
+    held differently (one rank beside a dp2 stage) the one rank keeps the whole optimizer state."""
+    from plait.simulate import simulate
+    from plait.spec.cluster import local_ranks
+
+    def memory(plan: Plan) -> dict[tuple[int, ...], tuple[float, float]]:
+        report = simulate(plan, PRESETS[plan.model], local_ranks(4), validate=False)
+        return {d.ranks: (d.memory.optimizer, d.memory.gradients) for d in report.devices}
+
+    gpt_moments = _sliced_optimizer_bytes("tiny-gpt", 1, 0) - 4 * 68  # without the 68 step counters
+    alike = memory(ALIKE["ZeRO across pipelines: one-rank zero2 stages, micro-batches 3 and 1"])
+    assert alike[(0,)] == alike[(3,)] == (gpt_moments / 2, gpt_moments / 2)  # fp32 grads: 4 of the 8 bytes
+    llama_moments = _sliced_optimizer_bytes("tiny-llama", 1, 0) - 4 * 39
+    mixed = memory(CASES["ZeRO across pipelines: a one-rank zero1 stage beside a dp2 zero1 stage"])
+    assert mixed[(0,)][0] == llama_moments
+    assert mixed[(1, 2)][0] == llama_moments / 2

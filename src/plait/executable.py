@@ -135,9 +135,8 @@ def _unsupported_replicas(plan: Plan, model: ModelSpec) -> str | None:
     """Several pipelines (data-parallel replicas that may cut and shard the model differently): the runtime
     reduces each layer's gradients across pipelines, shard by shard where every pipeline shards it alike,
     else as whole tensors over all its holders (`plait.runtime.placement.Replicas`). ZeRO over the pipelines
-    themselves (a ZeRO stage without data or context parallelism inside it) runs with that layer's optimizer
-    state whole on every holder (FSDP over the stage's one rank shards nothing), so the losses are exact but
-    the rank holds the state the cost model shares among the pipelines. Not executed: a tied embedding and
+    themselves splits the optimizer state of a layer held alike among its holders
+    (`plait.runtime.replica_zero`). Not executed: a tied embedding and
     head that one pipeline holds in one stage and another in two."""
     if plan.chunks > 1:
         return "several pipelines with interleaved chunks are not executable yet; use one pipeline or vpp=1"

@@ -158,6 +158,27 @@ def _dp_ranks(plan: Plan, layer: int, s: Strategy, ranks: tuple[int, ...]) -> tu
     return tuple(out)
 
 
+def _across_pipelines(ctx: BlockContext, plan: Plan, layer: int, s: Strategy, stage: Stage) -> BlockContext:
+    """`ctx` with what several pipelines shard of `layer` (`BlockContext.pipeline_dp`, `states_alike`): the
+    runtime reduces the pipelines' gradients once per step, after the last backward, so ZeRO-2/3 shard
+    gradients and weights within a pipeline's stage only; the optimizer state of a layer every pipeline holds
+    alike is split among its holders (`plait.runtime.replica_zero`), of one held differently it is not."""
+    if len(plan.pipelines) == 1:
+        return ctx
+    own = len(s.degrees.split_data(s.degrees.group(stage.ranks, "data"))[0])
+    alike = len({shard_shape(st, layer) for st in holders(plan, layer)}) == 1
+    return replace(ctx, pipeline_dp=own, states_alike=alike)
+
+
+def _optimizer_shards(plan: Plan, layer: int, s: Strategy, stage: Stage) -> int:
+    """Ranks `layer`'s optimizer state is split over (before ZeRO applies): its shard group in every pipeline,
+    or in this pipeline alone where the pipelines hold it differently (`_across_pipelines`)."""
+    ranks = _dp_ranks(plan, layer, s, stage.ranks)
+    if len(plan.pipelines) > 1 and len({shard_shape(st, layer) for st in holders(plan, layer)}) > 1:
+        ranks = s.degrees.group(stage.ranks, "data")
+    return len(s.degrees.split_data(ranks)[0])
+
+
 def layer_runs(stage: Stage, model: ModelSpec) -> list[tuple[Strategy, Block, int, int]]:
     """(strategy, layer shape, count, first layer) of each run of consecutive layers of a stage that share
     both strategy and shape."""
@@ -195,9 +216,9 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     def context(s: Strategy, layer: int) -> BlockContext:
         if single and s in contexts:
             return contexts[s]
-        ctx = contexts[s] = BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.per_replica(s),
-                                                   s, stage.ranks, _dp_ranks(plan, layer, s, stage.ranks),
-                                                   plan.expert_load)
+        ctx = contexts[s] = _across_pipelines(
+            BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.per_replica(s), s, stage.ranks,
+                                   _dp_ranks(plan, layer, s, stage.ranks), plan.expert_load), plan, layer, s, stage)
         return ctx
 
     # Layers of one shape and strategy cost the same wherever they sit (with one pipeline): count them once.
@@ -322,8 +343,8 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
     ctx = BlockContext(model, cluster, cal, prec, plan.seq_len, 1, comm.SINGLE, comm.SINGLE, comm.SINGLE)
     if model.tied_embeddings and len(plan.pipelines[0].stages) > 1:
         reduce_t += tied_embedding_sync(ctx)
-    held = [Held(c, count, s, len(s.degrees.split_data(_dp_ranks(plan, layer, s, stage.ranks))[0]))
-            for cost in costs for c, count, s, layer in cost.priced]
+    held = [Held(c, count, s, _optimizer_shards(plan, layer, s, stage)) for cost in costs
+            for c, count, s, layer in cost.priced]
     return reduce_t, gather_t, optimizer_time(held, ctx)
 
 

@@ -74,6 +74,10 @@ class BlockContext:
     etp_group: GroupShape = comm.SINGLE  # its expert tensor-parallel group
     edp_group: GroupShape = comm.SINGLE  # ranks that share its experts' weights (expert data parallel)
     expert_load: float = 1.0  # routed tokens of the busiest expert rank over the mean (plan.expert_load)
+    pipeline_dp: int = 0  # several pipelines: the ranks of this pipeline's stage that shard the weights (0: one
+    # pipeline); weights and gradients shard over these alone (`plait.runtime.replica_zero`)
+    states_alike: bool = True  # several pipelines hold the layer in one shape: the optimizer state shards over
+    # `dp_group` (every pipeline); else over `pipeline_dp` alone (whole gradients, whole optimizer state)
 
     @staticmethod
     def for_ranks(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: PrecisionBytes, seq_len: int,

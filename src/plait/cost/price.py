@@ -74,9 +74,13 @@ def _states_and_sync(params: float, s: Strategy, ctx: BlockContext, group: comm.
                      ) -> tuple[float, float, float, float, float]:
     """(weights, gradients, optimizer bytes, reduce seconds, gather seconds) of `params` shared by `group`
     (default: `ctx.dp_group`, under HSDP its shard group; ZeRO-1's gradient shards are then all-reduced over
-    the replicas once per step, ZeRO-2/3's every micro-batch in `zero_sync_time`)."""
+    the replicas once per step, ZeRO-2/3's every micro-batch in `zero_sync_time`). Across pipelines only the
+    optimizer state of a layer held alike shards over every pipeline (`BlockContext.pipeline_dp`)."""
     group = group or ctx.dp_group
     w, g, o = model_state_bytes(params, group.size, s.zero, ctx.prec, offload=s.offload != "none")
+    if ctx.pipeline_dp and group == ctx.dp_group and ctx.pipeline_dp < group.size:  # across pipelines
+        w, g, own_o = model_state_bytes(params, ctx.pipeline_dp, s.zero, ctx.prec, offload=s.offload != "none")
+        o = o if ctx.states_alike else own_o
     reduce_t, gather_t = comm.gradient_sync(params, s.zero, group, ctx.prec.reduce_bytes, ctx.prec.param,
                                             ctx.cluster, ctx.cal)
     if s.zero == 1 and group == ctx.dp_group:

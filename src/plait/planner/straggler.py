@@ -373,11 +373,14 @@ def _assemble(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: Precis
         return None
     capacity = usable_memory(cluster.gpu.memory_bytes, cal)
     current_cuts = _current_cuts(current)
+    # ZeRO splits a layer's optimizer state among the pipelines only where every pipeline holds it alike
+    # (`plait.runtime.replica_zero`); a shrunk unit beside full ones holds it in another shape: whole states.
+    replicas = len(pipes) if len({u.tp for units_p in pipes for u in units_p}) == 1 else 1
     slopes, intercepts, cuts = [], [], []
     for units_p in pipes:
         per_layer, fixed, caps = [], [], []
         for s, u in enumerate(units_p):
-            pr = price(u.tp, u.ranks, len(pipes))
+            pr = price(u.tp, u.ranks, replicas)
             in_flight = t.pp - s  # 1F1B keeps pp - s micro-batches alive on stage s
             edge = (pr.embedding_s if s == 0 else 0.0) + (pr.head_s if s == t.pp - 1 else 0.0)
             per_layer.append(u.factor * pr.layer_s)
@@ -391,7 +394,7 @@ def _assemble(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: Precis
         if counts is None:
             return None
         times = [per_layer[s] * counts[s] + fixed[s] for s in range(t.pp)]
-        send = price(units_p[0].tp, units_p[0].ranks, len(pipes)).send_s if t.pp > 1 else 0.0
+        send = price(units_p[0].tp, units_p[0].ranks, replicas).send_s if t.pp > 1 else 0.0
         slopes.append(max(times) + send)
         intercepts.append(sum(times) - max(times) + (t.pp - 1) * send)
         cuts.append(counts)

@@ -35,6 +35,7 @@ from plait.runtime.optim import make_optimizer
 from plait.runtime.boundary import boundaries
 from plait.runtime.parallelize import parallelize_chunk, sync_gradients, sync_whole_gradients
 from plait.runtime.pipeline_uneven import UnevenSchedule
+from plait.runtime.replica_zero import attach, optimizer_params, replica_shards
 from plait.runtime.placement import Placement, Replicas, check_executable, place
 from plait.runtime.stragglers import Adaptive, ComputeClock
 from plait.runtime.zero import REDUCE_DTYPES, follow_zero_stages, micro_batch_flags
@@ -318,7 +319,12 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
     if where.idle:
         return Placed(plan, where, [], [], [], None, None, loss)
     chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint, hand_sync)
-    optimizers = [make_optimizer(m.parameters(), cfg.lr) for m in chunks]
+    # Checkpoints and plan switches save and move optimizer state by parameter name, which a slice has not.
+    sliced = not (hand_sync or cfg.checkpoint_dir or cfg.resume_from) and bool(where.replicas)
+    shards = replica_shards(chunks, where, plan, spec.layers) if sliced else [[] for _ in chunks]
+    optimizers = [make_optimizer(optimizer_params(m, s), cfg.lr) for m, s in zip(chunks, shards)]
+    for optimizer, s in zip(optimizers, shards):
+        attach(optimizer, s)
     schedule = None
     if where.pp > 1 and not plan.pipelines[where.pipeline].even_widths:
         schedule = _uneven_schedule(plan, spec, chunks, where, loss, clock)
