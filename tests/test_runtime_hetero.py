@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from test_runtime import _losses, assert_same, reference_losses, text, train_together  # noqa: F401
 
-from plait.executable import shard_shape, unsupported
+from plait.executable import shard_shape, tied_copies, unsupported
 from plait.plan import Pipeline, Plan, Stage, validate_plan
 from plait.plan import Strategy as S
 from plait.spec.cluster import local_ranks
@@ -45,6 +45,25 @@ ALIKE = {
 """Cases whose pipelines shard every layer alike (reduced shard by shard), run in the same job."""
 
 
+def _one_stage(ranks: tuple[int, ...], strategies: tuple[S, ...], micro_batches: int, size: int) -> Plan:
+    """tiny-gpt (tied embedding and head) in one stage with one strategy per layer."""
+    pipe = Pipeline(stages=(Stage(layers=(0, 4), ranks=ranks, strategies=strategies),),
+                    micro_batches=micro_batches, micro_batch_sequences=size)
+    return Plan(model="tiny-gpt", seq_len=SEQ, global_batch=pipe.samples, precision="fp32", pipelines=(pipe,))
+
+
+TIED_COPIES = {
+    "tied one stage: first layer tp2, the rest dp2": _one_stage(
+        (0, 1), (S(tp=2), S(dp=2), S(dp=2), S(dp=2)), 2, 2),
+    "tied one stage: zero3 first and last layers around tp2 sp layers": _one_stage(
+        (2, 3), (S(dp=2, zero=3), S(tp=2, sp=True), S(tp=2, sp=True), S(dp=2, zero=3)), 2, 2),
+    "tied one stage of 4 ranks: first layer tp2 x dp2, last dp4 zero2": _one_stage(
+        (0, 1, 2, 3), (S(tp=2, dp=2), S(dp=4), S(dp=4), S(dp=4, zero=2)), 1, 4),
+}
+"""One stage holding the tied table twice (`plait.executable.tied_copies`), run in the same job: the
+embedding's copy laid out like the first layer, the head's like the last, whole gradients summed."""
+
+
 def test_pipelines_shard_their_layers_differently() -> None:
     """Every case holds some layer in two different shapes (else it would test the shard-by-shard path)
     and is executable."""
@@ -53,8 +72,10 @@ def test_pipelines_shard_their_layers_differently() -> None:
                   for p in plan.pipelines}
         assert len(shapes) == 2, name
         assert unsupported(plan, PRESETS[plan.model]) is None, name
-    for name, plan in {**CASES, **ALIKE}.items():
+    for name, plan in {**CASES, **ALIKE, **TIED_COPIES}.items():
         validate_plan(plan, PRESETS[plan.model], local_ranks(4))  # raises on a malformed case
+    for name, plan in TIED_COPIES.items():
+        assert tied_copies(plan.pipelines[0]) and unsupported(plan, PRESETS[plan.model]) is None, name
 
 
 def test_what_still_does_not_run_is_refused_in_one_line() -> None:
@@ -68,14 +89,14 @@ def hetero_runs(tmp_path_factory, text):  # noqa: F811
     """The single-process references, then every case in one four-rank torchrun job."""
     pairs = [("tiny-llama", GBS), ("tiny-gpt", GBS)]
     ref = reference_losses(tmp_path_factory.mktemp("reference"), text, pairs)
-    cases = {name: (plan.model, plan) for name, plan in {**CASES, **ALIKE}.items()}
+    cases = {name: (plan.model, plan) for name, plan in {**CASES, **ALIKE, **TIED_COPIES}.items()}
     return ref, train_together(tmp_path_factory.mktemp("hetero"), text, 4, cases)
 
 
-@pytest.mark.parametrize("name", [*CASES, *ALIKE])
+@pytest.mark.parametrize("name", [*CASES, *ALIKE, *TIED_COPIES])
 def test_pipelines_of_different_shapes_match_single_process(hetero_runs, name) -> None:
     ref, runs = hetero_runs
-    plan = {**CASES, **ALIKE}[name]
+    plan = {**CASES, **ALIKE, **TIED_COPIES}[name]
     assert_same(_losses(runs, name), ref[(plan.model, plan.global_batch)])
 
 

@@ -28,17 +28,6 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
                     "torch.distributed.pipelining needs at least one per stage: lower mbs or raise gbs")
         if not pipe.even_widths and (reason := _uneven_problem(plan, model, pi)) is not None:
             return reason
-    for pipe in plan.pipelines if model.tied_embeddings else ():
-        if len(pipe.stages) > 1:  # two copies, whose gradients add (`tied_ends_alike`)
-            continue
-        stage = pipe.stages[0]
-        first, last = stage.strategies[0], stage.strategies[-1]
-        if not tied_ends_alike(pipe):
-            return (f"{model.name} ties its embedding and LM head, so the first and last layers of a one-stage "
-                    f"pipeline must share one layout ({first.short()} vs {last.short()})")
-        if len({s.model_copy(update={"recompute": "none"}) for s in stage.strategies}) > 1 and first.zero > 0:
-            return (f"{model.name} ties its embedding and LM head, which FSDP cannot shard as two units of a stage "
-                    "with per-layer strategies; use zero=0 for its first and last layers")
     return None
 
 
@@ -50,12 +39,23 @@ out between them (`plait.runtime.boundary`)."""
 def tied_ends_alike(pipe: Pipeline) -> bool:
     """Whether `pipe`'s first and last layers lay a tied embedding and head out alike (the same strategy but
     for recompute, on as many ranks): the two copies' gradients then add shard by shard; else each end
-    gathers its whole gradient and all its ranks sum them (`plait.runtime.placement.Placement.tied_whole`).
-    A one-stage pipeline holds one table, which must be laid out alike."""
+    gathers its whole gradient and sums them (`plait.runtime.placement.Placement.tied_whole`)."""
     first, last = pipe.stages[0], pipe.stages[-1]
     a, b = first.strategies[0], last.strategies[-1]
     return len(first.ranks) == len(last.ranks) and \
         a.model_copy(update={"recompute": "none"}) == b.model_copy(update={"recompute": "none"})
+
+
+def tied_copies(pipe: Pipeline) -> bool:
+    """Whether `pipe` holds a tied embedding table twice, the embedding's copy laid out like its first layer
+    and the head's like its last, whose whole gradients are summed after backward: in a pipeline of several
+    stages, and in one stage whose first and last layers lay the table out differently, or whose per-layer
+    strategies (segments, `plait.runtime.parallelize.apply_dp_segment`) would put one table into two
+    ZeRO (FSDP) units. Else one stage holds one table."""
+    if len(pipe.stages) > 1 or not tied_ends_alike(pipe):
+        return True
+    stage = pipe.stages[0]
+    return len(stage.layer_strategies()) > 1 and stage.strategies[0].zero > 0
 
 
 def _uneven_problem(plan: Plan, model: ModelSpec, pi: int) -> str | None:
