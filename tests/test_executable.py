@@ -31,7 +31,8 @@ def test_tied_embeddings_run_under_any_layout_at_both_ends() -> None:
     one_stage = plan("tiny-gpt", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(S(tp=2), S(dp=2), S(dp=2), S(dp=2)))])
     sharded_mix = plan("tiny-gpt", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(
         S(dp=2, zero=3), S(tp=2), S(tp=2), S(dp=2, zero=3)))])
-    plain_mix = plan("tiny-gpt", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(S(dp=2), S(tp=2), S(tp=2), S(dp=2)))])
+    plain_mix = plan("tiny-gpt", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(
+        S(dp=2), S(tp=2), S(tp=2), S(dp=2)))])
     uniform = plan("tiny-gpt", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(S(dp=2, zero=3),))])
     for p in (same, other, one_stage, sharded_mix, plain_mix, uniform):
         assert unsupported(p, gpt) is None

@@ -241,7 +241,8 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         edges.append(("head", last_s, stage.layers[1] - 1))
     for edge, s, layer in edges:
         copy = edge == "head" and tied_copies(pipe)  # the head's own copy of a tied table
-        c = price_edge(edge, s, context(s, layer), pipelined and stage_index > 0, copy)  # type: ignore[arg-type]
+        c = price_edge(edge, s, context(s, layer), pipelined and stage_index > 0,  # type: ignore[arg-type]
+                       copy)
         fwd += c.time.forward_total
         bwd += c.time.backward_total
         parts["compute"] += c.time.forward + c.time.backward

@@ -228,7 +228,8 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group: dist
 
 def _untie(model: torch.nn.Module) -> None:
     """Give the head its own copy of the embedding table it is tied to (equal values), to be laid out like
-    the stage's last layer while the embedding's is laid out like its first (`plait.executable.tied_copies`)."""
+    the stage's last layer while the embedding's is laid out like its first
+    (`plait.executable.tied_copies`)."""
     model.output.weight = torch.nn.Parameter(model.tok_embeddings.weight.detach().clone())
 
 
@@ -345,7 +346,8 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
         if clock is not None:
             for stage in stages:
                 clock.wrap_stage(stage)
-    return Placed(plan, where, chunks, optimizers, manual_sync, schedule, _tied_weights(chunks, where, plan), loss)
+    tied = _tied_weights(chunks, where, plan)
+    return Placed(plan, where, chunks, optimizers, manual_sync, schedule, tied, loss)
 
 
 def _forward_backward(placed: Placed, inputs: list[torch.Tensor], targets: list[torch.Tensor], rows: float,
@@ -466,7 +468,8 @@ class PlanSteps:
         t2 = time.perf_counter()
         if not where.idle:
             head_copy = placed.tied[-1] if placed.tied and where.last(plan) else None  # counted once
-            grad_norm = clip_grads(params, cfg.clip, where.pp_group, uncounted=head_copy, share=where.norm_share)
+            grad_norm = clip_grads(params, cfg.clip, where.pp_group, uncounted=head_copy,
+                                   share=where.norm_share)
         t3 = time.perf_counter()
         step_optimizers(placed.optimizers)
         t4 = time.perf_counter()
