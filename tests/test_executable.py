@@ -36,11 +36,15 @@ def test_tied_embeddings_run_under_any_layout_at_both_ends() -> None:
     uniform = plan("tiny-gpt", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(S(dp=2, zero=3),))])
     for p in (same, other, one_stage, sharded_mix, plain_mix, uniform):
         assert unsupported(p, gpt) is None
-    copies = {name: tied_copies(p.pipelines[0]) for name, p in (
+    copies = {name: tied_copies(p) for name, p in (
         ("same", same), ("other", other), ("one_stage", one_stage), ("sharded_mix", sharded_mix),
         ("plain_mix", plain_mix), ("uniform", uniform))}
     assert copies == {"same": True, "other": True, "one_stage": True, "sharded_mix": True, "plain_mix": False,
                       "uniform": False}
+    beside = Plan(model="tiny-gpt", seq_len=64, global_batch=8, pipelines=(
+        one_stage.pipelines[0], uniform.pipelines[0].model_copy(update={"stages": (
+            Stage(layers=(0, 4), ranks=(2, 3), strategies=(S(dp=2),)),)})))
+    assert tied_copies(beside) and unsupported(beside, gpt) is None  # both pipelines hold two copies
 
 
 def test_simulate_prices_the_heads_own_copy_of_a_tied_table() -> None:

@@ -59,6 +59,10 @@ TIED_COPIES = {
         (2, 3), (S(dp=2, zero=3), S(tp=2, sp=True), S(tp=2, sp=True), S(dp=2, zero=3)), 2, 2),
     "tied one stage of 4 ranks: first layer tp2 x dp2, last dp4 zero2": _one_stage(
         (0, 1, 2, 3), (S(tp=2, dp=2), S(dp=4), S(dp=4), S(dp=4, zero=2)), 1, 4),
+    "tied one stage tp2 then dp2 beside a one-rank pipeline, which holds two copies too": Plan(
+        model="tiny-gpt", seq_len=SEQ, global_batch=GBS, precision="fp32", pipelines=(
+            _one_stage((0, 1), (S(tp=2), S(dp=2), S(dp=2), S(dp=2)), 1, 2).pipelines[0],
+            _one_stage((2,), (S(),), 2, 1).pipelines[0])),
 }
 """One stage holding the tied table twice (`plait.executable.tied_copies`), run in the same job: the
 embedding's copy laid out like the first layer, the head's like the last, whole gradients summed."""
@@ -75,7 +79,7 @@ def test_pipelines_shard_their_layers_differently() -> None:
     for name, plan in {**CASES, **ALIKE, **TIED_COPIES}.items():
         validate_plan(plan, PRESETS[plan.model], local_ranks(4))  # raises on a malformed case
     for name, plan in TIED_COPIES.items():
-        assert tied_copies(plan.pipelines[0]) and unsupported(plan, PRESETS[plan.model]) is None, name
+        assert tied_copies(plan) and unsupported(plan, PRESETS[plan.model]) is None, name
 
 
 def test_what_still_does_not_run_is_refused_in_one_line() -> None:

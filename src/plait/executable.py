@@ -46,12 +46,19 @@ def tied_ends_alike(pipe: Pipeline) -> bool:
         a.model_copy(update={"recompute": "none"}) == b.model_copy(update={"recompute": "none"})
 
 
-def tied_copies(pipe: Pipeline) -> bool:
-    """Whether `pipe` holds a tied embedding table twice, the embedding's copy laid out like its first layer
-    and the head's like its last, whose whole gradients are summed after backward: in a pipeline of several
-    stages, and in one stage whose first and last layers lay the table out differently, or whose per-layer
-    strategies (segments, `plait.runtime.parallelize.apply_dp_segment`) would put one table into two
-    ZeRO (FSDP) units. Else one stage holds one table."""
+def tied_copies(plan: Plan) -> bool:
+    """Whether the pipelines of `plan` hold a tied embedding table twice, the embedding's copy laid out like
+    the first layer and the head's like the last, whose whole gradients are summed after backward: in
+    pipelines of several stages, and in one stage whose first and last layers lay the table out
+    differently, or whose per-layer strategies (segments, `plait.runtime.parallelize.apply_dp_segment`)
+    would put one table into two ZeRO (FSDP) units. Then every pipeline does, so that pipelines reduce each
+    copy with its own kind (pipelines of one stage and of several do not mix: `_unsupported_replicas`);
+    else each stage holds one table."""
+    return any(_tied_apart(pipe) for pipe in plan.pipelines)
+
+
+def _tied_apart(pipe: Pipeline) -> bool:
+    """Whether `pipe` cannot hold a tied table as one parameter (`tied_copies`)."""
     if len(pipe.stages) > 1 or not tied_ends_alike(pipe):
         return True
     stage = pipe.stages[0]

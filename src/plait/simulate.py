@@ -240,7 +240,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     if last:
         edges.append(("head", last_s, stage.layers[1] - 1))
     for edge, s, layer in edges:
-        copy = edge == "head" and tied_copies(pipe)  # the head's own copy of a tied table
+        copy = edge == "head" and tied_copies(plan)  # the head's own copy of a tied table
         c = price_edge(edge, s, context(s, layer), pipelined and stage_index > 0,  # type: ignore[arg-type]
                        copy)
         fwd += c.time.forward_total

@@ -269,7 +269,7 @@ def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: 
             if i == position:
                 pp_group = group
     tied_group, tied_whole = None, None
-    if tied_embeddings and len(pipe.stages) == 1 and tied_copies(pipe):  # every rank holds both copies
+    if tied_embeddings and len(pipe.stages) == 1 and tied_copies(plan):  # every rank holds both copies
         tied_whole = 1.0
     elif tied_embeddings and len(pipe.stages) > 1 and tied_ends_alike(pipe):
         for i, (a, b) in enumerate(zip(pipe.stages[0].ranks, pipe.stages[-1].ranks)):

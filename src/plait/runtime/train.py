@@ -117,7 +117,7 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
         if j != len(stages) - 1:
             model.norm = None
             model.output = None
-        if spec.tied_embeddings and len(stages) == 1 and tied_copies(plan.pipelines[where.pipeline]):
+        if spec.tied_embeddings and len(stages) == 1 and tied_copies(plan):
             _untie(model)
         if hf_checkpoint:
             load_hf_safetensors(model, hf_checkpoint)
