@@ -6,7 +6,7 @@ to the single-process losses (gloo, 4 ranks, one torchrun launch, fp32)."""
 from __future__ import annotations
 
 import pytest
-from test_runtime import _losses, assert_same, reference_losses, text, train_together  # noqa: F401
+from test_runtime import STEPS, _losses, assert_same, reference_losses, text, train_together  # noqa: F401
 
 from plait.executable import shard_shape, tied_copies, unsupported
 from plait.plan import Pipeline, Plan, Stage, validate_plan
@@ -68,6 +68,12 @@ TIED_COPIES = {
 embedding's copy laid out like the first layer, the head's like the last, whole gradients summed."""
 
 
+SAVED_FROM = "tied one stage: first layer tp2, the rest dp2"
+SAVED, RESUMED, SAVED_STEPS = "tied table held twice, saved", "resumed holding it once", 3
+RESUMED_AS = _one_stage((0, 1), (S(dp=2),), 2, 2)
+"""A checkpoint of the two copies (after 3 steps), resumed by a stage holding one table, in the same job."""
+
+
 def test_pipelines_shard_their_layers_differently() -> None:
     """Every case holds some layer in two different shapes (else it would test the shard-by-shard path)
     and is executable."""
@@ -76,7 +82,7 @@ def test_pipelines_shard_their_layers_differently() -> None:
                   for p in plan.pipelines}
         assert len(shapes) == 2, name
         assert unsupported(plan, PRESETS[plan.model]) is None, name
-    for name, plan in {**CASES, **ALIKE, **TIED_COPIES}.items():
+    for name, plan in {**CASES, **ALIKE, **TIED_COPIES, RESUMED: RESUMED_AS}.items():
         validate_plan(plan, PRESETS[plan.model], local_ranks(4))  # raises on a malformed case
     for name, plan in TIED_COPIES.items():
         assert tied_copies(plan) and unsupported(plan, PRESETS[plan.model]) is None, name
@@ -94,7 +100,11 @@ def hetero_runs(tmp_path_factory, text):  # noqa: F811
     pairs = [("tiny-llama", GBS), ("tiny-gpt", GBS)]
     ref = reference_losses(tmp_path_factory.mktemp("reference"), text, pairs)
     cases = {name: (plan.model, plan) for name, plan in {**CASES, **ALIKE, **TIED_COPIES}.items()}
-    return ref, train_together(tmp_path_factory.mktemp("hetero"), text, 4, cases)
+    tmp = tmp_path_factory.mktemp("hetero")
+    ckpt = {"checkpoint_dir": str(tmp / "tied-checkpoint")}
+    cases |= {SAVED: ("tiny-gpt", TIED_COPIES[SAVED_FROM]), RESUMED: ("tiny-gpt", RESUMED_AS)}
+    options = {SAVED: {**ckpt, "steps": SAVED_STEPS}, RESUMED: ckpt}
+    return ref, train_together(tmp, text, 4, cases, options)
 
 
 @pytest.mark.parametrize("name", [*CASES, *ALIKE, *TIED_COPIES])
@@ -102,6 +112,13 @@ def test_pipelines_of_different_shapes_match_single_process(hetero_runs, name) -
     ref, runs = hetero_runs
     plan = {**CASES, **ALIKE, **TIED_COPIES}[name]
     assert_same(_losses(runs, name), ref[(plan.model, plan.global_batch)])
+
+
+def test_a_checkpoint_of_two_tied_copies_resumes_as_one_table(hetero_runs) -> None:
+    ref, (proc, losses) = hetero_runs
+    assert len(losses.get(SAVED, [])) == SAVED_STEPS and len(losses.get(RESUMED, [])) == STEPS - SAVED_STEPS, \
+        proc.stderr[-3000:]
+    assert_same(losses[SAVED] + losses[RESUMED], ref[("tiny-gpt", GBS)])
 
 
 def test_simulate_prices_the_whole_gradient_reduction() -> None:
