@@ -55,7 +55,7 @@ def test_shorthand_and_version_4_files(tmp_path: Path) -> None:
     s = plan.pipelines[0].stages[0].strategies[0]
     assert (s.swap, s.offload) == (0.5, "optim") and s.short().endswith("swap=0.5 offload=optim")
     for bad, why in (("swap=1.5", "swap must be a share"), ("swap=x", "swap must be a share"),
-                     ("offload=disk", "offload must be none or optim")):
+                     ("offload=disk", "offload must be none, optim, params or nvme")):
         with pytest.raises(PlaitError, match=why):
             uniform_plan(f"tp=8,{bad}", model, cluster, 4096)
     raw = json.loads(uniform_plan("tp=8", model, cluster, 4096).to_json())
@@ -139,6 +139,45 @@ def test_offloaded_optimizer_lives_and_steps_on_the_host() -> None:
     assert off.peak_bytes < base.peak_bytes - 8 * GIB
 
 
+def test_paged_parameters_live_on_the_host_and_stream_in_per_layer() -> None:
+    from plait.cost import offload
+    from plait.cost.precision import plan_precision
+
+    opt, paged = _llama_on_a800("tp=8,sp=1,zero=1,offload=optim"), _llama_on_a800("tp=8,sp=1,zero=1,offload=params")
+    o, p = _layer(opt), _layer(paged)
+    prec = plan_precision("bf16")
+    assert p.weights == 0 and p.host == pytest.approx(o.host + o.weights)  # the 16-bit shard moves too
+    assert p.buffers == pytest.approx(offload.PAGED_LAYERS_IN_FLIGHT * p.params * prec.param)
+    assert paged.syncs[0][0][1] < opt.syncs[0][0][1]  # no weights come back after the step
+    c, s = load_cluster("1x8xA800-80GB"), paged.plan.pipelines[0].stages[0].strategies[0]
+    page_in = offload.host_copy_time(o.weights, c)  # each pass pages the shard in over the host link
+    assert page_in > 0 and offload.link_time(0.0, 0.0, 0.0, 0.0, s, c, prec, paged=o.weights) == (page_in, page_in)
+    assert offload.link_time(o.weights, 0.0, 0.0, 0.0, s, c, prec, paged=o.weights)[1] == pytest.approx(2 * page_in)
+    assert paged.peak_bytes < opt.peak_bytes
+
+
+def test_states_on_nvme_are_priced_at_its_bandwidth_and_capacity() -> None:
+    from plait.cost import offload
+    from plait.simulate import finish
+
+    paged, nvme = _llama_on_a800("tp=8,sp=1,zero=1,offload=params"), _llama_on_a800("tp=8,sp=1,zero=1,offload=nvme")
+    p, n = _layer(paged), _layer(nvme)
+    assert (n.host, n.weights) == (0, 0) and n.nvme == pytest.approx(p.host) and n.buffers == p.buffers
+    assert nvme.host_peak_bytes == 0 < nvme.nvme_peak_bytes and not nvme.fits  # 83.8 GiB on the device
+    swapped = _llama_on_a800("tp=8,sp=1,zero=1,swap=1,offload=nvme")
+    assert swapped.fits and swapped.nvme_peak_bytes == nvme.nvme_peak_bytes
+    c, s = load_cluster("1x8xA800-80GB"), nvme.plan.pipelines[0].stages[0].strategies[0]
+    side = c.host_side
+    rate = min(side.link.bandwidth, side.nvme_bandwidth / 8)
+    assert offload.state_copy_time(1e9, s, c) == pytest.approx(side.link.latency + 1e9 / rate)
+    local = sum(k * cost.nvme for cost, k, _, _ in nvme.costs[0][0].priced)
+    assert nvme.syncs[0][0][2] == pytest.approx(max(paged.syncs[0][0][2], 2 * local * 8 / side.nvme_bandwidth))
+    report = finish(swapped)
+    assert report.fits and report.nvme_gib == pytest.approx(nvme.nvme_peak_bytes / GIB) and report.to_dict()["nvme_gib"] > 0
+    with pytest.raises(PlaitError, match="has no NVMe; give its nodes nvme_tb and nvme_gbps"):  # no local NVMe
+        _llama_on_a800("tp=8,sp=1,zero=1,swap=1,offload=nvme", cluster="1x8xGH200-96GB")
+
+
 # ---- search ------------------------------------------------------------------------------------------
 
 def test_space_with_the_hierarchy() -> None:
@@ -151,9 +190,10 @@ def test_space_with_the_hierarchy() -> None:
     plain = block_strategies(block, c, 8, 8, 4096)
     both = block_strategies(block, c, 8, 8, 4096, replace(SpaceLimits(), **HIERARCHY))
     assert all(s.swap == 0 and s.offload == "none" for s in plain)
-    assert set(plain) < set(both) and len(both) <= 6 * len(plain)
+    assert set(plain) < set(both) and len(both) <= 9 * len(plain)
     assert {s.swap for s in both} == {0.0, 0.5, 1.0}
-    assert not any(s.offload == "optim" and s.zero == 0 and s.dp * s.cp > 1 for s in both)
+    assert not any(s.offload != "none" and s.zero == 0 and s.dp * s.cp > 1 for s in both)
+    assert {s.offload for s in both} == {"none", "optim", "params"}
 
 
 def test_search_swaps_where_it_pays_and_keeps_to_the_host_budget() -> None:
@@ -182,15 +222,17 @@ def test_search_swaps_where_it_pays_and_keeps_to_the_host_budget() -> None:
 TINY_LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=97,max_seq_len=48"
 
 
-def _swapped_run(share: float, dtype: str = "fp32"):  # noqa: ANN202
+def _swapped_run(share: float, dtype: str = "fp32", recompute: str = "none"):  # noqa: ANN202
     import torch
 
     from plait.models import build_model
     from plait.runtime import swap
+    from plait.runtime.parallelize import apply_ac
     from plait.spec.model import load_model
 
     torch.manual_seed(0)
     model = build_model(load_model(TINY_LLAMA))
+    apply_ac(model, recompute, list(model.layers))
     swap.apply_swap(model, share, list(model.layers))
     meter = getattr(model, "swap_meter", None) or swap.SwapMeter.of(model)
     if share == 0:  # count the unswapped saved bytes the same way
@@ -200,7 +242,8 @@ def _swapped_run(share: float, dtype: str = "fp32"):  # noqa: ANN202
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
         loss = model(tokens).float().logsumexp(-1).mean()
     loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}, meter.as_dict()
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in model.named_parameters()}
+    return grads, meter.as_dict()
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -212,6 +255,18 @@ def test_token_swap_keeps_gradients_and_moves_the_bytes(dtype: str) -> None:
         assert max((grads[n] - base[n]).abs().max().item() for n in base) <= 1e-6
         ratio = m["resident_peak_bytes"] / counted["resident_peak_bytes"]
         assert ratio == pytest.approx(1 - share, abs=0.05)
+        assert m["host_peak_bytes"] == pytest.approx(share * counted["resident_peak_bytes"], rel=0.05)
+
+
+def test_token_swap_with_full_recompute_swaps_the_checkpoint_inputs() -> None:
+    """Full recomputation saves only each block's input (checkpoint's own saver runs under the swap's hooks)."""
+    base, counted = _swapped_run(0.0, recompute="full")
+    plain, whole = _swapped_run(0.0)
+    assert 0 < counted["resident_peak_bytes"] < whole["resident_peak_bytes"] / 4
+    for share in (0.5, 1.0):
+        grads, m = _swapped_run(share, recompute="full")
+        assert max((grads[n] - plain[n]).abs().max().item() for n in plain) <= 1e-5
+        assert m["resident_peak_bytes"] / counted["resident_peak_bytes"] == pytest.approx(1 - share, abs=0.05)
         assert m["host_peak_bytes"] == pytest.approx(share * counted["resident_peak_bytes"], rel=0.05)
 
 
@@ -228,13 +283,14 @@ def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
     policy = _offload_policy("optim")["offload_policy"]
     assert isinstance(policy, CPUOffloadPolicy) and not policy.pin_memory and _offload_policy("none") == {}
     model = load_model("tiny-llama")
-    for text in ("dp=2,zero=1,swap=0.5", "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim"):
-        assert unsupported(uniform_plan(text, model, local_ranks(4 if "dp=4" in text else 2), 64), model) is None
-    for text, needle in (("dp=2,offload=optim", "offloads the optimizer with FSDP2"),
-                         ("dp=2,tp=2,zero=1,offload=optim", "offloads the optimizer with FSDP2"),
-                         ("dp=2,pp=2,zero=1,offload=optim", "offloads the optimizer with FSDP2"),
-                         ("tp=2,swap=0.5", "swap=0 there"), ("dp=2,recompute=full,swap=1", "swap=0 there")):
-        world = 4 if ("tp=2" in text or "pp=2" in text) and "dp=2" in text else 2
+    for text in ("dp=2,zero=1,swap=0.5", "dp=2,recompute=full,swap=1", "tp=2,sp=1,swap=0.5", "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim",
+                 "dp=2,zero=1,offload=params", "dp=2,pp=2,zero=1,offload=optim", "dp=2,tp=2,zero=1,offload=params"):
+        world = 4 if "dp=4" in text or "pp=2" in text or "tp=2" in text else 2
+        assert unsupported(uniform_plan(text, model, local_ranks(world), 64), model) is None, text
+    for text, needle in (("dp=2,offload=optim", "offloads model states with FSDP2"),
+                         ("dp=2,cp=2,zero=1,offload=params", "offloads model states with FSDP2"),
+                         ("cp=2,swap=0.5", "swap=0 there"), ("dp=2,zero=1,offload=nvme", "no NVMe path"), ("dp=2,recompute=selective,swap=1", "swap=0 there")):
+        world = 4 if ("tp=2" in text or "pp=2" in text or "cp=2" in text) and "dp=2" in text else 2
         reason = unsupported(uniform_plan(text, model, local_ranks(world), 64), model)
         assert reason is not None and needle in reason and "\n" not in reason, (text, reason)
 
@@ -255,7 +311,7 @@ def test_train_swaps_and_offloads_on_two_ranks_with_the_same_losses(tmp_path: Pa
     model = load_model("tiny-llama")
     paths, outs = [], {}
     cases = {0.0: "dp=2,zero=1", 0.5: "dp=2,zero=1,swap=0.5", 1.0: "dp=2,zero=1,swap=1",
-             "offload": "dp=2,zero=1,offload=optim"}
+             "offload": "dp=2,zero=1,offload=optim", "full": "dp=2,zero=1,recompute=full,swap=0.5"}
     for key, strategy in cases.items():
         plan = uniform_plan(strategy, model, local_ranks(2), 64)
         outs[key] = tmp_path / f"metrics-{key}.jsonl"
@@ -268,12 +324,80 @@ def test_train_swaps_and_offloads_on_two_ranks_with_the_same_losses(tmp_path: Pa
     base = [r["loss"] for r in records[0.0]]
     assert len(base) == STEPS and all("swap" not in r for r in records[0.0])
     assert [r["loss"] for r in records["offload"]] == pytest.approx(base, abs=1e-5)  # FSDP2's CPUOffloadPolicy
+    assert [r["loss"] for r in records["full"]] == pytest.approx(base, abs=1e-5)  # the checkpoint inputs swapped
+    for r in records["full"]:
+        m = r["swap"]
+        assert m["resident_peak_bytes"] == pytest.approx(m["host_peak_bytes"], rel=0.05) and m["swapped_bytes"] > 0
     for share in (0.5, 1.0):
         assert [r["loss"] for r in records[share]] == pytest.approx(base, abs=1e-6)
         for r in records[share]:
             m = r["swap"]
             resident = m["resident_peak_bytes"] / (m["resident_peak_bytes"] + m["host_peak_bytes"])
             assert resident == pytest.approx(1 - share, abs=0.05) and m["swapped_bytes"] > 0
+
+
+def test_offload_runs_with_a_pipeline_and_with_tp_on_four_ranks_with_the_same_losses(tmp_path: Path) -> None:
+    import json
+
+    from plait.plan import uniform_plan
+    from plait.runtime.train import TrainConfig
+    from plait.spec.cluster import local_ranks
+    from plait.spec.model import load_model
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"plait pages parameters in from the host {i}." for i in range(200)))
+    model = load_model("tiny-llama")
+    paths, outs = [], {}
+    single = uniform_plan("dp=1,gbs=4", model, local_ranks(1), 64)
+    cases = {"one": single, **{key: uniform_plan(f"dp=2,zero=1,gbs=4,{extra}", model, local_ranks(4), 64)
+                                for key, extra in (("pp", "pp=2"), ("optim", "pp=2,offload=optim"),
+                                                   ("params", "pp=2,offload=params"),
+                                                   ("tp", "tp=2,sp=1,offload=params"))}}
+    for key, plan in cases.items():
+        outs[key] = tmp_path / f"metrics-{key}.jsonl"
+        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=8, lr=0.01,
+                          data=str(text), metrics_out=str(outs[key]))
+        paths.append(tmp_path / f"config-{key}.json")
+        paths[-1].write_text(cfg.to_json())
+    run_workers(paths[:1], nproc=1)
+    run_workers(paths[1:], nproc=4)
+    losses = {k: [json.loads(line)["loss"] for line in out.read_text().splitlines()] for k, out in outs.items()}
+    assert len(losses["one"]) == 8
+    for key in ("pp", "optim", "params", "tp"):
+        assert losses[key] == pytest.approx(losses["one"], abs=1e-5), key
+
+
+def test_swap_with_tensor_and_sequence_parallelism_keeps_the_losses(tmp_path: Path) -> None:
+    import json
+
+    from plait.plan import uniform_plan
+    from plait.runtime.train import TrainConfig
+    from plait.spec.cluster import local_ranks
+    from plait.spec.model import load_model
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"plait swaps local shards of tokens {i}." for i in range(200)))
+    model = load_model("tiny-llama")
+    paths, outs = [], {}
+    cases = {"one": "dp=1", "tp": "tp=2,swap=0.5", "sp": "tp=2,sp=1,swap=0.5"}
+    for key, strategy in cases.items():
+        plan = uniform_plan(strategy, model, local_ranks(1 if key == "one" else 2), 64)
+        outs[key] = tmp_path / f"metrics-{key}.jsonl"
+        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=4, lr=0.01,
+                          data=str(text), metrics_out=str(outs[key]))
+        paths.append(tmp_path / f"config-{key}.json")
+        paths[-1].write_text(cfg.to_json())
+    run_workers(paths[:1], nproc=1)
+    run_workers(paths[1:])
+    records = {k: [json.loads(line) for line in out.read_text().splitlines()] for k, out in outs.items()}
+    base = [r["loss"] for r in records["one"]]
+    assert len(base) == 4
+    for key in ("tp", "sp"):
+        assert [r["loss"] for r in records[key]] == pytest.approx(base, abs=1e-5), key
+        for r in records[key]:  # DTensors cut as their local tensors, gathered sequences included
+            m = r["swap"]
+            assert m["resident_peak_bytes"] == pytest.approx(m["host_peak_bytes"], rel=0.05)
+            assert m["swapped_bytes"] > 0
 
 
 def memo_gpt():  # noqa: ANN201
@@ -427,3 +551,27 @@ def test_simulate_and_plan_show_swap_offload_and_host_memory() -> None:
                                "--host-memory", "--json"])
     assert plan.exit_code == 0, plan.output
     assert "swap" in plan.output and "host_memory_gib" in plan.output
+
+
+def test_train_cli_swaps_and_offloads(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    outs = {}
+    for key, extra in (("base", ""), ("both", ",swap=0.5,offload=optim")):
+        outs[key] = tmp_path / f"{key}.jsonl"
+        cmd = [sys.executable, "-m", "plait.cli", "train", "--model", "tiny-llama", "--strategy",
+               f"dp=2,zero=1,gbs=4{extra}", "--nproc", "2", "--steps", "3", "--seq-len", "64", "--lr", "0.01",
+               "--metrics-out", str(outs[key])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {k: [json.loads(line) for line in out.read_text().splitlines()] for k, out in outs.items()}
+    assert len(records["both"]) == 3
+    assert [r["loss"] for r in records["both"]] == pytest.approx([r["loss"] for r in records["base"]], abs=1e-5)
+    for r in records["both"]:
+        m = r["swap"]
+        resident = m["resident_peak_bytes"] / (m["resident_peak_bytes"] + m["host_peak_bytes"])
+        assert resident == pytest.approx(0.5, abs=0.05) and m["swapped_bytes"] > 0

@@ -95,32 +95,37 @@ def _unsupported_sharding(plan: Plan) -> str | None:
 
 
 def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
-    """Token-wise swapping runs on layers without recomputation (checkpointing brings its own saved-tensor
-    hooks) and without tensor or context parallelism (their saved activations are DTensors or sequence
-    shards). The optimizer offload runs as FSDP2's CPUOffloadPolicy: ZeRO over more than one data-parallel
-    rank, one stage, no tensor or context parallelism, every layer offloaded alike, no MoE layers (their
-    experts are sharded apart)."""
+    """Token-wise swapping runs on layers without recomputation or with full recomputation (checkpoint saves
+    the block's input under the swap's hooks; selective recomputation keeps its GEMM outputs outside them),
+    with tensor and sequence parallelism (DTensors cut as their local tensors), not with context parallelism. Offload runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
+    optimizer states in host memory and steps on the CPU: exactly offload=params; offload=optim, whose cost
+    keeps the 16-bit shard on the device, runs the same way (the same numerics, fewer device bytes). It
+    needs ZeRO over more than one data-parallel rank in every stage, no context parallelism, every layer
+    offloaded alike, no MoE layers (their experts are sharded apart)."""
     strategies = [s for p in plan.pipelines for st in p.stages for s in st.strategies]
     offloads = {s.offload for s in strategies}
+    if "nvme" in offloads:
+        return ("offload=nvme is priced but not executed: FSDP2 offloads to host memory only and this "
+                "runtime has no NVMe path; use offload=params")
     if offloads != {"none"} and "moe" in model.kind_counts():
         return f"{model.name} has MoE layers, whose optimizer the runtime does not offload yet; use offload=none"
     for s in strategies:
-        if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.tp > 1 or s.cp > 1 or plan.pp > 1
-                                    or len(plan.pipelines) > 1 or len(offloads) > 1):
-            return (f"{s.short()}: the runtime offloads the optimizer with FSDP2 (zero >= 1 over dp > 1, one "
-                    "stage, no tensor or context parallelism, every layer alike); use offload=none")
-        if s.swap and (s.recompute != "none" or s.tp > 1 or s.cp > 1):
-            return (f"{s.short()}: the runtime swaps activations of layers without recompute, tensor or context "
+        if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.cp > 1 or len(offloads) > 1):
+            return (f"{s.short()}: the runtime offloads model states with FSDP2 (zero >= 1 over dp > 1 in "
+                    "every stage, no context parallelism, every layer alike); use offload=none")
+        if s.swap and (s.recompute == "selective" or s.cp > 1):
+            return (f"{s.short()}: the runtime swaps activations of layers without selective recompute or context "
                     "parallelism; use swap=0 there")
     return None
 
 
 def shard_shape(stage: Stage, layer: int) -> tuple:
     """What decides how a stage's ranks shard `layer`'s weights and gradients: the stage's width, the
-    tensor-, data- and context-parallel degrees and whether ZeRO shards them. Pipelines whose holders of a
+    tensor-, data- and context-parallel degrees, whether ZeRO shards them, and the expert-parallel and
+    expert-tensor-parallel degrees (1 and tp outside MoE layers). Pipelines whose holders of a
     layer differ in it reduce its gradients as whole tensors (`plait.runtime.placement.Replicas`)."""
     s = stage.strategy(layer)
-    return len(stage.ranks), s.tp, s.dp, s.cp, s.zero > 0
+    return len(stage.ranks), s.tp, s.dp, s.cp, s.zero > 0, s.ep, s.expert_tp
 
 
 def holders(plan: Plan, layer: int) -> list[Stage]:
@@ -196,18 +201,17 @@ def _kind_problem(plan: Plan, model: ModelSpec) -> str | None:
 
 
 def _expert_problem(plan: Plan, model: ModelSpec) -> str | None:
-    """The first MoE layer whose expert layout the runtime does not run: several pipelines (their experts'
-    gradients would cross pipelines), or degrees that do not lay out its experts (`plait.plan.expert_problem`)."""
+    """The first MoE layer whose degrees do not lay out its experts over its stage's ranks
+    (`plait.plan.expert_problem`). Each stage of each pipeline holds whole experts (ep and etp span a
+    stage's ranks only), so with several pipelines their gradients cross pipelines like any layer's
+    (`plait.runtime.placement.Replicas`), under the same rules (`_unsupported_replicas`)."""
     if "moe" not in model.kind_counts():
         return None
-    if len(plan.pipelines) > 1:
-        return "a model with MoE layers runs as one pipeline; use one pipeline (a uniform dp x pp layout)"
-    for stage in plan.pipelines[0].stages:
-        for layer in range(*stage.layers):
-            block, s = model.stack[layer], stage.strategy(layer)
-            if block.kind != "moe":
-                continue
-            where = f"layer {layer} (moe, {s.short()})"
-            if (why := expert_problem(s, block)) is not None:
-                return f"{where}: {why}"
+    for pi, pipe in enumerate(plan.pipelines):
+        which = f"pipeline {pi} " if len(plan.pipelines) > 1 else ""
+        for stage in pipe.stages:
+            for layer in range(*stage.layers):
+                block, s = model.stack[layer], stage.strategy(layer)
+                if block.kind == "moe" and (why := expert_problem(s, block)) is not None:
+                    return f"{which}layer {layer} (moe, {s.short()}): {why}"
     return None

@@ -38,7 +38,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["bf16", "fp16", "fp32"]
 GradReduce = Literal["auto", "fp32", "bf16"]
 MoeComm = Literal["alltoall", "lsh"]
-Offload = Literal["none", "optim"]
+Offload = Literal["none", "optim", "params", "nvme"]
 PLAN_VERSION = 5
 """Version of the plan file. 5: strategies carry the share of saved activations swapped to host `swap`, the
 `offload` of optimizer states to the host CPU and the MoE token exchange `moe_comm` (absent in older files: 0,
@@ -90,7 +90,10 @@ class Strategy(BaseModel):
                                     "after its forward and fetched back for its backward (MEMO)")
     offload: Offload = Field("none", description="optim: fp32 master weights, optimizer states and gradients "
                                                  "live in host memory and the optimizer steps on the CPU "
-                                                 "(ZeRO-Offload)")
+                                                 "(ZeRO-Offload); params: the 16-bit parameter shard lives "
+                                                 "there too and is paged in per layer for its forward and "
+                                                 "backward (ZeRO-Infinity, FSDP2's CPUOffloadPolicy); nvme: "
+                                                 "as params, the states on the node's NVMe")
 
     @property
     def degrees(self) -> Degrees:
@@ -334,6 +337,9 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
             for (strategy, block), layer in seen.items():
                 _validate_strategy(strategy, block, len(stage.ranks), pipe.micro_batch_sequences, plan,
                                    f"{sw} layer {layer} ({block.kind})")
+                if strategy.offload == "nvme" and cluster.host_side.nvme_bandwidth <= 0:
+                    raise PlaitError(f"{sw} layer {layer} offloads to NVMe, but cluster {cluster.name} has no NVMe; "
+                                     "give its nodes nvme_tb and nvme_gbps in the cluster YAML, or use offload=params")
         if expected != model.layers:
             raise PlaitError(f"{where} covers layers 0..{expected - 1} but {model.name} has {model.layers} "
                              f"layers; make the last stage end at {model.layers}")
@@ -514,7 +520,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     (none|selective|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel and expert
     tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
     of the routed tokens), expert_load (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), swap
-    (share of saved activations swapped to host), offload (none|optim), and optionally schedule, cp_mode,
+    (share of saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
     precision, grad_reduce (auto|fp32|bf16), overlap. dp defaults to the devices left by tp*pp*cp; gbs to
     4*pp micro-batches.
     """
@@ -540,7 +546,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     cp_mode = _choice(d, "cp_mode", ("ulysses", "ring"))
     grad_reduce = _choice(d, "grad_reduce", ("auto", "fp32", "bf16"))
     moe_comm = _choice(d, "moe_comm", ("alltoall", "lsh"))
-    offload = _choice(d, "offload", ("none", "optim"))
+    offload = _choice(d, "offload", ("none", "optim", "params", "nvme"))
     zero = _int(d, "zero", 0)
     if zero > 3:
         raise PlaitError(f"--strategy: zero must be 0..3, got {zero}")

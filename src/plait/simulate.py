@@ -107,6 +107,8 @@ class Report:
     by_kind: dict[str, KindSummary] = field(default_factory=dict, repr=False)
     host_memory_gib: float = 0.0  # the fullest node's host memory used by its devices
     host_capacity_gib: float = 0.0  # host memory per node
+    nvme_gib: float = 0.0  # the fullest node's NVMe used by its devices (offload="nvme")
+    nvme_capacity_gib: float = 0.0  # NVMe per node
 
     @property
     def over_memory_gib(self) -> float:
@@ -128,6 +130,8 @@ class Report:
             "over_memory_gib": self.over_memory_gib,
             "host_memory_gib": self.host_memory_gib,
             "host_capacity_gib": self.host_capacity_gib,
+            "nvme_gib": self.nvme_gib,
+            "nvme_capacity_gib": self.nvme_capacity_gib,
             "breakdown": self.breakdown,
             "by_kind": {k: asdict(v) for k, v in self.by_kind.items()},
             "devices": [
@@ -315,7 +319,7 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
                cal: Calibration, prec: PrecisionBytes) -> tuple[float, float, float]:
     """(reduce seconds before the optimizer, gather seconds after it, optimizer seconds) of a device group."""
     reduce_t = sum(count * c.grad_reduce for cost in costs for c, count, _, _ in cost.priced)
-    reduce_t += _whole_reduce(costs, plan, stage, cluster, cal, prec)
+    reduce_t += _whole_reduce(costs, plan, stage, model, cluster, cal, prec)
     gather_t = sum(count * c.param_gather for cost in costs for c, count, _, _ in cost.priced)
     ctx = BlockContext(model, cluster, cal, prec, plan.seq_len, 1, comm.SINGLE, comm.SINGLE, comm.SINGLE)
     if model.tied_embeddings and len(plan.pipelines[0].stages) > 1:
@@ -325,12 +329,12 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
     return reduce_t, gather_t, optimizer_time(held, ctx)
 
 
-def _whole_reduce(costs: list[StageCost], plan: Plan, stage: Stage, cluster: Cluster, cal: Calibration,
-                  prec: PrecisionBytes) -> float:
+def _whole_reduce(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpec, cluster: Cluster,
+                  cal: Calibration, prec: PrecisionBytes) -> float:
     """Seconds a device group spends reducing, across pipelines, the layers that pipelines shard differently
     (`plait.executable.shard_shape`), as the runtime does (`sync_whole_gradients`): the whole gradient
-    gathered over the stage where tensor parallelism or ZeRO splits it, then all-reduced over every holder
-    in every pipeline."""
+    gathered over the stage where tensor, expert (tensor) parallelism or ZeRO splits it, then all-reduced
+    over every holder in every pipeline. An MoE layer's whole gradient is all its parameters (every expert)."""
     if len(plan.pipelines) == 1:
         return 0.0
     gpn, total = cluster.gpus_per_node, 0.0
@@ -339,9 +343,10 @@ def _whole_reduce(costs: list[StageCost], plan: Plan, stage: Stage, cluster: Clu
             holding = holders(plan, layer)
             if len({shard_shape(st, layer) for st in holding}) == 1:
                 continue
-            whole = c.params * s.tp * prec.reduce_bytes
-            gather = comm.all_gather(whole, GroupShape.of(stage.ranks, gpn), cluster, cal) \
-                if s.tp > 1 or (s.zero and s.dp * s.cp > 1) else 0.0
+            moe = 0 <= layer < model.layers and model.stack[layer].kind == "moe"
+            whole = (model.stack[layer].params if moe else c.params * s.tp) * prec.reduce_bytes
+            split = s.tp > 1 or (s.zero and s.dp * s.cp > 1) or (moe and s.ep * s.expert_tp > 1)
+            gather = comm.all_gather(whole, GroupShape.of(stage.ranks, gpn), cluster, cal) if split else 0.0
             everyone = GroupShape.of(tuple(r for st in holding for r in st.ranks), gpn)
             total += count * (gather + comm.all_reduce(whole, everyone, cluster, cal))
     return total
@@ -360,6 +365,7 @@ class PricedPlan:
     memory: list[list[MemoryTerms]]  # per pipeline, per device group
     syncs: list[list[tuple[float, float, float]]]  # per device group: (reduce, gather, optimizer) seconds
     host: list[list[float]] = field(default_factory=list)  # per pipeline, per device group: host bytes per device
+    nvme: list[list[float]] = field(default_factory=list)  # per pipeline, per device group: NVMe bytes per device
 
     @property
     def peak_bytes(self) -> float:
@@ -369,10 +375,19 @@ class PricedPlan:
     @property
     def host_peak_bytes(self) -> float:
         """The fullest node's host memory used by the devices on it, bytes."""
-        if not any(any(hosts) for hosts in self.host):  # nothing swapped or offloaded: skip the rank walk
+        return self._node_peak(self.host)
+
+    @property
+    def nvme_peak_bytes(self) -> float:
+        """The fullest node's NVMe used by the devices on it, bytes."""
+        return self._node_peak(self.nvme)
+
+    def _node_peak(self, per_device: list[list[float]]) -> float:
+        """The largest sum over a node's devices of `per_device` bytes (per pipeline, per device group)."""
+        if not any(any(hosts) for hosts in per_device):  # nothing swapped or offloaded: skip the rank walk
             return 0.0
         per_node: dict[int, float] = {}
-        for pipe, hosts in zip(self.plan.pipelines, self.host, strict=True):
+        for pipe, hosts in zip(self.plan.pipelines, per_device, strict=True):
             pp = len(pipe.stages) // self.plan.chunks
             for d in range(pp):
                 for rank in pipe.stages[d].ranks:
@@ -382,9 +397,10 @@ class PricedPlan:
 
     @property
     def fits(self) -> bool:
-        """Whether every device's memory fits the GPU and every node's host memory its host."""
+        """Whether every device's memory fits the GPU and every node's host memory and NVMe its own."""
         return self.peak_bytes <= self.cluster.gpu.memory_bytes and \
-            self.host_peak_bytes <= self.cluster.host_side.memory_bytes
+            self.host_peak_bytes <= self.cluster.host_side.memory_bytes and \
+            self.nvme_peak_bytes <= self.cluster.host_side.nvme_bytes
 
     def lower_bound_s(self) -> float:
         """Seconds the iteration takes at least: `finish` never predicts less. A device's last backward
@@ -438,12 +454,14 @@ def price_plan(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration 
     prec = plan_precision(plan.precision, plan.grad_reduce)
     costs = [[_stage_cost(plan, pi, j, model, cluster, cal) for j in range(len(pipe.stages))]
              for pi, pipe in enumerate(plan.pipelines)]
-    memory, syncs, host = [], [], []
+    memory, syncs, host, nvme = [], [], [], []
     for pipe, pipe_costs in zip(plan.pipelines, costs, strict=True):
         pp = len(pipe.stages) // plan.chunks
         weights = [[pipe_costs[j].activation_bytes for j in range(d, len(pipe_costs), pp)] for d in range(pp)]
         alive = peak_weighted_in_flight(plan.schedule, pp, pipe.micro_batches, plan.chunks, weights)
         host.append(_host_bytes(plan, pipe_costs, pipe.micro_batches, pp))
+        nvme.append([sum(count * c.nvme for cost in pipe_costs[d::pp] for c, count, _, _ in cost.priced)
+                     for d in range(pp)])
         mems, sync = [], []
         for d in range(pp):
             chunk_costs = pipe_costs[d::pp]
@@ -454,7 +472,7 @@ def price_plan(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration 
             mems.append(_memory(chunk_costs, alive[d], stage, plan, prec, cal))
         memory.append(mems)
         syncs.append(sync)
-    return PricedPlan(plan, model, cluster, cal, costs, memory, syncs, host)
+    return PricedPlan(plan, model, cluster, cal, costs, memory, syncs, host, nvme)
 
 
 def _host_bytes(plan: Plan, costs: list[StageCost], micro_batches: int, pp: int) -> list[float]:
@@ -532,6 +550,8 @@ def finish(priced: PricedPlan, record: bool = False, detail: bool = True) -> Rep
         by_kind=by_kind,
         host_memory_gib=priced.host_peak_bytes / GIB,
         host_capacity_gib=cluster.host_side.memory_bytes / GIB,
+        nvme_gib=priced.nvme_peak_bytes / GIB,
+        nvme_capacity_gib=cluster.host_side.nvme_bytes / GIB,
     )
 
 

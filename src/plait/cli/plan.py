@@ -43,8 +43,9 @@ LshOpt = Annotated[bool, typer.Option(
     "--lsh", help="MoE layers with expert parallelism may send LSH-MoE centroids instead of every token "
                   "(changes the model's numerics)")]
 HostMemoryOpt = Annotated[bool, typer.Option(
-    "--host-memory", help="also search swapping activations to host (swap 0.5, 1) and offloading the "
-                          "optimizer to the host CPU, within the nodes' host memory")]
+    "--host-memory", help="also search swapping activations to host (swap 0.5, 1), offloading the "
+                          "optimizer to the host CPU and paging parameters in from it (offload=optim, "
+                          "params), within the nodes' host memory")]
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ def _print_headline(report: Report) -> None:
     head.add_column("value", justify="right")
     host_over = report.host_memory_gib - report.host_capacity_gib
     fits = "[green]yes[/]" if report.fits else f"[red]no: {report.over_memory_gib:.1f} GiB over[/]" \
-        if report.over_memory_gib > 0 else f"[red]no: host memory {host_over:.1f} GiB over[/]"
+        if report.over_memory_gib > 0 else f"[red]no: host memory {host_over:.1f} GiB over[/]" if host_over > 0 \
+        else f"[red]no: NVMe {report.nvme_gib - report.nvme_capacity_gib:.1f} GiB over[/]"
     for name, value in (
         ("iteration time", fmt_s(report.iteration_time_s)),
         ("throughput", f"{report.tokens_per_s:,.0f} tokens/s"),
@@ -66,6 +67,8 @@ def _print_headline(report: Report) -> None:
         ("hardware TFLOP/s per GPU", f"{report.hardware_tflops_per_gpu:.1f} (HFU {report.hfu:.1%})"),
         ("peak memory", f"{report.peak_memory_gib:.1f} of {report.memory_capacity_gib:.1f} GiB"),
         ("host memory per node", f"{report.host_memory_gib:.1f} of {report.host_capacity_gib:.0f} GiB"),
+        *([("NVMe per node", f"{report.nvme_gib:.1f} of {report.nvme_capacity_gib:.0f} GiB")]
+          if report.nvme_gib else []),
         ("fits", fits),
     ):
         head.add_row(name, value)

@@ -99,16 +99,10 @@ def train_cmd(
     from plait.runtime.data import prepare_data
 
     if tasks is not None:
-        from plait.cli.train_tasks import run_tasks, tasks_config
-
-        with one_line_errors():
-            metrics_file = optional_output(metrics_out, "metrics.jsonl", "--metrics-out")
-            inside, world = _torchrun_world(nproc)
-            cfg, world = tasks_config(tasks, world, steps, seed, lr, metrics_file, timeout, {
-                "--model": model, "--plan": plan, "--strategy": strategy, "--data": data, "--varlen": varlen,
-                "--nnodes": nnodes > 1, "--slurm": slurm, "--adaptive": adaptive, "--hf-checkpoint": hf_checkpoint,
-                "--checkpoint-dir": checkpoint_dir, "--global-batch": global_batch, "--seq-len": seq_len})
-        raise typer.Exit(run_tasks(cfg, world, inside))
+        _train_tasks(tasks, nproc, steps, seed, lr, metrics_out, timeout, {
+            "--model": model, "--plan": plan, "--strategy": strategy, "--data": data, "--varlen": varlen,
+            "--nnodes": nnodes > 1, "--slurm": slurm, "--adaptive": adaptive, "--hf-checkpoint": hf_checkpoint,
+            "--checkpoint-dir": checkpoint_dir, "--global-batch": global_batch, "--seq-len": seq_len})
     with one_line_errors():
         if not model:
             raise PlaitError("give --model (a preset, config.json or spec), or --tasks FILE to train a task file")
@@ -142,6 +136,19 @@ def train_cmd(
                             replan_degrees=replan_degrees)
         cfg = replace(cfg, data_dtype=data_dtype)
     _launch(cfg, world, inside, max_restarts, m, nodes)
+
+
+def _train_tasks(tasks: Path, nproc: int | None, steps: int, seed: int, lr: float, metrics_out: Path | None,
+                 timeout: float, refused: dict) -> None:
+    """`plait train --tasks`: plan the task file's waves for the ranks and run them (`refused`: the options
+    that do not apply, by flag)."""
+    from plait.cli.train_tasks import run_tasks, tasks_config
+
+    with one_line_errors():
+        metrics_file = optional_output(metrics_out, "metrics.jsonl", "--metrics-out")
+        inside, world = _torchrun_world(nproc)
+        cfg, world = tasks_config(tasks, world, steps, seed, lr, metrics_file, timeout, refused)
+    raise typer.Exit(run_tasks(cfg, world, inside))
 
 
 def _torchrun_world(nproc: int | None) -> tuple[bool, int | None]:

@@ -250,10 +250,13 @@ def _host_link_time(block: Block, s: Strategy, ctx: BlockContext, forward: float
     """(forward, backward) seconds of `block`'s exposed host-link copies under `s` (cost/offload.py)."""
     if s.swap == 0 and s.offload == "none":
         return 0.0, 0.0
+    states = [model_state_bytes(held, group.size, s.zero, ctx.prec, offload=True)
+              for held, group in experts.held_params(block, s, ctx)]
     grads = sum(model_state_bytes(held, group.size, s.zero, ctx.prec)[1]
                 for held, group in experts.held_params(block, s, ctx))
     swapped = offload.swapped_activation(block_activation_bytes(block, s, ctx), s)
-    return offload.link_time(swapped, grads, forward, backward, s, ctx.cluster, ctx.prec)
+    return offload.link_time(swapped, grads, forward, backward, s, ctx.cluster, ctx.prec,
+                             paged=sum(w for w, _, _ in states))
 
 
 def zero_sync_time(params: float, zero: int, forward: float, backward: float, ctx: BlockContext,

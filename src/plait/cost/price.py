@@ -52,6 +52,7 @@ class LayerCost:
     param_gather: float  # seconds per step gathering ZeRO-1/2 parameters (and offloaded weights) after the step
     host: float = 0.0  # bytes in host memory: offloaded optimizer state and fp32 gradients (cost/offload.py)
     swapped: float = 0.0  # bytes of saved activations swapped to host per micro-batch in flight
+    nvme: float = 0.0  # bytes on the node's NVMe: model states under offload="nvme" (cost/offload.py)
 
     @property
     def states(self) -> float:
@@ -98,11 +99,14 @@ def price(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
     w, g, o = (x * _measured_states(block.kind, s, ctx) for x in (w, g, o))
     working = block_activation_bytes(block, s, ctx, "none") if s.recompute != "none" else 0.0
     activation = block_activation_bytes(block, s, ctx)
-    g, o, host = offload.offloaded_states(g, o, s, ctx.prec)
+    g, o, states = offload.offloaded_states(g, o, s, ctx.prec)
+    gathered += offload.paged_buffers(params, s, ctx.prec, gathered)
+    w, paged = offload.paged_weights(w, s)
+    host, nvme = offload.placed(states + paged, s)
     gather_t += offload.weights_back_time(params, s, ctx.cluster, ctx.prec, _shards(s, ctx))
     return LayerCost(time=block_time(block, s, ctx), params=params, weights=w, gradients=g, optimizer=o,
                      activation=offload.resident_activation(activation, s), working=working, buffers=gathered,
-                     grad_reduce=reduce_t, param_gather=gather_t, host=host,
+                     grad_reduce=reduce_t, param_gather=gather_t, host=host, nvme=nvme,
                      swapped=offload.swapped_activation(activation, s))
 
 
@@ -134,10 +138,13 @@ def price_edge(edge: Edge, s: Strategy, ctx: BlockContext, pipelined: bool = Fal
     w, g, o, reduce_t, gather_t = _states_and_sync(params, s, ctx)
     w, g, o = (x * _measured_states(ctx.model.block.kind, s, ctx) for x in (w, g, o))
     working = _edge_working(edge, s, ctx, pipelined)
-    g, o, host = offload.offloaded_states(g, o, s, ctx.prec)
+    g, o, states = offload.offloaded_states(g, o, s, ctx.prec)
+    w, paged = offload.paged_weights(w, s)
+    host, nvme = offload.placed(states + paged, s)
     gather_t += offload.weights_back_time(params, s, ctx.cluster, ctx.prec, _shards(s, ctx))
     return LayerCost(time=time, params=params, weights=w, gradients=g, optimizer=o, activation=0.0,
-                     working=working, buffers=0.0, grad_reduce=reduce_t, param_gather=gather_t, host=host)
+                     working=working, buffers=offload.paged_buffers(params, s, ctx.prec, 0.0),
+                     grad_reduce=reduce_t, param_gather=gather_t, host=host, nvme=nvme)
 
 
 def _measured_states(kind: str, s: Strategy, ctx: BlockContext) -> float:
@@ -215,7 +222,8 @@ def optimizer_time(held: list[Held], ctx: BlockContext) -> float:
     at once."""
     on_host = [h for h in held if h.strategy.offload != "none"]
     on_device = [h for h in held if h.strategy.offload == "none"]
-    host = offload.host_optimizer_time(sum(h.local_params for h in on_host), ctx.cluster)
+    host = offload.host_optimizer_time(sum(h.local_params for h in on_host), ctx.cluster,
+                                       sum(h.count * h.cost.nvme for h in on_host))
     return max(host, device_optimizer_time(on_device, ctx) if on_device else 0.0)
 
 

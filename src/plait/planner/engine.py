@@ -84,6 +84,7 @@ class _Priced:
     activation: float  # bytes saved per micro-batch in flight
     working: float  # transient bytes while recomputing
     host: float = 0.0  # host bytes: offloaded states, and swapped activations per micro-batch in flight
+    nvme: float = 0.0  # NVMe bytes: states under offload="nvme"
 
 
 def _micro_batch_counts(global_batch: int, pp: int) -> list[int]:
@@ -162,16 +163,17 @@ class _Config:
     def _price(self, block: Block, s: Strategy) -> _Priced:
         c = price(block, s, self._context(s))
         return _Priced(s, c.micro_batch_s, c.exposed_sync(self.cal.overlap_efficiency), c.states, c.activation,
-                       c.working, c.host + c.swapped * max(self.in_flight) / self.chunks)
+                       c.working, c.host + c.swapped * max(self.in_flight) / self.chunks, c.nvme)
 
     def _host_fits(self, p: _Priced) -> bool:
         """Whether a node's host memory holds `p`'s host bytes for the most layers a device may get (its
         even share plus one) on every device of the node: the search's host budget (the simulator
         checks the assembled plan's own)."""
-        if p.host == 0:
+        if p.host == 0 and p.nvme == 0:
             return True
-        layers = -(-self.model.layers // self.pp) + 1
-        return layers * self.cluster.gpus_per_node * p.host <= self.cluster.host_side.memory_bytes
+        per_node = (-(-self.model.layers // self.pp) + 1) * self.cluster.gpus_per_node
+        side = self.cluster.host_side
+        return per_node * p.host <= side.memory_bytes and per_node * p.nvme <= side.nvme_bytes
 
     def lower_bound_s(self) -> float:
         """Seconds every plan of this configuration takes at least: its layers at their fastest strategies

@@ -6,7 +6,8 @@ devices (expert parallel ep x expert tensor parallel etp, the rest expert data p
 tp divides the heads and kv heads and stays inside a node, Ulysses cp divides the heads per tp rank, the
 micro-batch splits evenly over dp, sequence parallelism needs tp > 1, ZeRO needs more than one replica.
 Below device memory (when the limits allow it): a share of the saved activations swapped to host, and the
-optimizer offloaded to the host CPU (where ZeRO shards it, or on a single replica).
+optimizer, or the optimizer and the parameter shard, offloaded to the host CPU (where ZeRO shards them, or on
+a single replica).
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ class SpaceLimits:
     moe_comm: tuple[str, ...] = ("alltoall",)  # add "lsh" to let MoE layers with ep > 1 send LSH-MoE centroids
     # (opt in: it approximates the experts' outputs, so it changes the model's numerics)
     swap: tuple[float, ...] = (0.0,)  # shares of saved activations swapped to host (HIERARCHY: SWAP_SHARES)
-    offload: tuple[str, ...] = ("none",)  # optimizer offload choices ("none", "optim")
+    offload: tuple[str, ...] = ("none",)  # offload choices ("none", "optim", "params")
     interleaved: bool = True  # whether pipelines may hold several model chunks per device (virtual stages)
     allow: Callable[[Strategy], bool] | None = None  # only layer strategies it accepts (None: all valid ones)
 
 
-HIERARCHY = {"swap": SWAP_SHARES, "offload": ("none", "optim")}
+HIERARCHY = {"swap": SWAP_SHARES, "offload": ("none", "optim", "params")}
 """SpaceLimits fields that let the search use host memory: `replace(limits, **HIERARCHY)`."""
 
 

@@ -257,7 +257,7 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
         if s.tp > 1:
             apply_tp(model, seg.mesh["tp"], s.sp, layers, embedding=k == 0, head=k == len(segments) - 1)
         apply_ac(model, s.recompute, layers)
-        apply_swap(model, s.swap, layers)
+        apply_swap(model, s.swap, layers, s.tp if s.sp else 1)
     synced = expert_params(model)  # reduced by the syncs of apply_ep
     if len(segments) == 1:
         hand_sync = first.strategy.tp > 1 or first.strategy.cp > 1 or pipelined or bool(synced)

@@ -9,6 +9,10 @@ so the code path and the byte counts are the same) and the rest is kept as a ten
 original can be freed. Backward concatenates the two parts again: the values, and so the gradients, are
 exactly the unswapped ones. A `SwapMeter` counts the resident (kept) and host bytes of the saved activations
 (saved tensors with a token dimension; weights and their autocast copies stay and are not counted); bytes.
+
+Under tensor parallelism a saved DTensor is cut as its local tensor and rebuilt with its placements; under
+sequence parallelism (`gather` = tp) the block's input holds 1/tp of the sequence and the tensors after the
+all-gather the whole of it: both lengths count as the token dimension.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -38,7 +43,7 @@ class SwapMeter:
     @staticmethod
     def of(model: nn.Module) -> SwapMeter:
         """A meter that leaves out (and a swap that keeps) the storages of `model`'s parameters and buffers."""
-        return SwapMeter(exclude={(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+        return SwapMeter(exclude={_local(t).untyped_storage().data_ptr()
                                   for t in (*model.parameters(), *model.buffers()) if t is not None})
 
     def count(self, t: Tensor, host: bool) -> None:
@@ -85,10 +90,23 @@ class _Packed:
     view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
 
 
-def token_dim(t: Tensor, tokens: int, rows: int) -> int | None:
-    """The first dimension of `t` as long as the sequence (`tokens`), or as its `rows` tokens of every sequence
-    flattened together (a GEMM's [B*T, H] input), or None."""
-    return next((d for d, n in enumerate(t.shape) if n in (tokens, rows)), None)
+def _local(t: Tensor) -> Tensor:
+    """`t`'s local tensor if it is a DTensor, else `t`."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+@dataclass(frozen=True)
+class _DPacked:
+    """A saved DTensor whose local tensor was cut (`inner`), with what rebuilds it."""
+
+    inner: _Packed
+    spec: object  # the DTensor's DTensorSpec
+
+
+def token_dim(t: Tensor, lengths: tuple[int, ...]) -> int | None:
+    """The first dimension of `t` whose length is in `lengths`: the sequence's tokens, or its tokens of every
+    sequence flattened together (a GEMM's [B*T, H] input); None if none is."""
+    return next((d for d, n in enumerate(t.shape) if n in lengths), None)
 
 
 def to_host(t: Tensor) -> Tensor:
@@ -102,15 +120,15 @@ def to_host(t: Tensor) -> Tensor:
 class _LayerSwap:
     """The saved-tensor hooks of one block: swap `share` of each saved activation's tokens."""
 
-    def __init__(self, share: float, meter: SwapMeter) -> None:
-        self.share, self.meter = share, meter
+    def __init__(self, share: float, meter: SwapMeter, gather: int = 1) -> None:
+        self.share, self.meter, self.gather = share, meter, gather
         self.tokens = self.rows = 0
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._seen: dict[tuple, tuple[Tensor, _Packed | None]] = {}  # one cut per saved storage in a forward
 
     def pre(self, _module: nn.Module, args: tuple) -> None:
-        x = args[0] if args else None
-        self.tokens = x.shape[1] if isinstance(x, Tensor) and x.dim() >= 2 else 0
+        x = _local(args[0]) if args and isinstance(args[0], Tensor) else None
+        self.tokens = x.shape[1] if x is not None and x.dim() >= 2 else 0
         self.rows = x.shape[0] * self.tokens if self.tokens else 0
         self._seen = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -122,8 +140,20 @@ class _LayerSwap:
             self._hooks = None
         self._seen = {}
 
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Lengths of a token dimension: the block input's tokens, their rows, and both gathered."""
+        return (self.tokens, self.rows, self.tokens * self.gather, self.rows * self.gather)
+
     def pack(self, t: Tensor) -> object:
-        dim = token_dim(t, self.tokens, self.rows) if self.tokens else None
+        if isinstance(t, DTensor):
+            if t.requires_grad and t.grad_fn is None:
+                return t  # a parameter
+            inner = self.pack(t._local_tensor)
+            return _DPacked(inner, t._spec) if isinstance(inner, _Packed) else t
+        if isinstance(t, AsyncCollectiveTensor):  # a functional collective's result: its values, once arrived
+            t = t.trigger_wait()
+        dim = token_dim(t, self.lengths) if self.tokens else None
         base = t._base if t._base is not None else t
         if (base.requires_grad and base.grad_fn is None) or dim is None or \
                 t.untyped_storage().data_ptr() in self.meter.exclude:
@@ -132,7 +162,7 @@ class _LayerSwap:
         flat = base.numel() * base.element_size() == storage.nbytes()  # base covers its storage densely
         if flat:  # views of one storage (x, x.view(B*T, H), an expanded k, a transposed output) share one cut
             key: tuple = (storage.data_ptr(), base.dtype)
-            base_dim = token_dim(base, self.tokens, self.rows)
+            base_dim = token_dim(base, self.lengths)
             unit = base.stride(base_dim) if base_dim is not None else 1  # elements per token in storage order
         else:
             key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
@@ -162,6 +192,10 @@ class _LayerSwap:
 
     @staticmethod
     def unpack(packed: object) -> Tensor:
+        if isinstance(packed, _DPacked):
+            spec = packed.spec
+            return DTensor.from_local(_LayerSwap.unpack(packed.inner), spec.mesh, spec.placements,  # type: ignore[attr-defined]
+                                      run_check=False, shape=spec.shape, stride=spec.stride)  # type: ignore[attr-defined]
         if not isinstance(packed, _Packed):
             return packed  # type: ignore[return-value]
         head = packed.host.to(packed.device, non_blocking=True)
@@ -169,10 +203,11 @@ class _LayerSwap:
         return whole if packed.view is None else whole.as_strided(*packed.view)
 
 
-def attach(block: nn.Module, share: float, meter: SwapMeter) -> list[torch.utils.hooks.RemovableHandle]:
+def attach(block: nn.Module, share: float, meter: SwapMeter, gather: int = 1
+           ) -> list[torch.utils.hooks.RemovableHandle]:
     """Swap `share` of the tokens of `block`'s saved activations while it runs forward (0: only count them in
-    `meter`); the hook handles."""
-    swap = _LayerSwap(share, meter)
+    `meter`; `gather`: the sequence-parallel degree); the hook handles."""
+    swap = _LayerSwap(share, meter, gather)
     return [block.register_forward_pre_hook(swap.pre), block.register_forward_hook(swap.post, always_call=True)]
 
 
@@ -189,15 +224,15 @@ def switchable(model: nn.Module) -> list[_LayerSwap]:
     return swaps
 
 
-def apply_swap(model: nn.Module, share: float, layers: list[str]) -> None:
+def apply_swap(model: nn.Module, share: float, layers: list[str], gather: int = 1) -> None:
     """Swap `share` of the named blocks' saved activations token-wise, counted by `model.swap_meter` (made on
-    first use, leaving out the model's parameters and buffers)."""
+    first use, leaving out the model's parameters and buffers; `gather`: the sequence-parallel degree)."""
     if share <= 0:
         return
     if getattr(model, "swap_meter", None) is None:
         model.swap_meter = SwapMeter.of(model)
     for name in layers:
-        attach(model.layers[name], share, model.swap_meter)
+        attach(model.layers[name], share, model.swap_meter, gather)
 
 
 def step_metrics(chunks: Iterable[nn.Module]) -> dict[str, float] | None:
