@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plait.executable import unsupported
+from plait.executable import tied_copies, unsupported
 from plait.plan import Pipeline, Plan, Stage, Strategy
 from plait.spec.model import PRESETS
 
@@ -20,18 +20,50 @@ def test_per_layer_mixes_and_differently_laid_out_stages_run() -> None:
     assert unsupported(p, PRESETS["tiny-llama"]) is None
 
 
-def test_tied_embeddings_across_stages_need_one_layout_at_both_ends() -> None:
+def test_tied_embeddings_run_under_any_layout_at_both_ends() -> None:
+    """Ends laid out alike share the table (one stage) or sum it shard by shard (several); else the head
+    keeps its own copy (`tied_copies`), also where per-layer ZeRO units would split one table in two."""
+    gpt = PRESETS["tiny-gpt"]
     same = plan("tiny-gpt", [Stage(layers=(0, 2), ranks=(0, 1), strategies=(S(tp=2),)),
                              Stage(layers=(2, 4), ranks=(2, 3), strategies=(S(dp=2), S(tp=2, recompute="full")))])
-    assert unsupported(same, PRESETS["tiny-gpt"]) is None
     other = plan("tiny-gpt", [Stage(layers=(0, 2), ranks=(0, 1), strategies=(S(tp=2),)),
                               Stage(layers=(2, 4), ranks=(2, 3), strategies=(S(dp=2),))])
-    assert unsupported(other, PRESETS["tiny-gpt"]) is None  # the two ends sum whole gradients
     one_stage = plan("tiny-gpt", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(S(tp=2), S(dp=2), S(dp=2), S(dp=2)))])
-    assert "ties its embedding" in unsupported(one_stage, PRESETS["tiny-gpt"])
     sharded_mix = plan("tiny-gpt", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(
         S(dp=2, zero=3), S(tp=2), S(tp=2), S(dp=2, zero=3)))])
-    assert "zero=0" in unsupported(sharded_mix, PRESETS["tiny-gpt"])
+    plain_mix = plan("tiny-gpt", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(
+        S(dp=2), S(tp=2), S(tp=2), S(dp=2)))])
+    uniform = plan("tiny-gpt", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(S(dp=2, zero=3),))])
+    for p in (same, other, one_stage, sharded_mix, plain_mix, uniform):
+        assert unsupported(p, gpt) is None
+    copies = {name: tied_copies(p) for name, p in (
+        ("same", same), ("other", other), ("one_stage", one_stage), ("sharded_mix", sharded_mix),
+        ("plain_mix", plain_mix), ("uniform", uniform))}
+    assert copies == {"same": True, "other": True, "one_stage": True, "sharded_mix": True, "plain_mix": False,
+                      "uniform": False}
+    beside = Plan(model="tiny-gpt", seq_len=64, global_batch=8, pipelines=(
+        one_stage.pipelines[0], uniform.pipelines[0].model_copy(update={"stages": (
+            Stage(layers=(0, 4), ranks=(2, 3), strategies=(S(dp=2),)),)})))
+    assert tied_copies(beside) and unsupported(beside, gpt) is None  # both pipelines hold two copies
+
+
+def test_simulate_prices_the_heads_own_copy_of_a_tied_table() -> None:
+    """A one-stage pipeline whose per-layer ZeRO-1 units hold the tied table twice: the head's copy adds
+    vocab x hidden weights (ZeRO-1 leaves weights whole) to the one table of the same stage without ZeRO."""
+    from plait.cost.precision import plan_precision
+    from plait.simulate import simulate
+    from plait.spec.cluster import local_ranks
+
+    gpt = PRESETS["tiny-gpt"]
+
+    def weights(strategies: tuple[Strategy, ...]) -> float:
+        p = plan("tiny-gpt", [Stage(layers=(0, 4), ranks=(0, 1), strategies=strategies)])
+        return simulate(p, gpt, local_ranks(2), validate=False).devices[0].memory.weights
+
+    one = weights((S(dp=2),) * 4)
+    two = weights((S(dp=2, zero=1), S(dp=2), S(dp=2), S(dp=2, zero=1)))
+    p = plan("tiny-gpt", [Stage(layers=(0, 4), ranks=(0, 1), strategies=(S(dp=2),))])
+    assert two - one == gpt.vocab * gpt.hidden * plan_precision(p.precision).param
 
 
 def test_refusals_name_their_cause() -> None:

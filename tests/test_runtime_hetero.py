@@ -7,9 +7,9 @@ optimizer state of a layer held alike among its holders (`plait.runtime.replica_
 from __future__ import annotations
 
 import pytest
-from test_runtime import _losses, assert_same, reference_losses, text, train_together  # noqa: F401
+from test_runtime import STEPS, _losses, assert_same, reference_losses, text, train_together  # noqa: F401
 
-from plait.executable import shard_shape, unsupported
+from plait.executable import shard_shape, tied_copies, unsupported
 from plait.plan import Pipeline, Plan, Stage, validate_plan
 from plait.plan import Strategy as S
 from plait.spec.cluster import local_ranks
@@ -48,6 +48,35 @@ ALIKE = {
 """Cases whose pipelines shard every layer alike (reduced shard by shard), run in the same job."""
 
 
+def _one_stage(ranks: tuple[int, ...], strategies: tuple[S, ...], micro_batches: int, size: int) -> Plan:
+    """tiny-gpt (tied embedding and head) in one stage with one strategy per layer."""
+    pipe = Pipeline(stages=(Stage(layers=(0, 4), ranks=ranks, strategies=strategies),),
+                    micro_batches=micro_batches, micro_batch_sequences=size)
+    return Plan(model="tiny-gpt", seq_len=SEQ, global_batch=pipe.samples, precision="fp32", pipelines=(pipe,))
+
+
+TIED_COPIES = {
+    "tied one stage: first layer tp2, the rest dp2": _one_stage(
+        (0, 1), (S(tp=2), S(dp=2), S(dp=2), S(dp=2)), 2, 2),
+    "tied one stage: zero3 first and last layers around tp2 sp layers": _one_stage(
+        (2, 3), (S(dp=2, zero=3), S(tp=2, sp=True), S(tp=2, sp=True), S(dp=2, zero=3)), 2, 2),
+    "tied one stage of 4 ranks: first layer tp2 x dp2, last dp4 zero2": _one_stage(
+        (0, 1, 2, 3), (S(tp=2, dp=2), S(dp=4), S(dp=4), S(dp=4, zero=2)), 1, 4),
+    "tied one stage tp2 then dp2 beside a one-rank pipeline, which holds two copies too": Plan(
+        model="tiny-gpt", seq_len=SEQ, global_batch=GBS, precision="fp32", pipelines=(
+            _one_stage((0, 1), (S(tp=2), S(dp=2), S(dp=2), S(dp=2)), 1, 2).pipelines[0],
+            _one_stage((2,), (S(),), 2, 1).pipelines[0])),
+}
+"""One stage holding the tied table twice (`plait.executable.tied_copies`), run in the same job: the
+embedding's copy laid out like the first layer, the head's like the last, whole gradients summed."""
+
+
+SAVED_FROM = "tied one stage: first layer tp2, the rest dp2"
+SAVED, RESUMED, SAVED_STEPS = "tied table held twice, saved", "resumed holding it once", 3
+RESUMED_AS = _one_stage((0, 1), (S(dp=2),), 2, 2)
+"""A checkpoint of the two copies (after 3 steps), resumed by a stage holding one table, in the same job."""
+
+
 def test_pipelines_shard_their_layers_differently() -> None:
     """Every case holds some layer in two different shapes (else it would test the shard-by-shard path)
     and is executable."""
@@ -56,8 +85,10 @@ def test_pipelines_shard_their_layers_differently() -> None:
                   for p in plan.pipelines}
         assert len(shapes) == 2, name
         assert unsupported(plan, PRESETS[plan.model]) is None, name
-    for name, plan in {**CASES, **ALIKE}.items():
+    for name, plan in {**CASES, **ALIKE, **TIED_COPIES, RESUMED: RESUMED_AS}.items():
         validate_plan(plan, PRESETS[plan.model], local_ranks(4))  # raises on a malformed case
+    for name, plan in TIED_COPIES.items():
+        assert tied_copies(plan) and unsupported(plan, PRESETS[plan.model]) is None, name
 
 
 def test_what_still_does_not_run_is_refused_in_one_line() -> None:
@@ -71,15 +102,26 @@ def hetero_runs(tmp_path_factory, text):  # noqa: F811
     """The single-process references, then every case in one four-rank torchrun job."""
     pairs = [("tiny-llama", GBS), ("tiny-gpt", GBS)]
     ref = reference_losses(tmp_path_factory.mktemp("reference"), text, pairs)
-    cases = {name: (plan.model, plan) for name, plan in {**CASES, **ALIKE}.items()}
-    return ref, train_together(tmp_path_factory.mktemp("hetero"), text, 4, cases)
+    cases = {name: (plan.model, plan) for name, plan in {**CASES, **ALIKE, **TIED_COPIES}.items()}
+    tmp = tmp_path_factory.mktemp("hetero")
+    ckpt = {"checkpoint_dir": str(tmp / "tied-checkpoint")}
+    cases |= {SAVED: ("tiny-gpt", TIED_COPIES[SAVED_FROM]), RESUMED: ("tiny-gpt", RESUMED_AS)}
+    options = {SAVED: {**ckpt, "steps": SAVED_STEPS}, RESUMED: ckpt}
+    return ref, train_together(tmp, text, 4, cases, options)
 
 
-@pytest.mark.parametrize("name", [*CASES, *ALIKE])
+@pytest.mark.parametrize("name", [*CASES, *ALIKE, *TIED_COPIES])
 def test_pipelines_of_different_shapes_match_single_process(hetero_runs, name) -> None:
     ref, runs = hetero_runs
-    plan = {**CASES, **ALIKE}[name]
+    plan = {**CASES, **ALIKE, **TIED_COPIES}[name]
     assert_same(_losses(runs, name), ref[(plan.model, plan.global_batch)])
+
+
+def test_a_checkpoint_of_two_tied_copies_resumes_as_one_table(hetero_runs) -> None:
+    ref, (proc, losses) = hetero_runs
+    assert len(losses.get(SAVED, [])) == SAVED_STEPS and len(losses.get(RESUMED, [])) == STEPS - SAVED_STEPS, \
+        proc.stderr[-3000:]
+    assert_same(losses[SAVED] + losses[RESUMED], ref[("tiny-gpt", GBS)])
 
 
 def test_simulate_prices_the_whole_gradient_reduction() -> None:

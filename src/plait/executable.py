@@ -28,17 +28,6 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
                     "torch.distributed.pipelining needs at least one per stage: lower mbs or raise gbs")
         if not pipe.even_widths and (reason := _uneven_problem(plan, model, pi)) is not None:
             return reason
-    for pipe in plan.pipelines if model.tied_embeddings else ():
-        if len(pipe.stages) > 1:  # two copies, whose gradients add (`tied_ends_alike`)
-            continue
-        stage = pipe.stages[0]
-        first, last = stage.strategies[0], stage.strategies[-1]
-        if not tied_ends_alike(pipe):
-            return (f"{model.name} ties its embedding and LM head, so the first and last layers of a one-stage "
-                    f"pipeline must share one layout ({first.short()} vs {last.short()})")
-        if len({s.model_copy(update={"recompute": "none"}) for s in stage.strategies}) > 1 and first.zero > 0:
-            return (f"{model.name} ties its embedding and LM head, which FSDP cannot shard as two units of a stage "
-                    "with per-layer strategies; use zero=0 for its first and last layers")
     return None
 
 
@@ -50,12 +39,30 @@ out between them (`plait.runtime.boundary`)."""
 def tied_ends_alike(pipe: Pipeline) -> bool:
     """Whether `pipe`'s first and last layers lay a tied embedding and head out alike (the same strategy but
     for recompute, on as many ranks): the two copies' gradients then add shard by shard; else each end
-    gathers its whole gradient and all its ranks sum them (`plait.runtime.placement.Placement.tied_whole`).
-    A one-stage pipeline holds one table, which must be laid out alike."""
+    gathers its whole gradient and sums them (`plait.runtime.placement.Placement.tied_whole`)."""
     first, last = pipe.stages[0], pipe.stages[-1]
     a, b = first.strategies[0], last.strategies[-1]
     return len(first.ranks) == len(last.ranks) and \
         a.model_copy(update={"recompute": "none"}) == b.model_copy(update={"recompute": "none"})
+
+
+def tied_copies(plan: Plan) -> bool:
+    """Whether the pipelines of `plan` hold a tied embedding table twice, the embedding's copy laid out like
+    the first layer and the head's like the last, whose whole gradients are summed after backward: in
+    pipelines of several stages, and in one stage whose first and last layers lay the table out
+    differently, or whose per-layer strategies (segments, `plait.runtime.parallelize.apply_dp_segment`)
+    would put one table into two ZeRO (FSDP) units. Then every pipeline does, so that pipelines reduce each
+    copy with its own kind (pipelines of one stage and of several do not mix: `_unsupported_replicas`);
+    else each stage holds one table."""
+    return any(_tied_apart(pipe) for pipe in plan.pipelines)
+
+
+def _tied_apart(pipe: Pipeline) -> bool:
+    """Whether `pipe` cannot hold a tied table as one parameter (`tied_copies`)."""
+    if len(pipe.stages) > 1 or not tied_ends_alike(pipe):
+        return True
+    stage = pipe.stages[0]
+    return len(stage.layer_strategies()) > 1 and stage.strategies[0].zero > 0
 
 
 def _uneven_problem(plan: Plan, model: ModelSpec, pi: int) -> str | None:

@@ -30,7 +30,7 @@ from plait.cost.price import (
     send_time,
     tied_embedding_sync,
 )
-from plait.executable import holders, shard_shape
+from plait.executable import holders, shard_shape, tied_copies
 from plait.layout import Layout
 from plait.plan import Plan, Stage, Strategy, validate_plan
 from plait.spec.cluster import GIB, Cluster
@@ -265,7 +265,9 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     if last:
         edges.append(("head", last_s, stage.layers[1] - 1))
     for edge, s, layer in edges:
-        c = price_edge(edge, s, context(s, layer), pipelined and stage_index > 0)  # type: ignore[arg-type]
+        copy = edge == "head" and tied_copies(plan)  # the head's own copy of a tied table
+        c = price_edge(edge, s, context(s, layer), pipelined and stage_index > 0,  # type: ignore[arg-type]
+                       copy)
         fwd += c.time.forward_total
         bwd += c.time.backward_total
         parts["compute"] += c.time.forward + c.time.backward

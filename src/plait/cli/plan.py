@@ -33,8 +33,8 @@ GalvatronOutOpt = Annotated[str | None, typer.Option(
 GalvatronExpressibleOpt = Annotated[bool, typer.Option(
     "--galvatron-expressible", help="only plans a Galvatron 2.4.0 strategy file can say (see --galvatron-out)")]
 RunnableOpt = Annotated[bool, typer.Option(
-    "--runnable", help="only plans `plait train` executes (plait.executable); without it the search may pick one "
-    "stage holding a tied embedding and head under layers of different layouts, which train refuses (docs/runtime.md)")]
+    "--runnable", help="only plans `plait train` executes (plait.executable; docs/runtime.md lists what it "
+    "refuses)")]
 PlanReportOpt = Annotated[str | None, typer.Option(
     "--report", help="also write an HTML report page (with the search's Pareto alternatives)")]
 ExpertLoadOpt = Annotated[float, typer.Option(

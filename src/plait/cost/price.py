@@ -119,20 +119,23 @@ def _shards(s: Strategy, ctx: BlockContext) -> int:
     return ctx.dp_group.size if s.zero >= 1 else 1
 
 
-def edge_params(edge: Edge, ctx: BlockContext, pipelined: bool) -> float:
-    """Parameters of the embedding or the head (a head tied to an embedding on another stage keeps a copy)."""
+def edge_params(edge: Edge, ctx: BlockContext, copy: bool) -> float:
+    """Parameters of the embedding or the head (`copy`: a head tied to the embedding keeps its own copy of
+    the table, `plait.executable.tied_copies`)."""
     m = ctx.model
     if edge == "embedding":
         return m.embedding_params
-    return m.head_params + (m.vocab * m.hidden if m.tied_embeddings and pipelined else 0)
+    return m.head_params + (m.vocab * m.hidden if m.tied_embeddings and copy else 0)
 
 
 @lru_cache(maxsize=4096)
-def price_edge(edge: Edge, s: Strategy, ctx: BlockContext, pipelined: bool = False) -> LayerCost:
+def price_edge(edge: Edge, s: Strategy, ctx: BlockContext, pipelined: bool = False, copy: bool | None = None
+               ) -> LayerCost:
     """The embedding (first stage) or the head with its loss (last stage) under `s`; `pipelined`: the head
-    is on another stage than a tied embedding."""
+    is on another stage than the embedding; `copy`: the head holds its own copy of a tied table (default:
+    `pipelined`; a stage holding both may too, `plait.executable.tied_copies`)."""
     et: EdgeTime = embedding_time(s, ctx) if edge == "embedding" else head_time(s, ctx)
-    params = edge_params(edge, ctx, pipelined) / s.tp
+    params = edge_params(edge, ctx, pipelined if copy is None else copy) / s.tp
     zero_fwd, zero_bwd = _edge_zero_sync(edge, params, s, et, ctx)
     time = BlockTime(forward=et.forward, backward=et.backward, recompute=0.0, tp_comm=et.tp_comm, cp_comm=0.0,
                      zero_comm=zero_fwd + zero_bwd, forward_comm=et.tp_comm / 2 + zero_fwd)

@@ -12,7 +12,6 @@ layout (grid search) is a candidate too, so the result is never worse than it.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable
@@ -155,18 +154,6 @@ class _Config:
             ctx = self._context(Strategy())
             self._relayouts[a, b] = self.m * sum(relayout_time(a, b, self.hidden_bytes, self.stage_group, ctx))
         return self._relayouts[a, b]
-
-    def restricted(self, layout: Layout) -> _Config:
-        """A copy limited to one (dp, tp, cp, sp) layout and one strategy per stage."""
-        other = copy.copy(self)
-        other.priced = [[p for p in pool if Layout.of(p.strategy) == layout] for pool in self.priced]
-        other.uniform = True
-        other._solved = {}
-        return other
-
-    def layouts(self) -> list[Layout]:
-        """Every layout some layer kind may use, sorted."""
-        return sorted({Layout.of(p.strategy) for pool in self.priced for p in pool})
 
     def _context(self, s: Strategy) -> BlockContext:
         ranks = tuple(range(self.n))
@@ -518,17 +505,10 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     for done, i in enumerate(sorted(range(len(cfgs)), key=lambda i: (bounds[i], i)), start=1):
         cfg = cfgs[i]
         if best is None or not best[2].report.fits or bounds[i] <= best[2].report.iteration_time_s:
-            variants = [cfg]
-            if runnable and model.tied_embeddings:  # fallbacks whose first and last layers share a layout
-                variants += [cfg.restricted(lay) for lay in cfg.layouts()]
-            for variant in variants:
-                if not variant.any_priced:
-                    continue
-                cand = _partition_search(variant, capacity, judge)
-                if cand is not None and not _allowed(cand.plan, model, runnable, restrict):
-                    continue
-                if cand is not None and (best is None or (cand.key, i) < best[:2]):
-                    best = (cand.key, i, cand)
+            cand = _partition_search(cfg, capacity, judge) if cfg.any_priced else None
+            if cand is not None and _allowed(cand.plan, model, runnable, restrict) and \
+                    (best is None or (cand.key, i) < best[:2]):
+                best = (cand.key, i, cand)
         if progress:
             progress("layerwise", done, len(configs))
     best_layerwise = best[2] if best is not None else None

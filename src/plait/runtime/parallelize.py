@@ -205,14 +205,24 @@ def sync_whole_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, w
         if p.grad is not None:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():
-        wholes = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+        wholes = [whole_gradient(g) for g in grads]
         flat = _flatten_dense_tensors(wholes).mul_(weight)
         dist.all_reduce(flat, group=group)
         for g, summed in zip(grads, _unflatten_dense_tensors(flat, wholes)):
-            if isinstance(g, DTensor):
-                summed = distribute_tensor(summed, g.device_mesh, g.placements, src_data_rank=None).to_local()
-                g = g.to_local()
-            g.copy_(summed)
+            set_whole_gradient(g, summed)
+
+
+def whole_gradient(grad: torch.Tensor) -> torch.Tensor:
+    """The whole gradient: a DTensor's gathered over its mesh (collective), a plain tensor itself."""
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def set_whole_gradient(grad: torch.Tensor, whole: torch.Tensor) -> None:
+    """Overwrite `grad` (this rank's shard, for a DTensor) with its part of the whole gradient `whole`."""
+    if isinstance(grad, DTensor):
+        whole = distribute_tensor(whole, grad.device_mesh, grad.placements, src_data_rank=None).to_local()
+        grad = grad.to_local()
+    grad.copy_(whole)
 
 
 def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str], mode: str = "ulysses",

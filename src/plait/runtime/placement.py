@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.errors import PlaitError
-from plait.executable import holders, shard_shape, tied_ends_alike, unsupported
+from plait.executable import holders, shard_shape, tied_copies, tied_ends_alike, unsupported
 from plait.layout import Layout
 from plait.plan import Plan, Strategy
 from plait.spec.degrees import MESH_DIMS, Degrees
@@ -132,7 +132,8 @@ class Placement:
     replicas: dict[int, Replicas] = field(default_factory=dict)  # several pipelines: layer -> the ranks its
     # gradients are reduced over across pipelines (layer -1: the embedding, layers: the head)
     tied_whole: float | None = None  # the ends of the pipeline lay a tied table out differently: the weight of
-    # this rank's whole gradient in the sum over `tied_group` (1 / its stage's ranks); None: shard by shard
+    # this rank's whole gradient in the sum over `tied_group` (1 / its stage's ranks; 1 with no group: a
+    # stage that holds both copies sums them on each rank); None: shard by shard
     norm_share: float = 1.0  # weight of this rank's squared gradient norm in the sum over `pp_group` (1 / the
     # stage's ranks when that group holds every rank of the pipeline: each of them has the stage's whole norm)
 
@@ -237,8 +238,9 @@ def _segments(stage_layers: tuple[int, int], strategies: list[tuple[Strategy, in
 def place(plan: Plan, rank: int, tied_embeddings: bool = False, expert_layers: frozenset[int] = frozenset()
           ) -> Placement:
     """Build all groups (collectively) and return this rank's placement. With `tied_embeddings` and
-    several stages, the first stage's embedding and the last stage's head are copies of one weight whose
-    gradients are summed over the tied groups (Megatron's embedding group). With several pipelines, each
+    several stages (or one that lays them out differently, `tied_copies`), the first stage's embedding and
+    the last stage's head are copies of one weight whose gradients are summed over the tied groups
+    (Megatron's embedding group). With several pipelines, each
     layer's gradients are also reduced over the ranks that hold its shard in every pipeline (`replicas`).
     Segments holding any of `expert_layers` (MoE layers) get their expert groups."""
     groups = _Groups()
@@ -290,7 +292,9 @@ def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: 
             if i == position:
                 pp_group = group
     tied_group, tied_whole = None, None
-    if tied_embeddings and len(pipe.stages) > 1 and tied_ends_alike(pipe):
+    if tied_embeddings and len(pipe.stages) == 1 and tied_copies(plan):  # every rank holds both copies
+        tied_whole = 1.0
+    elif tied_embeddings and len(pipe.stages) > 1 and tied_ends_alike(pipe):
         for i, (a, b) in enumerate(zip(pipe.stages[0].ranks, pipe.stages[-1].ranks)):
             group = dist.new_group(sorted((a, b)))
             if rank in (a, b) and i == position:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from plait.errors import PlaitError
+from plait.executable import tied_copies
 from plait.models import build_model
 from plait.models.hf_weights import load_hf_safetensors
 from plait.models.vision import IGNORE_INDEX, image_targets
@@ -33,7 +34,13 @@ from plait.runtime.data import SAMPLES_LOG_ENV, TokenSource, log_samples
 from plait.runtime.loop import lr_at, step_optimizers, train_loop
 from plait.runtime.optim import make_optimizer
 from plait.runtime.boundary import boundaries
-from plait.runtime.parallelize import parallelize_chunk, sync_gradients, sync_whole_gradients
+from plait.runtime.parallelize import (
+    parallelize_chunk,
+    set_whole_gradient,
+    sync_gradients,
+    sync_whole_gradients,
+    whole_gradient,
+)
 from plait.runtime.pipeline_uneven import UnevenSchedule
 from plait.runtime.replica_zero import attach, optimizer_params, replica_shards
 from plait.runtime.placement import Placement, Replicas, check_executable, place
@@ -112,6 +119,8 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
         if j != len(stages) - 1:
             model.norm = None
             model.output = None
+        if spec.tied_embeddings and len(stages) == 1 and tied_copies(plan):
+            _untie(model)
         if hf_checkpoint:
             load_hf_safetensors(model, hf_checkpoint)
         accumulated = 1 if where.pp > 1 else plan.pipelines[where.pipeline].micro_batches
@@ -223,22 +232,37 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group: dist
     return float(total)
 
 
-def _tied_weight(chunks: list[torch.nn.Module], where: Placement) -> torch.nn.Parameter | None:
-    """This rank's copy of an embedding table that the first and last stages share, if it has one."""
-    if where.tied_group is None:
-        return None
-    return chunks[0].tok_embeddings.weight if where.first else chunks[-1].output.weight
+def _untie(model: torch.nn.Module) -> None:
+    """Give the head its own copy of the embedding table it is tied to (equal values), to be laid out like
+    the stage's last layer while the embedding's is laid out like its first
+    (`plait.executable.tied_copies`)."""
+    model.output.weight = torch.nn.Parameter(model.tok_embeddings.weight.detach().clone())
 
 
-def _sum_tied_grad(weight: torch.nn.Parameter, group: dist.ProcessGroup, whole: float | None = None) -> None:
+def _tied_weights(chunks: list[torch.nn.Module], where: Placement, plan: Plan) -> list[torch.nn.Parameter]:
+    """This rank's copies of an embedding table tied to the head, whose gradients are summed after backward:
+    the embedding's on the first stage, the head's on the last (both in a one-stage pipeline that holds
+    two); none when one parameter serves both."""
+    if where.tied_group is None and where.tied_whole is None:
+        return []
+    return ([chunks[0].tok_embeddings.weight] if where.first else []) + \
+        ([chunks[-1].output.weight] if where.last(plan) else [])
+
+
+def _sum_tied_grad(copies: list[torch.nn.Parameter], group: dist.ProcessGroup | None,
+                   whole: float | None = None) -> None:
     """Add the head's gradient of a tied embedding table to the embedding's, and back: shard by shard where
-    both ends shard it alike, else as whole gradients, this rank's weighted by `whole`
-    (`Placement.tied_whole`)."""
-    if whole is not None:
-        sync_whole_gradients([weight], group, whole)
+    both ends shard it alike, else as whole gradients, this rank's (all its copies' summed) weighted by
+    `whole` (`Placement.tied_whole`) and summed over `group` (None: this rank holds every copy)."""
+    if whole is None:
+        grad = copies[0].grad  # already sharded like the weight (`_shard_grads_like_params`)
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
         return
-    grad = weight.grad  # already sharded like the weight (`_shard_grads_like_params`)
-    dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+    total = torch.stack([whole_gradient(w.grad) for w in copies]).sum(0).mul_(whole)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    for w in copies:
+        set_whole_gradient(w.grad, total)
 
 
 def _shard_grads_like_params(params: list[torch.nn.Parameter]) -> None:
@@ -291,7 +315,7 @@ class Placed:
     optimizers: list[torch.optim.Optimizer]
     manual_sync: list[GradientSync]
     schedule: object | None
-    tied: torch.nn.Parameter | None
+    tied: list[torch.nn.Parameter]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss
 
     @cached_property
@@ -317,7 +341,7 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
                   frozenset(i for i, block in enumerate(spec.stack) if block.kind == "moe"))
     loss = loss_function(spec, plan.seq_len)
     if where.idle:
-        return Placed(plan, where, [], [], [], None, None, loss)
+        return Placed(plan, where, [], [], [], None, [], loss)
     chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint, hand_sync)
     # Checkpoints and plan switches save and move optimizer state by parameter name, which a slice has not.
     sliced = not (hand_sync or cfg.checkpoint_dir or cfg.resume_from) and bool(where.replicas)
@@ -333,7 +357,8 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
         if clock is not None:
             for stage in stages:
                 clock.wrap_stage(stage)
-    return Placed(plan, where, chunks, optimizers, manual_sync, schedule, _tied_weight(chunks, where), loss)
+    tied = _tied_weights(chunks, where, plan)
+    return Placed(plan, where, chunks, optimizers, manual_sync, schedule, tied, loss)
 
 
 def _forward_backward(placed: Placed, inputs: list[torch.Tensor], targets: list[torch.Tensor], rows: float,
@@ -449,11 +474,12 @@ class PlanSteps:
         t1 = time.perf_counter()
         for sync in placed.manual_sync:
             sync()
-        if placed.tied is not None and placed.tied.grad is not None:
+        if placed.tied and all(w.grad is not None for w in placed.tied):
             _sum_tied_grad(placed.tied, where.tied_group, where.tied_whole)
         t2 = time.perf_counter()
         if not where.idle:
-            grad_norm = clip_grads(params, cfg.clip, where.pp_group, uncounted=None if where.first else placed.tied,
+            head_copy = placed.tied[-1] if placed.tied and where.last(plan) else None  # counted once
+            grad_norm = clip_grads(params, cfg.clip, where.pp_group, uncounted=head_copy,
                                    share=where.norm_share)
         t3 = time.perf_counter()
         step_optimizers(placed.optimizers)
