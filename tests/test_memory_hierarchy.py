@@ -299,27 +299,37 @@ def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
 STEPS = 20
 
 
+def _train_configs(tmp_path: Path, text: Path, plans: dict, steps: int) -> tuple[list[Path], dict]:
+    """One tiny-llama training config per plan (key -> Plan), written under `tmp_path`: their paths, in the
+    plans' order, and each key's metrics file."""
+    import json
+
+    from plait.runtime.train import TrainConfig
+
+    paths, outs = [], {}
+    for key, plan in plans.items():
+        outs[key] = tmp_path / f"metrics-{key}.jsonl"
+        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=steps, lr=0.01,
+                          data=str(text), metrics_out=str(outs[key]))
+        paths.append(tmp_path / f"config-{key}.json")
+        paths[-1].write_text(cfg.to_json())
+    return paths, outs
+
+
 def test_train_swaps_and_offloads_on_two_ranks_with_the_same_losses(tmp_path: Path) -> None:
     import json
 
     from plait.plan import uniform_plan
-    from plait.runtime.train import TrainConfig
     from plait.spec.cluster import local_ranks
     from plait.spec.model import load_model
 
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(f"plait swaps tokens to the host and back {i}." for i in range(200)))
     model = load_model("tiny-llama")
-    paths, outs = [], {}
     cases = {0.0: "dp=2,zero=1", 0.5: "dp=2,zero=1,swap=0.5", 1.0: "dp=2,zero=1,swap=1",
              "offload": "dp=2,zero=1,offload=optim", "full": "dp=2,zero=1,recompute=full,swap=0.5"}
-    for key, strategy in cases.items():
-        plan = uniform_plan(strategy, model, local_ranks(2), 64)
-        outs[key] = tmp_path / f"metrics-{key}.jsonl"
-        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=STEPS, lr=0.01,
-                          data=str(text), metrics_out=str(outs[key]))
-        paths.append(tmp_path / f"config-{key}.json")
-        paths[-1].write_text(cfg.to_json())
+    paths, outs = _train_configs(tmp_path, text, {key: uniform_plan(strategy, model, local_ranks(2), 64)
+                                                  for key, strategy in cases.items()}, STEPS)
     run_workers(paths)
     records = {a: [json.loads(line) for line in out.read_text().splitlines()] for a, out in outs.items()}
     base = [r["loss"] for r in records[0.0]]
@@ -341,25 +351,18 @@ def test_offload_runs_with_a_pipeline_and_with_tp_on_four_ranks_with_the_same_lo
     import json
 
     from plait.plan import uniform_plan
-    from plait.runtime.train import TrainConfig
     from plait.spec.cluster import local_ranks
     from plait.spec.model import load_model
 
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(f"plait pages parameters in from the host {i}." for i in range(200)))
     model = load_model("tiny-llama")
-    paths, outs = [], {}
     single = uniform_plan("dp=1,gbs=4", model, local_ranks(1), 64)
     cases = {"one": single, **{key: uniform_plan(f"dp=2,zero=1,gbs=4,{extra}", model, local_ranks(4), 64)
                                 for key, extra in (("pp", "pp=2"), ("optim", "pp=2,offload=optim"),
                                                    ("params", "pp=2,offload=params"),
                                                    ("tp", "tp=2,sp=1,offload=params"))}}
-    for key, plan in cases.items():
-        outs[key] = tmp_path / f"metrics-{key}.jsonl"
-        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=8, lr=0.01,
-                          data=str(text), metrics_out=str(outs[key]))
-        paths.append(tmp_path / f"config-{key}.json")
-        paths[-1].write_text(cfg.to_json())
+    paths, outs = _train_configs(tmp_path, text, cases, 8)
     run_workers(paths[:1], nproc=1)
     run_workers(paths[1:], nproc=4)
     losses = {k: [json.loads(line)["loss"] for line in out.read_text().splitlines()] for k, out in outs.items()}
@@ -372,22 +375,16 @@ def test_swap_with_tensor_and_sequence_parallelism_keeps_the_losses(tmp_path: Pa
     import json
 
     from plait.plan import uniform_plan
-    from plait.runtime.train import TrainConfig
     from plait.spec.cluster import local_ranks
     from plait.spec.model import load_model
 
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(f"plait swaps local shards of tokens {i}." for i in range(200)))
     model = load_model("tiny-llama")
-    paths, outs = [], {}
     cases = {"one": "dp=1", "tp": "tp=2,swap=0.5", "sp": "tp=2,sp=1,swap=0.5"}
-    for key, strategy in cases.items():
-        plan = uniform_plan(strategy, model, local_ranks(1 if key == "one" else 2), 64)
-        outs[key] = tmp_path / f"metrics-{key}.jsonl"
-        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=4, lr=0.01,
-                          data=str(text), metrics_out=str(outs[key]))
-        paths.append(tmp_path / f"config-{key}.json")
-        paths[-1].write_text(cfg.to_json())
+    paths, outs = _train_configs(tmp_path, text, {
+        key: uniform_plan(strategy, model, local_ranks(1 if key == "one" else 2), 64)
+        for key, strategy in cases.items()}, 4)
     run_workers(paths[:1], nproc=1)
     run_workers(paths[1:])
     records = {k: [json.loads(line) for line in out.read_text().splitlines()] for k, out in outs.items()}
