@@ -230,19 +230,19 @@ def test_moe_rows_are_collected_with_a_held_out_third() -> None:
 
 
 def test_moe_rows_the_constants_were_chosen_on() -> None:
-    """benchmarks/published_runs.py: median 14.8%, max 62.2% (before the dispatch and launch terms: 29.8%, 62.8%).
+    """benchmarks/published_runs.py: median 14.8%, max 63.8% (before the dispatch and launch terms: 29.8%, 62.8%).
     The four GPT-OSS 120B rows (Megatron-Bridge, 64 H100) are predicted ~60% too fast and the Mixtral-8x22B rows
     ~15% too fast; the issue's bar (median <= 10%, max <= 20%) is not met."""
     errors = [abs(e) for run, e in MOE if not run.held_out]
     assert statistics.median(errors) <= 0.15
-    assert max(errors) <= 0.63
+    assert max(errors) <= 0.64
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 40.3%, max 67.1% (before: 40.3%, 99.7%): Megatron-FSDP Qwen3-235B (+67%), GPT-OSS 120B (+63%),
+    """Median 41.1%, max 67.1% (before: 40.3%, 99.7%): Megatron-FSDP Qwen3-235B (+67%), GPT-OSS 120B (+64%),
     DeepSeek-V3 on 1024 GPUs (+18%), Mixtral-8x7B (+18%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
-    assert statistics.median(errors) <= 0.41
+    assert statistics.median(errors) <= 0.42
     assert max(errors) <= 0.68
 
 
@@ -263,3 +263,36 @@ def test_cross_node_expert_parallel_rows_within_13_percent() -> None:
               .strategies[0].zero == 1]
     assert len(errors) == 2
     assert all(abs(e) <= 0.13 for e in errors)
+
+
+def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_about_60_percent_fast() -> None:
+    """Megatron-Bridge's 26.02-26.04 GPT-OSS perf configs set grad_reduce_in_fp32 False (bf16 gradient reduction):
+    +57.6..62.6% became +59.2..64.2%. The attention kernel is the open question: TransformerEngine runs the sink
+    attention in cuDNN (fused) only from cuDNN 9.13.1, else unfused, and unfused would add ~89 ms to each
+    9-layer stage's micro-batch (plait's eager kernel), more than the ~63 ms the published rate leaves."""
+    errors = sorted(e for run, e in MOE if run.model.name == "gpt-oss-120b")
+    assert [round(e, 3) for e in errors] == [0.592, 0.594, 0.638, 0.642]
+
+
+def test_megatron_fsdp_row_runs_at_its_infiniband_time() -> None:
+    """Qwen3-235B with Megatron-FSDP (TP2, EP8 in a node, 256 H100, mbs 4 x GA 4): per layer and micro-batch the
+    published 17.6 s is 46.8 ms, and the rank's InfiniBand carries 3 expert collectives (gather for forward, gather
+    for backward, reduce-scatter) over its 32 expert data-parallel peers, one per node, plus the same 3 for its
+    dense shard over 128 ranks: 44.0 ms. The run is link-bound with its compute hidden, which plait's PyTorch-FSDP
+    contention (0.6) and per-collective hook time (1.5 ms) cannot give; priced without both the row is -5.0%."""
+    from plait.cost import comm
+    from plait.cost.calibration import calibration_for
+    from plait.cost.experts import expert_params, expert_params_per_rank
+
+    (run,) = [run for run, _ in MOE if run.model.name == "qwen3-235b-a22b"
+              and run.plan.pipelines[0].stages[0].strategies[0].zero == 3]
+    s = run.plan.pipelines[0].stages[0].strategies[0]
+    block = next(b for b in run.model.stack if b.kind == "moe")
+    cal = calibration_for(run.cluster.gpu.name)
+    experts = comm.all_gather(expert_params_per_rank(block, s) * 2, comm.GroupShape(32, 32, 1), run.cluster, cal)
+    dense = comm.all_gather((block.params - expert_params(block)) / s.tp * 2, comm.GroupShape(128, 32, 4),
+                            run.cluster, cal)
+    link_ms = 3 * (experts + dense) * 1e3
+    published_ms = 17.6 / (94 * 4) * 1e3
+    assert round(link_ms, 1) == 44.0
+    assert round(published_ms, 1) == 46.8
