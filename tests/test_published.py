@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -222,6 +224,16 @@ def test_breakdown_of_the_70b_run_on_64_a100_40gb() -> None:
     (same_ga,) = script.breakdown_rows("A100 40GB with 1600 Gbps node-node interconnect (RoCE)', row MPT-30b seq 2048 "
                                        "on 32 GPUs")
     assert same_ga["micro_batches"] == 1 and abs(same_ga["error"]) < 0.04
+
+
+@pytest.mark.parametrize("args", [["--breakdown", "no such row"], ["--breakdown"]])
+def test_breakdown_without_a_matching_row_says_so_in_one_line(args: list[str]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "published_runs.py"), *args], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    (line,) = out.stdout.strip().splitlines()
+    assert ("no such row" in line) if len(args) == 2 else line.startswith("--breakdown needs the text to look for")
 
 
 def test_fms_fsdp_rows_hsdp_and_slow_networks() -> None:
