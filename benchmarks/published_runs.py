@@ -66,7 +66,8 @@ def published_step_s(run: PublishedRun, report: Report) -> float:
 def breakdown_rows(text: str) -> list[dict]:
     """Every collected or reference row whose source or model contains `text` (case-insensitive): its error,
     the published and predicted step (s), plait's step by cause (`time_s`, s) and its fullest device's memory
-    by term (`memory_gib`, GiB; `states` = weights + gradients + optimizer, `headroom` = capacity - peak)."""
+    by term (`memory_gib`, GiB; `states` = weights + gradients + optimizer, `headroom` = capacity - peak, and
+    `headroom_layers` the headroom in units of one layer's ZeRO-3 buffers, half of `buffers`)."""
     out = []
     for path in FILES.values():
         if not path.exists():
@@ -81,6 +82,8 @@ def breakdown_rows(text: str) -> list[dict]:
             memory = {k: v / GIB for k, v in fullest.memory.as_dict().items()}
             memory["states"] = memory["weights"] + memory["gradients"] + memory["optimizer"]
             memory["headroom"] = report.memory_capacity_gib - report.peak_memory_gib
+            # ZeRO-3 buffers hold two layers' gathered parameters and gradients (the current and the prefetched)
+            memory["headroom_layers"] = 2 * memory["headroom"] / memory["buffers"] if memory["buffers"] else 0.0
             out.append({"row": run.source, "strategy": run.strategy, "gpus": run.cluster.world_size,
                         "gpu": run.cluster.gpu.name, "held_out": run.held_out, "error": err,
                         "micro_batches": run.plan.pipelines[0].micro_batches,
@@ -89,7 +92,7 @@ def breakdown_rows(text: str) -> list[dict]:
     return out
 
 
-MEMORY_KEYS = ("states", "activations", "buffers", "reserve", "peak", "headroom")
+MEMORY_KEYS = ("states", "activations", "buffers", "reserve", "peak", "headroom", "headroom_layers")
 
 
 def print_breakdown(console: Console, text: str) -> None:
@@ -110,7 +113,7 @@ def print_breakdown(console: Console, text: str) -> None:
         table.add_row(f"{where}{' (held out)' if r['held_out'] else ''}", f"{r['gpus']} {r['gpu']}",
                       compact(r["strategy"]), str(r["micro_batches"]), f"{r['error']:+.1%}",
                       f"{r['published_step_s']:.4g}", f"{r['step_s']:.4g}",
-                      *(f"{r['time_s'][k]:.3g}" for k in causes), *(f"{r['memory_gib'][k]:.1f}" for k in MEMORY_KEYS))
+                      *(f"{r['time_s'][k]:.3g}" for k in causes), *(f"{r['memory_gib'][k]:.{2 if k == 'headroom_layers' else 1}f}" for k in MEMORY_KEYS))
     console.print(table)
 
 

@@ -221,6 +221,9 @@ def test_breakdown_of_the_70b_run_on_64_a100_40gb() -> None:
     assert slow["time_s"]["optimizer"] == pytest.approx(0.0245, abs=0.0005)
     assert slow["published_step_s"] - slow["step_s"] > 100 * slow["time_s"]["optimizer"]
     assert abs(rows[("A100-40GB", 128)]["error"]) < 0.04
+    # the least memory headroom, in one layer's FSDP buffers (gathered parameters and gradients), but MPT-30b at 8192
+    assert slow["memory_gib"]["headroom_layers"] == pytest.approx(1.55, abs=0.01)
+    assert rows[("A100-40GB", 128)]["memory_gib"]["headroom_layers"] == pytest.approx(1.79, abs=0.01)
     (same_ga,) = script.breakdown_rows("A100 40GB with 1600 Gbps node-node interconnect (RoCE)', row MPT-30b seq 2048 "
                                        "on 32 GPUs")
     assert same_ga["micro_batches"] == 1 and abs(same_ga["error"]) < 0.04
