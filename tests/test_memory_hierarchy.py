@@ -443,6 +443,17 @@ def test_memo_setting_mfu_beside_memos_in_both_conventions() -> None:
                                                      rel=2e-3)
 
 
+def test_memos_figure_read_in_each_convention() -> None:
+    """A causal kernel executes 51.2% of the FLOPs Megatron's formula counts at 1M tokens, so MEMO's 52.3% read
+    with attention counted whole means its GPUs executed 26.8% of peak: half of FlashAttention-2 forward's
+    published 50-73%; read with causal attention halved it is 52.3%."""
+    from plait.published import executed_fraction
+
+    share = executed_fraction(memo_gpt(), 1048576)
+    assert share == pytest.approx(0.51181, abs=1e-5)
+    assert 0.523 * share == pytest.approx(0.2677, abs=1e-4)
+
+
 # ---- ZeRO-Offload's headline (Ren et al., ATC'21): one V100-32GB of a DGX-2 --------------------------
 
 def _zero_offload(layers: int, mbs: int, gbs: int):  # noqa: ANN202
