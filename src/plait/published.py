@@ -126,9 +126,9 @@ def relative_errors(run: PublishedRun, report: Report) -> dict[str, tuple[float,
 
 
 def executed_fraction(model: ModelSpec, seq_len: int) -> float:
-    """Share of the model's FLOPs per token counted whole (Megatron's 72*l*h^2*(1 + s/(6h) + V/(12lh)), plait's
-    MFU) that a causal fused-attention kernel executes: the attention cores of causal layers at half their
-    s x s FLOPs, everything else whole (no recomputation counted)."""
+    """Share of the model's FLOPs per token counted whole (Megatron's 72*l*h^2*(1 + s/(6h) + V/(12lh)),
+    plait's MFU) that a causal fused-attention kernel executes: the attention cores of causal layers at half
+    their s x s FLOPs, everything else whole (no recomputation counted)."""
     full = model.model_flops_per_token(seq_len)
     masked = sum(b.attention_flops_per_token(seq_len) * b.seq(seq_len) * n
                  for b, n in model.block_counts if b.causal) / seq_len
