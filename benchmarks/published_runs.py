@@ -21,7 +21,6 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.published import load_runs, relative_errors
-from plait.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {
@@ -71,7 +70,7 @@ def main() -> None:
             continue
         runs, skipped = load_runs(path)
         for run in runs:
-            report = simulate(run.plan, run.model, run.cluster)
+            report = run.report()
             for key, (pub, ours, err) in relative_errors(run, report).items():
                 group = "reference" if name == "reference" else run.group
                 errors[group].append(err)
