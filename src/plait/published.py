@@ -139,11 +139,18 @@ def relative_errors(run: PublishedRun, report: Report) -> dict[str, tuple[float,
     return {k: (v, predicted(report, k), predicted(report, k) / v - 1) for k, v in run.reported.items()}
 
 
+def executed_fraction(model: ModelSpec, seq_len: int) -> float:
+    """Share of the model's FLOPs per token counted whole (Megatron's 72*l*h^2*(1 + s/(6h) + V/(12lh)),
+    plait's MFU) that a causal fused-attention kernel executes: the attention cores of causal layers at half
+    their s x s FLOPs, everything else whole (no recomputation counted)."""
+    full = model.model_flops_per_token(seq_len)
+    masked = sum(b.attention_flops_per_token(seq_len) * b.seq(seq_len) * n
+                 for b, n in model.block_counts if b.causal) / seq_len
+    return (full - 3 * masked / 2) / full
+
+
 def causal_mfu(report: Report, model: ModelSpec, seq_len: int) -> float:
     """The report's MFU with the attention cores of causal layers counted at half their s x s FLOPs (the
     convention of FlashAttention's benchmarks and of papers that count only unmasked scores), where plait's
     MFU counts them whole (Megatron's 72*l*h^2*(1 + s/(6h) + V/(12lh)))."""
-    full = model.model_flops_per_token(seq_len)
-    masked = sum(b.attention_flops_per_token(seq_len) * b.seq(seq_len) * n
-                 for b, n in model.block_counts if b.causal) / seq_len
-    return report.mfu * (full - 3 * masked / 2) / full
+    return report.mfu * executed_fraction(model, seq_len)
