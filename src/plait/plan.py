@@ -31,7 +31,7 @@ from plait.errors import PlaitError
 from plait.io import write_atomically
 from plait.spec.cluster import Cluster
 from plait.spec.degrees import Degrees
-from plait.spec.layers import Block
+from plait.spec.layers import RECOMPUTE_MODES, Block
 from plait.spec.model import ModelSpec, Recompute
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -517,7 +517,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     """Build a uniform Megatron-style plan from the `--strategy` shorthand.
 
     Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
-    (none|selective|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel and expert
+    (none|selective|attn_kept|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel and expert
     tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
     of the routed tokens), expert_load (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), swap
     (share of saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
@@ -540,7 +540,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     gbs = _int(d, "gbs", mbs * dp * (4 * pp if pp > 1 else 1))
     if gbs % (mbs * dp):
         raise PlaitError(f"--strategy: gbs={gbs} is not a multiple of mbs*dp = {mbs * dp}; change gbs")
-    recompute = _choice(d, "recompute", ("none", "selective", "full"))
+    recompute = _choice(d, "recompute", RECOMPUTE_MODES)
     schedule = _choice(d, "schedule", ("gpipe", "1f1b", "interleaved"), "interleaved" if vpp > 1 else "1f1b")
     precision = _choice(d, "precision", ("bf16", "fp16", "fp32"))
     cp_mode = _choice(d, "cp_mode", ("ulysses", "ring"))

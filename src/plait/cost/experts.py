@@ -182,8 +182,8 @@ def token_exchange_time(block: Block, sent: float, ctx: BlockContext) -> float:
 def routed_activation_bytes(block: Block, s: Strategy, tokens: float, ctx: BlockContext, recompute: str) -> float:
     """Bytes the busiest rank keeps for backward of its experts, one micro-batch: each routed pair's input
     (gathered over etp) and its expert's hidden activations (1/etp of the width). Nothing under full
-    recomputation."""
-    if block.kind != "moe" or recompute == "full":
+    recomputation, nor under attn_kept (the experts are recomputed too)."""
+    if block.kind != "moe" or recompute in ("full", "attn_kept"):
         return 0.0
     scale = ctx.prec.activation / 2  # the layer formulas count 16-bit activations
     per_pair_input, per_pair_hidden = block.routed_activation_bytes()

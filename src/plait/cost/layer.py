@@ -4,7 +4,7 @@ Each term has a name. Compute: the block's GEMMs (column/row split by tensor par
 data and context parallelism), the attention core (flash or eager), and memory-bound elementwise work
 (norms, residual adds, dropout, activation functions, RoPE), whose replicated part is divided by the
 tensor-parallel degree only under sequence parallelism. Communication: Megatron tensor-parallel
-collectives (2 forward, 2 backward; repeated by full recompute), Ulysses all-to-alls or ring K/V passes for
+collectives (2 forward, 2 backward; repeated by full and attn_kept recompute), Ulysses all-to-alls or ring K/V passes for
 context parallelism, and ZeRO-2/3 per-micro-batch gathers and reduce-scatters that overlap with compute.
 With a profile, measured compute replaces the arithmetic, and what the runtime's tensor, Ulysses and ZeRO-3
 machinery was measured to add to a block replaces that dimension's analytic communication
@@ -169,6 +169,19 @@ def _attention_time(block: Block, s: Strategy, ctx: BlockContext) -> tuple[float
     return passes * f, passes * b
 
 
+REPEATS_FORWARD = ("full", "attn_kept")
+"""Recompute modes that run the layer's forward again outside the attention core, so its tensor-parallel
+collectives and expert dispatch come again in backward."""
+
+
+def recompute_time(recompute: str, forward: float, attention: float) -> float:
+    """Seconds of forward compute repeated in backward by `recompute`, of a layer whose forward computes for
+    `forward` seconds, `attention` of them in the attention cores: none nothing, selective the cores, full the
+    whole forward, attn_kept (MEMO) the forward less the cores (their outputs are kept)."""
+    return {"none": 0.0, "selective": attention, "attn_kept": max(0.0, forward - attention),
+            "full": forward}[recompute]
+
+
 @lru_cache(maxsize=16384)
 def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     """Time of `block` for one micro-batch of `ctx.seqs` sequences on one device of strategy `s`."""
@@ -189,7 +202,7 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
         # one rank's share, attention included
         forward = cal.measured.seconds(timed.forward, tokens, seq, m.name)  # type: ignore[union-attr]
         backward = cal.measured.seconds(timed.backward, tokens, seq, m.name)  # type: ignore[union-attr]
-    recompute = {"none": 0.0, "selective": attn_f, "full": forward}[s.recompute]
+    recompute = recompute_time(s.recompute, forward, attn_f)
     if s.recompute != "none" and measured and \
             (with_rc := cal.measured.block(m.name, s.tp, s.recompute)) is not None:  # type: ignore[union-attr]
         recompute = max(0.0, cal.measured.seconds(with_rc.backward, tokens, seq, m.name) - backward)  # type: ignore[union-attr]
@@ -219,11 +232,14 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
             step = comm.p2p(kv, cross, ctx.cluster, cal)
             cp_fwd = max(0.0, (s.cp - 1) * step - attn_f * cal.overlap_efficiency)
             cp_bwd = max(0.0, 2 * (s.cp - 1) * step - attn_b * cal.overlap_efficiency)
-    cp_recompute = cp_fwd if s.recompute == "full" else 0.0
+    # attn_kept re-runs the Ulysses all-to-alls around the kept core (queries, keys and values for its
+    # backward; its output for the recomputed projection), not the ring's K/V passes, which feed the core.
+    cp_recompute = cp_fwd if s.recompute == "full" or (s.recompute == "attn_kept" and s.cp_mode == "ulysses") \
+        else 0.0
 
     # Expert parallelism: dispatch and combine, nothing overlapped; repeated by full recompute.
     ep_pass = experts.dispatch_time(block, s, tokens, ctx)
-    ep_recompute = ep_pass if s.recompute == "full" else 0.0
+    ep_recompute = ep_pass if s.recompute in REPEATS_FORWARD else 0.0
 
     # ZeRO-3 gathers parameters before forward and backward and reduce-scatters gradients each micro-batch;
     # ZeRO-2 reduce-scatters gradients each micro-batch. Prefetching hides them behind the block's compute.
@@ -236,10 +252,10 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
             if group.size > 1 and held > 0:
                 window = experts.expert_sync_window(block, s, ctx, group, ep_pass)
                 f, b = zero_sync_time(held, s.zero, forward + window, backward + recompute + (
-                    2 if s.recompute == "full" else 1) * window, ctx, group)
+                    2 if s.recompute in REPEATS_FORWARD else 1) * window, ctx, group)
                 zero_fwd, zero_bwd = zero_fwd + f, zero_bwd + b
 
-    tp_recompute = tp_fwd if s.recompute == "full" else 0.0
+    tp_recompute = tp_fwd if s.recompute in REPEATS_FORWARD else 0.0
     host_fwd, host_bwd = _host_link_time(block, s, ctx, forward, backward + recompute)
     return BlockTime(
         forward=forward, backward=backward, recompute=recompute,

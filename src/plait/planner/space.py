@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 from plait.plan import Strategy, strategy_problem
 from plait.spec.cluster import Cluster
-from plait.spec.layers import Block
+from plait.spec.layers import RECOMPUTE_MODES, Block
 from plait.spec.model import ModelSpec
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+ATTENTION_RECOMPUTE = ("selective", "attn_kept")
+"""Recompute modes defined by the attention core (layers without one: none or full only)."""
 SWAP_SHARES = (0.0, 0.5, 1.0)
 """Shares of saved activations the search may swap to host with the memory hierarchy on (none, half the
 tokens, all of them: three points keep the space small; MEMO's per-layer share is continuous)."""
@@ -59,9 +60,9 @@ def divisors(n: int) -> list[int]:
 def block_strategies(block: Block, cluster: Cluster, devices: int, micro_batch: int, seq_len: int,
                      limits: SpaceLimits = SpaceLimits()) -> list[Strategy]:
     """All valid strategies for `block` on a stage of `devices` devices whose micro-batches hold
-    `micro_batch` sequences (layers without attention have no selective recompute)."""
+    `micro_batch` sequences (layers without attention have no selective or attn_kept recompute)."""
     max_tp = min(limits.max_tp or cluster.gpus_per_node, devices)
-    modes = [rc for rc in limits.recompute if block.has_attention or rc != "selective"]
+    modes = [rc for rc in limits.recompute if block.has_attention or rc not in ATTENTION_RECOMPUTE]
     out: list[Strategy] = []
     for tp in divisors(devices):
         if tp > max_tp:

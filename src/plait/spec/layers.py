@@ -26,7 +26,11 @@ from plait.errors import PlaitError
 
 Kind = Literal["decoder", "moe", "encoder", "cross_decoder", "vision", "patch_embed", "projector"]
 KINDS: tuple[str, ...] = ("decoder", "moe", "encoder", "cross_decoder", "vision", "patch_embed", "projector")
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "attn_kept", "full"]
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "attn_kept", "full")
+"""Recompute modes: none; selective (Korthikanti et al. 2022: only the attention core is recomputed);
+attn_kept (MEMO, Zhao et al. SIGMOD 2025: everything but the attention core is recomputed, whose output and
+log-sum-exp are kept with the layer input); full (the whole layer is recomputed from its input)."""
 Attention = Literal["flash", "eager", "triton"]
 """Attention kernel: "flash" (FlashAttention-2-class fused kernel, the default), "triton" (the Triton
 FlashAttention of flash_attn_triton.py, e.g. llm-foundry's `attn_impl: triton`), "eager" (unfused)."""
@@ -319,8 +323,11 @@ class Block:
         with tensor parallelism, and 2*s*b*h under full recomputation.
         """
         h = self.hidden
-        if recompute == "full":  # only the layer input survives (sharded by sequence parallelism)
+        if recompute == "full" or (recompute == "attn_kept" and not self.has_attention):
+            # only the layer input survives (sharded by sequence parallelism)
             return ActivationBytes(2 * (self.in_dim if self.kind == "projector" else h), 0, 0, 0, 0)
+        if recompute == "attn_kept":
+            return self._attention_kept_bytes()
         if self.kind == "patch_embed":  # the patch pixels into the projection
             return ActivationBytes(2 * self.in_dim, 0, 0, 0, 0)
         if self.kind == "projector":  # input, hidden pre- and post-activation
@@ -353,6 +360,22 @@ class Block:
         elif self.attention in FUSED_ATTENTION:
             sharded += LSE_BYTES * heads
         return ActivationBytes(replicated, sharded, quadratic, drop_masks, quad_masks)
+
+    def _attention_kept_bytes(self) -> ActivationBytes:
+        """Bytes per token under `attn_kept` (MEMO): the layer input (replicated, sharded by sequence
+        parallelism) and what each attention core's backward reads that the recomputed layer cannot give it
+        back without running the core again: its output (o_dim wide, split over tp heads) and, for a fused
+        kernel, its fp32 log-sum-exp per head (LSE_BYTES); an eager core keeps its softmax (and dropout)
+        output per score column instead. Queries, keys and values are recomputed from the input."""
+        cores = 2 if self.kind == "cross_decoder" else 1
+        sharded = cores * 2 * self.o_dim
+        quadratic = quad_masks = 0.0
+        if self.attention in FUSED_ATTENTION:
+            sharded += cores * LSE_BYTES * self.heads
+        else:
+            quadratic = cores * (2 + (2 if self.dropout else 0)) * self.heads
+            quad_masks = cores * self.heads * MASK_BYTES if self.dropout else 0.0
+        return ActivationBytes(2 * self.hidden, sharded, quadratic, 0, quad_masks)
 
     def routed_activation_bytes(self) -> tuple[int, int]:
         """(input, hidden) bytes a routed expert keeps for backward per (token, expert) pair, 16-bit: the
