@@ -15,7 +15,8 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
             (reason := _expert_problem(plan, model)) is not None:
         return reason
     if (reason := _unsupported_sharding(plan, model)) is not None or \
-            (reason := _unsupported_hierarchy(plan, model)) is not None:
+            (reason := _unsupported_hierarchy(plan, model)) is not None or \
+            (reason := _unsupported_attn_kept(plan)) is not None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
@@ -99,8 +100,9 @@ def _unsupported_sharding(plan: Plan, model: ModelSpec) -> str | None:
 
 
 def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
-    """Token-wise swapping runs on layers without recomputation or with full recomputation (checkpoint saves
-    the block's input under the swap's hooks; selective recomputation keeps its GEMM outputs outside them),
+    """Token-wise swapping runs on layers without recomputation, with full recomputation (checkpoint saves
+    the block's input under the swap's hooks) and with attn_kept (its kept attention outputs go through the
+    swap too, plait.runtime.recompute); selective recomputation keeps its GEMM outputs outside them;
     with tensor and sequence parallelism (DTensors cut as their local tensors), not with context parallelism. Offload runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
     optimizer states in host memory and steps on the CPU: exactly offload=params; offload=optim, whose cost
     keeps the 16-bit shard on the device, runs the same way (the same numerics, fewer device bytes). It
@@ -120,6 +122,16 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
         if s.swap and (s.recompute == "selective" or s.cp > 1):
             return (f"{s.short()}: the runtime swaps activations of layers without selective recompute or context "
                     "parallelism; use swap=0 there")
+    return None
+
+
+def _unsupported_attn_kept(plan: Plan) -> str | None:
+    """recompute=attn_kept keeps the outputs of PyTorch's fused attention kernels (plait.runtime.recompute);
+    ring attention is plait's own autograd function, whose output it cannot keep."""
+    for s in (s for p in plan.pipelines for st in p.stages for s in st.strategies):
+        if s.recompute == "attn_kept" and s.cp > 1 and s.cp_mode == "ring":
+            return (f"{s.short()}: recompute=attn_kept keeps fused attention outputs, and ring attention is not "
+                    "one; use cp_mode=ulysses or recompute=full")
     return None
 
 

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from plait.models.moe import MoE
+from plait.runtime import recompute
 from plait.runtime.experts import Sync, apply_ep, expert_params
 from plait.runtime.placement import Chunk
 from plait.runtime.relayout import Relayout
@@ -113,12 +114,13 @@ def _keep_gemm_outputs(ctx: object, op: object, *args: object, **kwargs: object)
 
 
 def apply_ac(model: nn.Module, mode: str, layers: list[str]) -> None:
-    """Recompute the named blocks' activations in backward (`full`) or only their attention core (`selective`)."""
+    """Recompute the named blocks' activations in backward (`full`), only their attention core
+    (`selective`), or all but their attention core (`attn_kept`, plait.runtime.recompute)."""
     if mode == "none":
         return
     for name in layers:
-        context = {} if mode == "full" else {"context_fn": partial(create_selective_checkpoint_contexts,
-                                                                   _keep_gemm_outputs)}
+        context = {} if mode == "full" else {"context_fn": recompute.contexts} if mode == "attn_kept" else {
+            "context_fn": partial(create_selective_checkpoint_contexts, _keep_gemm_outputs)}
         model.layers[name] = checkpoint_wrapper(model.layers[name], checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                 **context)
 

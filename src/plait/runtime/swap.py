@@ -127,6 +127,7 @@ class _LayerSwap:
         self._seen: dict[tuple, tuple[Tensor, _Packed | None]] = {}  # one cut per saved storage in a forward
 
     def pre(self, _module: nn.Module, args: tuple) -> None:
+        _ACTIVE.append(self)
         x = _local(args[0]) if args and isinstance(args[0], Tensor) else None
         self.tokens = x.shape[1] if x is not None and x.dim() >= 2 else 0
         self.rows = x.shape[0] * self.tokens if self.tokens else 0
@@ -135,6 +136,8 @@ class _LayerSwap:
         self._hooks.__enter__()
 
     def post(self, _module: nn.Module, _args: tuple, _out: object) -> None:
+        if _ACTIVE and _ACTIVE[-1] is self:
+            _ACTIVE.pop()
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
@@ -201,6 +204,17 @@ class _LayerSwap:
         head = packed.host.to(packed.device, non_blocking=True)
         whole = head if packed.kept is None else torch.cat([head, packed.kept], dim=packed.dim)
         return whole if packed.view is None else whole.as_strided(*packed.view)
+
+
+_ACTIVE: list[_LayerSwap] = []
+"""The swaps of the blocks whose forward is running, innermost last."""
+
+
+def active() -> _LayerSwap | None:
+    """The swap of the block whose forward is running (None outside one): tensors a block keeps for backward
+    outside the saved-tensor hooks (selective recomputation's cache, `plait.runtime.recompute`) go through
+    its `pack` and `unpack` to be swapped and counted alike."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def attach(block: nn.Module, share: float, meter: SwapMeter, gather: int = 1
