@@ -135,23 +135,23 @@ def test_trains_with_tp_sp_and_ulysses_on_two_ranks_with_the_same_losses(tmp_pat
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(f"plait keeps the attention output of tokens {i}." for i in range(200)))
     model = load_model("tiny-llama")
-    cases = {"one": "dp=1", "dp": "dp=2,recompute=attn_kept,swap=1", "sp": "tp=2,sp=1,recompute=attn_kept,swap=0.5",
-             "cp": "cp=2,recompute=attn_kept"}
+    cases = {"one": "dp=1", "two": "dp=1,mbs=2,gbs=2", "dp": "dp=2,recompute=attn_kept,swap=1",
+             "sp": "tp=2,sp=1,recompute=attn_kept,swap=0.5", "cp": "cp=2,recompute=attn_kept"}
     paths, outs = [], {}
     for key, strategy in cases.items():
-        plan = uniform_plan(strategy, model, local_ranks(1 if key == "one" else 2), 64)
+        plan = uniform_plan(strategy, model, local_ranks(1 if key in ("one", "two") else 2), 64)
         outs[key] = tmp_path / f"metrics-{key}.jsonl"
         cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=4, lr=0.01,
                           data=str(text), metrics_out=str(outs[key]))
         paths.append(tmp_path / f"config-{key}.json")
         paths[-1].write_text(cfg.to_json())
-    run_workers(paths[:1], nproc=1)
-    run_workers(paths[1:])
+    run_workers(paths[:2], nproc=1)
+    run_workers(paths[2:])
     records = {k: [json.loads(line) for line in out.read_text().splitlines()] for k, out in outs.items()}
-    base = [r["loss"] for r in records["one"]]
-    assert len(base) == 4
-    for key in ("dp", "sp", "cp"):
-        assert [r["loss"] for r in records[key]] == pytest.approx(base, abs=1e-5), key
+    base = {k: [r["loss"] for r in records[k]] for k in ("one", "two")}
+    assert len(base["one"]) == len(base["two"]) == 4
+    for key, ref in (("dp", "two"), ("sp", "one"), ("cp", "one")):  # two sequences a step over dp=2
+        assert [r["loss"] for r in records[key]] == pytest.approx(base[ref], abs=1e-5), key
     for r in records["dp"]:  # everything kept is swapped
         assert r["swap"]["resident_peak_bytes"] == 0 and r["swap"]["host_peak_bytes"] > 0
     for r in records["sp"]:  # local shards cut token-wise, half each way

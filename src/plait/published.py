@@ -9,6 +9,7 @@ model gives a `"preset"` (the MoE rows) is that preset of `plait.spec.model` at 
 its layout may give the expert degrees `ep` and `etp` and the plan's `expert_load`. Offload and long-context rows
 (group "offload") may give `swap` (share of saved activations swapped to host memory) and `offload` ("optim") in
 their layout, and `host_memory_gb` (the node's host memory in GB, when the run used fewer GPUs than the node has).
+A row may say how its MFU counts causal attention (`mfu_convention`: "whole", the default, or "causal_half").
 A ZeRO-3 row's layout may name its FSDP runtime, `fsdp_runtime` "torch" (PyTorch FSDP, the default) or "megatron"
 (Megatron-FSDP, priced with `plait.cost.calibration.megatron_fsdp`).
 """
@@ -26,6 +27,9 @@ from plait.simulate import Report, simulate
 from plait.spec.cluster import GB, Cluster, Link, dgx
 from plait.spec.model import PRESETS, ModelSpec
 
+MFU_CONVENTIONS = ("whole", "causal_half")
+"""A row's `mfu_convention`: its MFU counts the attention cores whole (Megatron's formula, plait's MFU; the
+default) or those of causal layers at half (`causal_mfu`); the row's MFU is compared in its convention."""
 FSDP_RUNTIMES = ("torch", "megatron")  # a row's `fsdp_runtime`: PyTorch FSDP or Megatron-FSDP
 REPORTED_KEYS = ("hardware_tflops_per_gpu", "model_tflops_per_gpu", "iteration_time_s", "mfu", "hfu",
                  "tokens_per_s")
@@ -46,6 +50,7 @@ class PublishedRun:
     # "moe" (mixture-of-experts runs with expert parallelism, whatever their software)
     held_out: bool = False  # set aside before any constant was chosen; graded separately
     cal: Calibration | None = None  # the runtime's calibration where it is not the GPU type's default
+    mfu_convention: str = "whole"  # how the row's MFU counts causal attention (MFU_CONVENTIONS)
 
     def report(self) -> Report:
         """The run's layout simulated with its calibration."""
@@ -104,11 +109,15 @@ def load_runs(path: str | Path) -> tuple[list[PublishedRun], list[tuple[str, str
         if runtime not in FSDP_RUNTIMES:
             skipped.append((row["source"], f"fsdp_runtime {runtime!r} is not one of {', '.join(FSDP_RUNTIMES)}"))
             continue
+        convention = row.get("mfu_convention", "whole")
+        if convention not in MFU_CONVENTIONS:
+            skipped.append((row["source"], f"mfu_convention {convention!r} is not one of {', '.join(MFU_CONVENTIONS)}"))
+            continue
         reported = {k: float(v) for k, v in row["reported"].items() if k in REPORTED_KEYS}
         cal = megatron_fsdp(calibration_for(cluster.gpu.name), cluster.gpu) if runtime == "megatron" else None
         runs.append(PublishedRun(row["source"], model, cluster, plan, strategy, reported,
                                  bool(row.get("layout_fully_published", True)), _group(row),
-                                 bool(row.get("held_out", False)), cal))
+                                 bool(row.get("held_out", False)), cal, convention))
     return runs, skipped
 
 
@@ -129,14 +138,17 @@ def _group(row: dict) -> str:
     return row.get("group") or ("deepspeed" if "DeepSpeed" in row["source"] else "megatron")
 
 
-def predicted(report: Report, key: str) -> float:
-    """The report's value of a reported key."""
+def predicted(report: Report, key: str, run: PublishedRun | None = None) -> float:
+    """The report's value of a reported key (the MFU in `run`'s convention)."""
+    if key == "mfu" and run is not None and run.mfu_convention == "causal_half":
+        return causal_mfu(report, run.model, run.plan.seq_len)
     return float(getattr(report, key))
 
 
 def relative_errors(run: PublishedRun, report: Report) -> dict[str, tuple[float, float, float]]:
-    """{key: (published, predicted, relative error)} for every figure the run reports."""
-    return {k: (v, predicted(report, k), predicted(report, k) / v - 1) for k, v in run.reported.items()}
+    """{key: (published, predicted, relative error)} for every figure the run reports (its MFU in its
+    `mfu_convention`)."""
+    return {k: (v, predicted(report, k, run), predicted(report, k, run) / v - 1) for k, v in run.reported.items()}
 
 
 def executed_fraction(model: ModelSpec, seq_len: int) -> float:
