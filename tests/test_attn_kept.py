@@ -151,12 +151,12 @@ def test_trains_with_tp_sp_and_ulysses_on_two_ranks_with_the_same_losses(tmp_pat
     records = {k: [json.loads(line) for line in out.read_text().splitlines()] for k, out in outs.items()}
     base = {k: [r["loss"] for r in records[k]] for k in ("one", "two")}
     assert len(base["one"]) == len(base["two"]) == 4
-    for key, ref in (("dp", "two"), ("sp", "one"), ("cp", "one")):  # two sequences a step over dp=2
-        print(key, max(abs(a - b) for a, b in zip([r["loss"] for r in records[key]], base[ref])))
-    print("sp_plain", max(abs(a - b) for a, b in zip([r["loss"] for r in records["sp_plain"]], base["one"])))
-    print("sp vs sp_plain", [r["loss"] for r in records["sp"]], [r["loss"] for r in records["sp_plain"]])
-    for key, ref in (("dp", "two"), ("sp", "one"), ("cp", "one")):  # two sequences a step over dp=2
+    for key, ref in (("dp", "two"), ("cp", "one")):  # two sequences a step over dp=2
         assert [r["loss"] for r in records[key]] == pytest.approx(base[ref], abs=1e-5), key
+    # tp2+sp: the same losses as tp2+sp without recomputation, to the bit; both differ from one process by up to
+    # 1.0e-5 (2e-6 relative) at the third step with this corpus (tp+sp's own fp32 reduction order)
+    assert [r["loss"] for r in records["sp"]] == [r["loss"] for r in records["sp_plain"]]
+    assert [r["loss"] for r in records["sp"]] == pytest.approx(base["one"], rel=1e-5)
     for r in records["dp"]:  # everything kept is swapped
         assert r["swap"]["resident_peak_bytes"] == 0 and r["swap"]["host_peak_bytes"] > 0
     for r in records["sp"]:  # local shards cut token-wise, half each way
