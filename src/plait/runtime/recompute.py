@@ -11,7 +11,11 @@ log-sum-exp with the recomputed queries, keys and values.
 Swapping: checkpoint saves the block input through the saved-tensor hooks, which `plait.runtime.swap`
 cuts token-wise; the kept attention outputs live in SAC's cache instead, which this module's cache passes
 through the running block's swap (`plait.runtime.swap.active`): the same token-wise cut, host copy and
-count, and the same rebuild when the recomputation reads them.
+count, and the same rebuild when the recomputation reads them. (`contexts` builds the two dispatch modes that
+`create_selective_checkpoint_contexts` returns, from torch.utils.checkpoint's private classes as of torch
+2.13, around a cache of its own.) Attention that is not a fused kernel (ring attention, an eager core) is
+recomputed like everything else: correct, but not kept; `plait.executable` refuses attn_kept with ring
+attention.
 """
 
 from __future__ import annotations
