@@ -6,7 +6,9 @@ Searches the best plan with the memory hierarchy (swap, optimizer offload) and t
 each plan's MFU in both attention conventions: counted whole (Megatron's formula, plait's MFU) and with causal
 attention halved (`plait.published.causal_mfu`), and its seconds per iteration by cause. MEMO's own convention
 is not in its retrievable text; the last lines give the share of peak that MEMO's GPUs executed under each
-reading (`plait.published.executed_fraction`), beside FlashAttention-2's published rates.
+reading (`plait.published.executed_fraction`), beside FlashAttention-2's published rates. The searched plans may
+use `recompute=attn_kept` (MEMO's layer plan: the attention output kept, the rest recomputed); the held-out row
+in benchmarks/data/published_runs.json compares MEMO in the causal-halved reading (`mfu_convention`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def main() -> None:
     share = executed_fraction(model, SEQ)
     low, high = FA2_FORWARD_SHARE_OF_PEAK
     whole, halved = MEMO_MFU * share, MEMO_MFU
+    console.print("MEMO's held-out row is compared causal-halved (the likelier reading, not confirmed).",
+                  highlight=False)
     console.print(f"A causal kernel executes {share:.1%} of the FLOPs counted whole. MEMO's {MEMO_MFU:.1%} "
                   f"means its GPUs executed {whole:.1%} of peak if counted whole, {halved:.1%} if causal "
                   f"attention is counted halved (no recomputation in either); FlashAttention-2's "
