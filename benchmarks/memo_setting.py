@@ -6,9 +6,10 @@ Searches the best plan with the memory hierarchy (swap, optimizer offload) and t
 each plan's MFU in both attention conventions: counted whole (Megatron's formula, plait's MFU) and with causal
 attention halved (`plait.published.causal_mfu`), and its seconds per iteration by cause. MEMO's own convention
 is not in its retrievable text; the last lines give the share of peak that MEMO's GPUs executed under each
-reading (`plait.published.executed_fraction`), beside FlashAttention-2's published rates. The searched plans may
-use `recompute=attn_kept` (MEMO's layer plan: the attention output kept, the rest recomputed); the held-out row
-in benchmarks/data/published_runs.json compares MEMO in the causal-halved reading (`mfu_convention`).
+reading (`plait.published.executed_fraction`), beside FlashAttention-2's published rates. The searched
+plans may use `recompute=attn_kept` (MEMO's layer plan: the attention output kept, the rest recomputed);
+the held-out row in benchmarks/data/published_runs.json compares MEMO in the causal-halved reading
+(`mfu_convention`).
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@ stacks of layer kinds (tests/data/search_baseline.json, recorded with the previo
 same predicted iteration time within 0.1%, or a plan at least as fast (the stage DP's memory is exact to the
 byte now, where it rounded each layer up to 1/256 of the budget, so tight cases can find faster plans). Three
 cases were recorded again when the head's own copy of a tied table, held in a second layout on one stage,
-came to be priced (gpt3-1.3b on 8 GPUs +1.6%, gpt3-2.7b on 16 +0.2%, gpt3-6.7b on 16 +0.3%). Three were recorded again when recompute=attn_kept (keep the
-attention output, recompute the rest) joined the search space, each now using it on some layers: llama2-7b on 8
-GPUs at 4096 tokens in 24 GiB -0.3%, llama3-70b on 128 at 32768 -6.5%, llama3-405b on 1024 at 8192 -0.4%. The cases up to 16 GPUs run here; `python
+came to be priced (gpt3-1.3b on 8 GPUs +1.6%, gpt3-2.7b on 16 +0.2%, gpt3-6.7b on 16 +0.3%). Three were recorded again when recompute=attn_kept (keep
+the attention output, recompute the rest) joined the search space, each now using it on some layers:
+llama2-7b on 8 GPUs at 4096 tokens in 24 GiB -0.3%, llama3-70b on 128 at 32768 -6.5%, llama3-405b on 1024 at
+8192 -0.4%. The cases up to 16 GPUs run here; `python
 benchmarks/search_regression.py` runs all recorded cases (up to 1,024 GPUs)."""
 
 from __future__ import annotations

@@ -130,8 +130,8 @@ def _unsupported_attn_kept(plan: Plan) -> str | None:
     ring attention is plait's own autograd function, whose output it cannot keep."""
     for s in (s for p in plan.pipelines for st in p.stages for s in st.strategies):
         if s.recompute == "attn_kept" and s.cp > 1 and s.cp_mode == "ring":
-            return (f"{s.short()}: recompute=attn_kept keeps fused attention outputs, and ring attention is not "
-                    "one; use cp_mode=ulysses or recompute=full")
+            return (f"{s.short()}: recompute=attn_kept keeps fused attention outputs, and ring attention "
+                    "is not one; use cp_mode=ulysses or recompute=full")
     return None
 
 

@@ -517,8 +517,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     """Build a uniform Megatron-style plan from the `--strategy` shorthand.
 
     Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
-    (none|selective|attn_kept|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel and expert
-    tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
+    (none|selective|attn_kept|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel
+    and expert tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
     of the routed tokens), expert_load (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), swap
     (share of saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
     precision, grad_reduce (auto|fp32|bf16), overlap. dp defaults to the devices left by tp*pp*cp; gbs to

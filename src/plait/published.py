@@ -111,7 +111,8 @@ def load_runs(path: str | Path) -> tuple[list[PublishedRun], list[tuple[str, str
             continue
         convention = row.get("mfu_convention", "whole")
         if convention not in MFU_CONVENTIONS:
-            skipped.append((row["source"], f"mfu_convention {convention!r} is not one of {', '.join(MFU_CONVENTIONS)}"))
+            skipped.append((row["source"],
+                            f"mfu_convention {convention!r} is not one of {', '.join(MFU_CONVENTIONS)}"))
             continue
         reported = {k: float(v) for k, v in row["reported"].items() if k in REPORTED_KEYS}
         cal = megatron_fsdp(calibration_for(cluster.gpu.name), cluster.gpu) if runtime == "megatron" else None
@@ -148,7 +149,8 @@ def predicted(report: Report, key: str, run: PublishedRun | None = None) -> floa
 def relative_errors(run: PublishedRun, report: Report) -> dict[str, tuple[float, float, float]]:
     """{key: (published, predicted, relative error)} for every figure the run reports (its MFU in its
     `mfu_convention`)."""
-    return {k: (v, predicted(report, k, run), predicted(report, k, run) / v - 1) for k, v in run.reported.items()}
+    values = {k: predicted(report, k, run) for k in run.reported}
+    return {k: (v, values[k], values[k] / v - 1) for k, v in run.reported.items()}
 
 
 def executed_fraction(model: ModelSpec, seq_len: int) -> float:

@@ -4,8 +4,8 @@ Each term has a name. Compute: the block's GEMMs (column/row split by tensor par
 data and context parallelism), the attention core (flash or eager), and memory-bound elementwise work
 (norms, residual adds, dropout, activation functions, RoPE), whose replicated part is divided by the
 tensor-parallel degree only under sequence parallelism. Communication: Megatron tensor-parallel
-collectives (2 forward, 2 backward; repeated by full and attn_kept recompute), Ulysses all-to-alls or ring K/V passes for
-context parallelism, and ZeRO-2/3 per-micro-batch gathers and reduce-scatters that overlap with compute.
+collectives (2 forward, 2 backward; repeated by full and attn_kept recompute), Ulysses all-to-alls
+or ring K/V passes for context parallelism, and ZeRO-2/3 per-micro-batch gathers and reduce-scatters that overlap with compute.
 With a profile, measured compute replaces the arithmetic, and what the runtime's tensor, Ulysses and ZeRO-3
 machinery was measured to add to a block replaces that dimension's analytic communication
 (`measured_overheads`).
@@ -234,8 +234,8 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
             cp_bwd = max(0.0, 2 * (s.cp - 1) * step - attn_b * cal.overlap_efficiency)
     # attn_kept re-runs the Ulysses all-to-alls around the kept core (queries, keys and values for its
     # backward; its output for the recomputed projection), not the ring's K/V passes, which feed the core.
-    cp_recompute = cp_fwd if s.recompute == "full" or (s.recompute == "attn_kept" and s.cp_mode == "ulysses") \
-        else 0.0
+    repeats_cp = s.recompute == "full" or (s.recompute == "attn_kept" and s.cp_mode == "ulysses")
+    cp_recompute = cp_fwd if repeats_cp else 0.0
 
     # Expert parallelism: dispatch and combine, nothing overlapped; repeated by full recompute.
     ep_pass = experts.dispatch_time(block, s, tokens, ctx)

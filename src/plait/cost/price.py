@@ -191,7 +191,8 @@ def usable_memory(capacity: float, cal: Calibration, bucketed: bool = True) -> f
 
 def recompute_flops_per_token(block: Block, recompute: str, seq_len: int) -> float:
     """Forward FLOPs repeated per token of the sequence by recomputing `block` (full: the whole layer,
-    selective: the attention cores, attn_kept: all but the attention cores), for a run of `seq_len` tokens per sequence."""
+    selective: the attention cores, attn_kept: all but the attention cores), for a run
+    of `seq_len` tokens per sequence."""
     per_own_token = {"full": block.flops_per_token(seq_len),
                      "attn_kept": block.gemm_flops_per_token(seq_len),
                      "selective": block.attention_flops_per_token(seq_len)}.get(recompute, 0.0)

@@ -40,7 +40,8 @@ KEPT_OPS = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_fused_attention_overrideable") if hasattr(torch.ops.aten, name)}
 """The fused attention kernels F.scaled_dot_product_attention dispatches to (CUDA flash, memory-efficient
-and cuDNN; the CPU flash kernel): their outputs (attention output, log-sum-exp, the kernel's seeds) are kept."""
+and cuDNN; the CPU flash kernel): their outputs (attention output, log-sum-exp, the kernel's seeds) are
+kept."""
 
 
 def keep_attention(_ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
@@ -67,7 +68,9 @@ class _Entries(dict):
 
     def get(self, idx: int, default: object = None) -> object:
         entry = super().get(idx, default)
-        return entry if entry is _RECOMPUTE or entry is _CONSUMED or entry is None else tree_map(_unpack, entry)
+        if entry is _RECOMPUTE or entry is _CONSUMED or entry is None:
+            return entry
+        return tree_map(_unpack, entry)
 
 
 def _pack(layer: swap._LayerSwap, w: object) -> object:
