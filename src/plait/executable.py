@@ -99,9 +99,9 @@ def _unsupported_sharding(plan: Plan, model: ModelSpec) -> str | None:
 
 
 def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
-    """Token-wise swapping runs on layers without recomputation or with full recomputation (checkpoint saves
-    the block's input under the swap's hooks; selective recomputation keeps its GEMM outputs outside them),
-    with tensor and sequence parallelism (DTensors cut as their local tensors), not with context parallelism. Offload runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
+    """Token-wise swapping runs with every recomputation (checkpoint saves the block's input under the swap's
+    hooks; selective recomputation's kept GEMM outputs are cut in its cache), with tensor and sequence
+    parallelism (DTensors cut as their local tensors) and context parallelism (each rank's chunk). Offload runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
     optimizer states in host memory and steps on the CPU: exactly offload=params; offload=optim, whose cost
     keeps the 16-bit shard on the device, runs the same way (the same numerics, fewer device bytes). It
     needs ZeRO over more than one data-parallel rank in every stage, no context parallelism, every layer
@@ -117,9 +117,6 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
         if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.cp > 1 or len(offloads) > 1):
             return (f"{s.short()}: the runtime offloads model states with FSDP2 (zero >= 1 over dp > 1 in "
                     "every stage, no context parallelism, every layer alike); use offload=none")
-        if s.swap and (s.recompute == "selective" or s.cp > 1):
-            return (f"{s.short()}: the runtime swaps activations of layers without selective recompute or context "
-                    "parallelism; use swap=0 there")
     return None
 
 
