@@ -19,13 +19,7 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
-    for pi, pipe in enumerate(plan.pipelines):
-        stages = pipe.stages
-        which = f"pipeline {pi} " if len(plan.pipelines) > 1 else "the pipeline "
-        pp = len(stages) // plan.chunks
-        if pp > 1 and pipe.micro_batches < pp and pipe.even_widths:  # the runtime's own schedule runs fewer
-            return (f"{which}has {pp} stages but only {pipe.micro_batches} micro-batches; "
-                    "torch.distributed.pipelining needs at least one per stage: lower mbs or raise gbs")
+    for pi, pipe in enumerate(plan.pipelines):  # fewer micro-batches than stages: the runtime's own schedule
         if not pipe.even_widths and (reason := _uneven_problem(plan, model, pi)) is not None:
             return reason
     return None

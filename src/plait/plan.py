@@ -193,6 +193,13 @@ class Pipeline(BaseModel):
         """Whether every stage has the same number of ranks (then stages hand over rank by rank)."""
         return len({len(stage.ranks) for stage in self.stages}) == 1
 
+    def own_schedule(self, chunks: int = 1) -> bool:
+        """Whether the runtime runs this pipeline (`chunks` model chunks per rank) with its own GPipe / 1F1B
+        schedule (`plait.runtime.pipeline_uneven`) instead of torch.distributed.pipelining's: stages of
+        different widths, or fewer micro-batches than stages (torch's schedules need one per stage)."""
+        pp = len(self.stages) // chunks
+        return pp > 1 and (not self.even_widths or self.micro_batches < pp)
+
     def per_replica(self, s: Strategy) -> int:
         """Sequences per micro-batch on one data-parallel replica of a layer of strategy `s` (the `mbs` of
         the --strategy shorthand)."""
