@@ -156,19 +156,16 @@ BUILT_STACKS: dict[str, tuple[str, str]] = {
 
 def unbuildable(model: ModelSpec) -> str | None:
     """Why the runtime cannot build `model` (one line), or None if it can: GPT and Llama stacks of identical
-    decoder layers, T5-style encoder layers then cross-decoder layers, and LLaVA-style patch embedding,
-    vision layers and projector then decoder layers; Llama stacks of decoder and MoE layers; layers with
-    global attention."""
+    decoder layers (but for their attention windows), T5-style encoder layers then cross-decoder layers, and LLaVA-style patch embedding,
+    vision layers and projector then decoder layers; Llama stacks of decoder and MoE layers; global or
+    sliding-window attention on any layer."""
     kinds = ", ".join(f"{n} {k}" for k, n in model.kind_counts().items())
     if model.family not in BUILT_STACKS:
         return (f"model {model.name!r} has family {model.family!r}; the runtime builds "
                 f"{', '.join(BUILT_STACKS)} models")
-    if model.window or any(b.window for b in model.stack):
-        return (f"model {model.name!r} has attention windows ({kinds}); the runtime builds layers with global "
-                "attention")
     if "moe" in model.kind_counts() and model.family != "llama":
         return f"model {model.name!r} has MoE layers ({kinds}); the runtime builds MoE layers in llama models"
-    if model.family == "gpt" and not model.uniform:
+    if model.family == "gpt" and any(b.with_(window=0) != model.block.with_(window=0) for b in model.stack):
         return (f"model {model.name!r} mixes layer kinds ({kinds}); the runtime builds {model.family} stacks of "
                 "identical decoder layers")
     pattern, text = BUILT_STACKS[model.family]
