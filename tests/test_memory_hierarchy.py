@@ -395,7 +395,8 @@ def test_swap_with_tensor_and_sequence_parallelism_keeps_the_losses(tmp_path: Pa
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(f"plait swaps local shards of tokens {i}." for i in range(200)))
     model = load_model("tiny-llama")
-    cases = {"one": "dp=1", "tp": "tp=2,swap=0.5", "sp": "tp=2,sp=1,swap=0.5"}
+    cases = {"one": "dp=1", "tp": "tp=2,swap=0.5", "sp": "tp=2,sp=1,swap=0.5",
+             "sp-selective": "tp=2,sp=1,recompute=selective,swap=0.5"}
     paths, outs = _train_configs(tmp_path, text, {
         key: uniform_plan(strategy, model, local_ranks(1 if key == "one" else 2), 64)
         for key, strategy in cases.items()}, 4)
@@ -404,7 +405,7 @@ def test_swap_with_tensor_and_sequence_parallelism_keeps_the_losses(tmp_path: Pa
     records = {k: [json.loads(line) for line in out.read_text().splitlines()] for k, out in outs.items()}
     base = [r["loss"] for r in records["one"]]
     assert len(base) == 4
-    for key in ("tp", "sp"):
+    for key in ("tp", "sp", "sp-selective"):
         assert [r["loss"] for r in records[key]] == pytest.approx(base, abs=1e-5), key
         for r in records[key]:  # DTensors cut as their local tensors, gathered sequences included
             m = r["swap"]
