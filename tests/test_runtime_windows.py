@@ -44,6 +44,24 @@ def test_windowed_models_build_and_a_window_limits_the_reach() -> None:
     assert [layer.attention.window for layer in mixed.layers.values()] == [8, 0, 8, 0]
 
 
+def test_packed_rows_keep_each_layers_window() -> None:
+    """The variable-length runtime's attention core (`plait.runtime.varlen.masked`) narrows the document mask
+    of a packed row to a windowed layer's window, and leaves it whole for a global layer."""
+    import torch.nn.functional as F
+
+    from plait.runtime.packing import document_mask
+    from plait.runtime.varlen import masked
+
+    docs, place = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1]), torch.arange(8)
+    q, k, v = torch.randn(3, 1, 2, 8, 4, generator=torch.Generator().manual_seed(0))
+    mask = document_mask(docs, place, docs, place)
+    attend = masked(mask)
+    assert torch.equal(attend(q, k, v), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    band = document_mask(docs, place, docs, place, 2)
+    assert int(band.sum()) == 1 + 4 * 2 + 1 + 2 * 2  # two documents of 5 and 3 tokens
+    assert torch.equal(attend(q, k, v, window=2), F.scaled_dot_product_attention(q, k, v, attn_mask=band))
+
+
 CASES = {
     "llama tp2 sp dp2 zero1": (LOCAL_LLAMA, "tp=2,sp=1,dp=2,zero=1,gbs=4"),
     "llama cp2 ring dp2": (LOCAL_LLAMA, "cp=2,cp_mode=ring,dp=2,gbs=4"),
