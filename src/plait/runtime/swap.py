@@ -251,9 +251,10 @@ class _SwappedEntries(dict):
         self.swap = swap
 
     def __setitem__(self, idx: int, entry: object) -> None:
-        def cut(leaf: object) -> object:
+        def cut(leaf: object) -> object:  # an output left whole keeps checkpoint's own mutation check
             val = getattr(leaf, "val", None)
-            return _Joined(self.swap.pack(val)) if isinstance(val, Tensor) else leaf
+            packed = self.swap.pack(val) if isinstance(val, Tensor) else val
+            return leaf if packed is val else _Joined(packed)
         super().__setitem__(idx, tree_map(cut, entry))
 
 
