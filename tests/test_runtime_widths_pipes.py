@@ -87,3 +87,54 @@ def test_matches_single_process(runs, name) -> None:
     plan = CASES[name]
     assert len(losses.get(name, [])) == STEPS, proc.stderr[-3000:]
     assert_same(losses[name], ref[(plan.model, GBS)][:STEPS])
+
+
+FAMILY_BOUNDARIES = [("t5: tp2 encoder then one-rank decoder", 0, (SEQ, 2 * 64, False)),
+                     ("t5: one rank then cp2 (ulysses)", 0, (SEQ, 2 * 64, False)),
+                     ("llava: cut in the tower (flat state), then after the projector", 0,
+                      (1, 17 * 64 + (SEQ - 16) * 128, True)),
+                     ("llava: cut in the tower (flat state), then after the projector", 1, (SEQ, 128, False))]
+"""(case, stage before the boundary, (tokens, elements per token, flat) it carries): T5's encoder and decoder
+states side by side (2 x hidden 64); tiny-llava's tower (17 tokens of width 64, the class token first) and
+the 48 text embeddings after the image, flat, then the projector's 64 positions of hidden 128."""
+
+
+@pytest.mark.parametrize(("name", "index", "shape"), FAMILY_BOUNDARIES)
+def test_boundary_carries_the_family_state_and_the_cost_model_prices_its_bytes(monkeypatch, name, index,
+                                                                                shape) -> None:
+    """Each receiver gets exactly its piece of the state (each sender its gradient's piece), under the
+    boundary's own tags; the busiest rank's bytes are what `send_piece_bytes` prices there."""
+    import torch
+    from test_runtime_widths import _Mailbox, _piece
+
+    from plait.cost.calibration import calibration_for
+    from plait.cost.layer import BlockContext
+    from plait.cost.precision import PRECISIONS
+    from plait.cost.price import send_piece_bytes
+    from plait.runtime import boundary as boundary_module
+    from plait.runtime.boundary import boundaries
+    from plait.spec.cluster import dgx
+
+    plan = CASES[name]
+    spec, pipe = PRESETS[plan.model], plan.pipelines[0]
+    mail = _Mailbox()
+    monkeypatch.setattr(boundary_module, "dist", mail)
+    _, b = boundaries(plan, 0, index, spec, None)
+    assert (b.tokens, b.hidden, b.flat) == shape
+    x, g = torch.randn(b.batch, b.tokens, b.hidden), torch.randn(b.batch, b.tokens, b.hidden)
+    state = (lambda t: t.flatten(1)) if b.flat else (lambda t: t)  # noqa: E731
+    for p, mail.rank in enumerate(b.senders):
+        b.send(state(_piece(x, b.src, p)), forward=True)
+    for q, mail.rank in enumerate(b.receivers):
+        assert torch.equal(b.receive(True, torch.float32), state(_piece(x, b.dst, q)))
+        b.send(state(_piece(g, b.dst, q)), forward=False)
+    for p, mail.rank in enumerate(b.senders):
+        want = state(_piece(g, b.src, p)) * (b.src.data_degree / b.dst.data_degree)
+        assert torch.allclose(b.receive(False, torch.float32), want, rtol=0, atol=1e-6)
+    assert {tag for *_, tag in mail.queues} == {1 + 2 * index, 2 + 2 * index}
+    upper = pipe.stages[index].strategies[-1]
+    layer = pipe.stages[index + 1].layers[0]
+    ctx = BlockContext.for_ranks(spec, dgx(1, 8, "A100-80GB"), calibration_for("A100-80GB"), PRECISIONS["fp32"],
+                                 SEQ, b.batch // upper.dp, upper, b.senders, b.senders)
+    busiest = max(*mail.sent.values(), *mail.received.values())
+    assert send_piece_bytes(layer, upper, b.batch, ctx, pipe.stages[index + 1].strategies[0]) == busiest
