@@ -44,14 +44,16 @@ CASES = {
     "two pipelines, tied: one stage beside two stages of one rank": _plan("tiny-gpt", [
         ([((0, 4), (0,), S())], 2, 1), ([((0, 2), (1,), S()), ((2, 4), (2,), S())], 2, 1)]),
     "vpp2: dp2 and one rank, interleaved": _plan("tiny-llama", [
-        ([((0, 1), (0, 1), S(dp=2)), ((1, 2), (2,), S()), ((2, 3), (0, 1), S(tp=2)), ((3, 4), (2,), S())], 2, 2)],
-        chunks=2),
+        ([((0, 1), (0, 1), S(dp=2)), ((1, 2), (2,), S()), ((2, 3), (0, 1), S(tp=2)), ((3, 4), (2,), S())],
+         2, 2)], chunks=2),
     "vpp2, tied: one rank and tp2 sp, then dp2 zero3": _plan("tiny-gpt", [
         ([((0, 1), (0,), S()), ((1, 2), (1, 2), S(tp=2, sp=True)), ((2, 3), (0,), S()),
           ((3, 4), (1, 2), S(dp=2, zero=3))], 2, 2)], chunks=2),
-    "two pipelines of vpp2, equal widths": _plan("tiny-llama", [
-        ([((0, 1), (0,), S()), ((1, 2), (1,), S()), ((2, 3), (0,), S()), ((3, 4), (1,), S())], 2, 1),
-        ([((0, 1), (2,), S()), ((1, 2), (3,), S()), ((2, 3), (2,), S()), ((3, 4), (3,), S())], 2, 1)], chunks=2),
+    "two pipelines of vpp2, equal widths, ZeRO-1 across them": _plan("tiny-llama", [
+        ([((0, 1), (0,), S(zero=1)), ((1, 2), (1,), S(zero=1)), ((2, 3), (0,), S(zero=1)),
+          ((3, 4), (1,), S(zero=1))], 2, 1),
+        ([((0, 1), (2,), S(zero=1)), ((1, 2), (3,), S(zero=1)), ((2, 3), (2,), S(zero=1)),
+          ((3, 4), (3,), S(zero=1))], 2, 1)], chunks=2),
     "t5: tp2 encoder then one-rank decoder": _plan("tiny-t5", [
         ([((0, 2), (0, 1), S(tp=2)), ((2, 4), (2,), S())], 2, 2)]),
     "t5: one rank then cp2 (ulysses)": _plan("tiny-t5", [
@@ -134,7 +136,28 @@ def test_boundary_carries_the_family_state_and_the_cost_model_prices_its_bytes(m
     assert {tag for *_, tag in mail.queues} == {1 + 2 * index, 2 + 2 * index}
     upper = pipe.stages[index].strategies[-1]
     layer = pipe.stages[index + 1].layers[0]
-    ctx = BlockContext.for_ranks(spec, dgx(1, 8, "A100-80GB"), calibration_for("A100-80GB"), PRECISIONS["fp32"],
-                                 SEQ, b.batch // upper.dp, upper, b.senders, b.senders)
+    ctx = BlockContext.for_ranks(spec, dgx(1, 8, "A100-80GB"), calibration_for("A100-80GB"),
+                                 PRECISIONS["fp32"], SEQ, b.batch // upper.dp, upper, b.senders, b.senders)
     busiest = max(*mail.sent.values(), *mail.received.values())
     assert send_piece_bytes(layer, upper, b.batch, ctx, pipe.stages[index + 1].strategies[0]) == busiest
+
+
+def test_simulate_prices_every_case_with_the_order_the_runtime_runs() -> None:
+    """`plait simulate` prices every case; with interleaved chunks each device group's stages run in the
+    cost model's interleaved order (`schedule_order`), every stage's forward of a micro-batch before its
+    backward: 2 device groups x 2 chunks x 2 micro-batches x (F, B) = 8 ops per group."""
+    from plait.cost.pipeline import schedule_order
+    from plait.runtime.pipeline_chunks import ChunkedSchedule
+    from plait.simulate import simulate
+
+    for name, plan in CASES.items():
+        report = simulate(plan, PRESETS[plan.model], local_ranks(4))
+        assert report.iteration_time_s > 0 and report.fits, name
+    plan = CASES["vpp2: dp2 and one rank, interleaved"]
+    for group in range(2):
+        steps = ChunkedSchedule({}, group, 2, 2, 2).steps
+        assert steps == schedule_order("interleaved", 2, 2, 2)[group] and len(steps) == 8
+        assert {j for _, _, j in steps} == {group, group + 2}
+        assert all(steps.index(("F", k, j)) < steps.index(("B", k, j)) for _, k, j in steps)
+        stages = plan.pipelines[0].stages
+        assert {stages[j].ranks for _, _, j in steps} == {stages[group].ranks}

@@ -58,8 +58,8 @@ def emitted_plans() -> list[Emitted]:
                     found.setdefault(plan.model_dump_json(), (plan, "search"))
             for slow in SLOWDOWNS:
                 plan_around_stragglers(PRESETS[model], local_ranks(RANKS).with_slow(slow), SEQ_LEN, gbs,
-                                       precision="fp32",
-                                       record=lambda p: found.setdefault(p.model_dump_json(), (p, "straggler")))
+                                       precision="fp32", record=lambda p: found.setdefault(
+                                           p.model_dump_json(), (p, "straggler")))
     return [Emitted(plan, source, unsupported(plan, PRESETS[plan.model])) for plan, source in found.values()]
 
 

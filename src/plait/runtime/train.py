@@ -304,8 +304,8 @@ def _uneven_schedule(plan: Plan, spec: ModelSpec, chunks: list[torch.nn.Module],
     parts = {}
     for model, chunk in zip(chunks, where.chunks):
         before, after = boundaries(plan, where.pipeline, chunk.index, spec, where.pp_group)
-        parts[chunk.index] = UnevenSchedule(model, chunk.index, len(pipe.stages), before, after, pipe.micro_batches,
-                                            loss_fn, plan.schedule, timed)
+        parts[chunk.index] = UnevenSchedule(model, chunk.index, len(pipe.stages), before, after,
+                                            pipe.micro_batches, loss_fn, plan.schedule, timed)
     if plan.chunks == 1:
         return parts[where.chunks[0].index]
     return ChunkedSchedule(parts, where.group, where.pp, pipe.micro_batches, plan.chunks)
