@@ -516,7 +516,6 @@ def plan_around_stragglers(model: ModelSpec, cluster: Cluster, seq_len: int, glo
     judged += found[:SIMULATED_CANDIDATES]
     judged = [replace(c, report=simulate(c.plan, model, cluster, cal=cal, validate=c.estimate_s < math.inf))
               for c in judged]
-
     fitting = [c for c in judged if c.report is not None and c.report.fits]
     if not fitting:
         return StragglerResult(None, None, "nothing fits", 0, len(found), time.perf_counter() - t0)
