@@ -161,3 +161,18 @@ def test_simulate_prices_every_case_with_the_order_the_runtime_runs() -> None:
         assert all(steps.index(("F", k, j)) < steps.index(("B", k, j)) for _, k, j in steps)
         stages = plan.pipelines[0].stages
         assert {stages[j].ranks for _, _, j in steps} == {stages[group].ranks}
+
+
+def test_the_straggler_planner_prices_several_pipelines_of_different_widths_and_all_run() -> None:
+    """On 8 ranks with rank 1 three times slower, Malleus's shrunk tensor-parallel unit (its healthy rank
+    alone) beside whole tp2 units gives 24 of the 180 plans the straggler planner prices several pipelines,
+    some of whose stages differ in width; the runtime refuses none of the 180."""
+    from plait.planner.straggler import plan_around_stragglers
+
+    seen: dict[str, Plan] = {}
+    plan_around_stragglers(PRESETS["tiny-llama"], local_ranks(8).with_slow({1: 3.0}), SEQ, 16, precision="fp32",
+                           record=lambda p: seen.setdefault(p.model_dump_json(), p))
+    several_uneven = [p for p in seen.values()
+                      if len(p.pipelines) > 1 and not all(pipe.even_widths for pipe in p.pipelines)]
+    assert len(seen) == 180 and len(several_uneven) == 24
+    assert all(unsupported(p, PRESETS[p.model]) is None for p in seen.values())
