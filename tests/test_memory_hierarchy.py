@@ -298,7 +298,8 @@ def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
     assert _fsdp_policy("none", None) == {"reduce_dtype": None}
     model = load_model("tiny-llama")
     for text in ("dp=2,zero=1,swap=0.5", "dp=2,recompute=full,swap=1", "tp=2,sp=1,swap=0.5", "cp=2,swap=0.5",
-                 "dp=2,recompute=selective,swap=1", "cp=2,cp_mode=ring,recompute=selective,swap=0.5", "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim",
+                 "dp=2,recompute=selective,swap=1", "cp=2,cp_mode=ring,recompute=selective,swap=0.5",
+                 "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim",
                  "dp=2,zero=1,offload=params", "dp=2,pp=2,zero=1,offload=optim", "dp=2,tp=2,zero=1,offload=params"):
         world = 4 if "dp=4" in text or "pp=2" in text or "tp=2" in text else 2
         assert unsupported(uniform_plan(text, model, local_ranks(world), 64), model) is None, text
@@ -427,7 +428,8 @@ def test_swap_with_selective_recompute_and_context_parallelism_keeps_the_losses(
     text.write_text("\n".join(f"plait swaps what selective recompute keeps {i}." for i in range(200)))
     model = load_model("tiny-llama")
     cases = {(kind, share): f"{extra},gbs=4" + (f",swap={share:g}" if share else "")
-             for kind, extra in (("selective", "dp=2,zero=1,recompute=selective"), ("ring", "cp=2,cp_mode=ring"),
+             for kind, extra in (("selective", "dp=2,zero=1,recompute=selective"),
+                                 ("ring", "cp=2,cp_mode=ring"),
                                  ("ring-selective", "cp=2,cp_mode=ring,recompute=selective"),
                                  ("ulysses", "cp=2"))
              for share in ((0.0, 0.5, 1.0) if kind != "ulysses" else (0.0, 0.5))}
@@ -438,7 +440,8 @@ def test_swap_with_selective_recompute_and_context_parallelism_keeps_the_losses(
                for key in cases}
     for (kind, share), rec in records.items():
         base = records[kind, 0.0]
-        assert len(rec) == 3 and [r["loss"] for r in rec] == pytest.approx([r["loss"] for r in base], abs=1e-6)
+        assert len(rec) == 3
+        assert [r["loss"] for r in rec] == pytest.approx([r["loss"] for r in base], abs=1e-6), (kind, share)
         if share == 0.0:
             assert all("swap" not in r for r in rec)
             continue

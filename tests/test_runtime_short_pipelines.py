@@ -33,7 +33,8 @@ def test_short_pipelines_match_single_process(tmp_path_factory, text) -> None:  
     models = ("tiny-llama", "tiny-gpt")
     _, ref = train_together(tmp_path_factory.mktemp("one"), text, 1, {m: (m, "dp=1,gbs=4") for m in models},
                             {m: {"steps": STEPS} for m in models})
-    proc, got = train_together(tmp_path_factory.mktemp("short"), text, 4, SHORT, {k: {"steps": STEPS} for k in SHORT})
+    proc, got = train_together(tmp_path_factory.mktemp("short"), text, 4, SHORT,
+                               {k: {"steps": STEPS} for k in SHORT})
     for key, (model, _) in SHORT.items():
         assert len(ref[model]) == STEPS and len(got.get(key, [])) == STEPS, proc.stderr[-3000:]
         assert got[key] == pytest.approx(ref[model], abs=1e-5), key

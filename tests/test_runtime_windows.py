@@ -14,7 +14,8 @@ from plait.models import build_model
 from plait.models.llama import causal_mask
 from plait.spec.model import PRESETS, load_model
 
-LOCAL_LLAMA = "llama:layers=4,hidden=128,heads=4,kv_heads=2,ffn=384,vocab=512,max_seq_len=256,window=8,global_every=2"
+LOCAL_LLAMA = ("llama:layers=4,hidden=128,heads=4,kv_heads=2,ffn=384,vocab=512,max_seq_len=256,window=8,"
+               "global_every=2")
 """tiny-llama's shape with a window of 8 tokens on layers 0 and 2 (Gemma-2's alternation)."""
 LOCAL_GPT = "gpt:layers=4,hidden=128,heads=4,vocab=512,max_seq_len=256,window=8"
 """tiny-gpt's shape with a window of 8 tokens on every layer."""
@@ -75,7 +76,8 @@ def test_windowed_models_match_single_process_on_four_ranks(tmp_path_factory, te
     models = sorted({m for m, _ in CASES.values()})
     _, ref = train_together(tmp_path_factory.mktemp("one"), text, 1, {m: (m, "dp=1,gbs=4") for m in models},
                             {m: {"steps": STEPS} for m in models})
-    proc, got = train_together(tmp_path_factory.mktemp("four"), text, 4, CASES, {k: {"steps": STEPS} for k in CASES})
+    proc, got = train_together(tmp_path_factory.mktemp("four"), text, 4, CASES,
+                               {k: {"steps": STEPS} for k in CASES})
     for key, (model, _) in CASES.items():
         assert len(ref[model]) == STEPS and len(got.get(key, [])) == STEPS, proc.stderr[-3000:]
         assert got[key] == pytest.approx(ref[model], abs=TOLERANCE), key

@@ -83,7 +83,8 @@ def _unsupported_sharding(plan: Plan, model: ModelSpec) -> str | None:
 def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
     """Token-wise swapping runs with every recomputation (checkpoint saves the block's input under the swap's
     hooks; selective recomputation's kept GEMM outputs are cut in its cache), with tensor and sequence
-    parallelism (DTensors cut as their local tensors) and context parallelism (each rank's chunk). Offload runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
+    parallelism (DTensors cut as their local tensors) and context parallelism (each rank's chunk). Offload
+    runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
     optimizer states in host memory and steps on the CPU: exactly offload=params; offload=optim, whose cost
     keeps the 16-bit shard on the device, runs the same way (the same numerics, fewer device bytes). It
     needs ZeRO over more than one data-parallel rank in every stage, no context parallelism, every layer
@@ -141,9 +142,9 @@ BUILT_STACKS: dict[str, tuple[str, str]] = {
 
 def unbuildable(model: ModelSpec) -> str | None:
     """Why the runtime cannot build `model` (one line), or None if it can: GPT and Llama stacks of identical
-    decoder layers (but for their attention windows), T5-style encoder layers then cross-decoder layers, and LLaVA-style patch embedding,
-    vision layers and projector then decoder layers; Llama stacks of decoder and MoE layers; global or
-    sliding-window attention on any layer."""
+    decoder layers (but for their attention windows), T5-style encoder layers then cross-decoder layers, and
+    LLaVA-style patch embedding, vision layers and projector then decoder layers; Llama stacks of decoder
+    and MoE layers; global or sliding-window attention on any layer."""
     kinds = ", ".join(f"{n} {k}" for k, n in model.kind_counts().items())
     if model.family not in BUILT_STACKS:
         return (f"model {model.name!r} has family {model.family!r}; the runtime builds "

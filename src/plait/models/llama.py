@@ -185,8 +185,9 @@ class Transformer(nn.Module):
     """Embedding -> blocks -> norm -> LM head; tokens [B, T] -> float logits [B, T, V].
 
     `make_norm` and `make_ffn` give the family's norm and MLP; `make_layer(i, block)`, when given, builds
-    layer i of `spec.stack` instead of the trunk's decoder block (with the block's attention window). Positions: a learned table
-    (`pos_embeddings`) when spec.learned_positions, else RoPE from the non-persistent `freqs_cis` buffer.
+    layer i of `spec.stack` instead of the trunk's decoder block (which takes the block's attention window).
+    Positions: a learned table (`pos_embeddings`) when spec.learned_positions, else RoPE from the
+    non-persistent `freqs_cis` buffer.
     """
 
     def __init__(self, spec: ModelSpec, make_norm: Callable[[], nn.Module],

@@ -55,7 +55,8 @@ def pack(documents: list[Tensor], multiple: int = 1) -> Packed:
     return Packed(torch.cat(inputs), torch.cat(targets), torch.cat(number), torch.cat(places))
 
 
-def document_mask(q_docs: Tensor, q_index: Tensor, k_docs: Tensor, k_index: Tensor, window: int = 0) -> Tensor:
+def document_mask(q_docs: Tensor, q_index: Tensor, k_docs: Tensor, k_index: Tensor, window: int = 0
+                  ) -> Tensor:
     """Which keys each query may attend to: same document, not later in the row and, with a sliding
     `window` (tokens; 0: none), within it (`plait.models.llama.causal_mask`). Bool [Tq, Tk] from the
     document numbers and row places of the queries ([Tq]) and keys ([Tk])."""
