@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime import SEQ, text, train_together  # noqa: F401
+from test_runtime import text, train_together  # noqa: F401
 
 from plait.executable import unbuildable
 from plait.models import build_model
