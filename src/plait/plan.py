@@ -482,6 +482,28 @@ def split_layers(layers: int, parts: int) -> list[int]:
     return [base + (1 if i >= parts - extra else 0) for i in range(parts)]
 
 
+def recut_chunks(plan: Plan, chunk_layers: list[int], model: ModelSpec, cluster: Cluster) -> Plan:
+    """`plan` with its one pipeline's chunks re-cut to hold `chunk_layers[j]` layers each, in model order
+    (chunk j keeps its ranks and strategies: the device group of chunk j % pp). Expresses uneven splits such
+    as Llama 3's pipeline, which holds one layer fewer on the first and last stage (Dubey et al. 2024,
+    Sec. 3.3.2)."""
+    if len(plan.pipelines) != 1:
+        raise PlaitError(f"chunk_layers: the plan has {len(plan.pipelines)} pipelines; re-cut plans of one")
+    pipe = plan.pipelines[0]
+    if len(chunk_layers) != len(pipe.stages) or min(chunk_layers) < 1 or sum(chunk_layers) != model.layers:
+        raise PlaitError(f"chunk_layers {chunk_layers} must give {len(pipe.stages)} counts (pp*vpp), each >= 1, "
+                         f"summing to the {model.layers} layers of {model.name}; fix the counts")
+    if any(len(stage.strategies) != 1 for stage in pipe.stages):
+        raise PlaitError("chunk_layers: re-cut only plans with one strategy per stage (a uniform plan)")
+    stages, start = [], 0
+    for stage, n in zip(pipe.stages, chunk_layers, strict=True):
+        stages.append(Stage(layers=(start, start + n), ranks=stage.ranks, strategies=stage.strategies))
+        start += n
+    recut = plan.model_copy(update={"pipelines": (pipe.model_copy(update={"stages": tuple(stages)}),)})
+    validate_plan(recut, model, cluster)
+    return recut
+
+
 def _number(d: dict[str, str], key: str, default: str, ok: Callable[[float], bool], what: str) -> float:
     """The shorthand's number `key` (`default` when absent), refused unless `ok` (it must be `what`)."""
     raw = d.get(key, default)

@@ -9,6 +9,9 @@ model gives a `"preset"` (the MoE rows) is that preset of `plait.spec.model` at 
 its layout may give the expert degrees `ep` and `etp` and the plan's `expert_load`. Offload and long-context rows
 (group "offload") may give `swap` (share of saved activations swapped to host memory) and `offload` ("optim") in
 their layout, and `host_memory_gb` (the node's host memory in GB, when the run used fewer GPUs than the node has).
+A layout's `chunk_layers` (pp*vpp layer counts in model order) replaces the even split of layers over the
+pipeline's chunks, for runs that published an uneven one (Llama 3 405B: one layer fewer on the first and last
+stage).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from plait.errors import PlaitError
-from plait.plan import Plan, uniform_plan
+from plait.plan import Plan, recut_chunks, uniform_plan
 from plait.simulate import Report
 from plait.spec.cluster import GB, Cluster, Link, dgx
 from plait.spec.model import PRESETS, ModelSpec
@@ -88,6 +91,8 @@ def load_runs(path: str | Path) -> tuple[list[PublishedRun], list[tuple[str, str
         strategy = _strategy(row["layout"])
         try:
             plan = uniform_plan(strategy, model, cluster, row["model"]["seq_len"])
+            if "chunk_layers" in row["layout"]:
+                plan = recut_chunks(plan, row["layout"]["chunk_layers"], model, cluster)
         except PlaitError as exc:
             skipped.append((row["source"], str(exc)))
             continue
