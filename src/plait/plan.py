@@ -38,6 +38,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["bf16", "fp16", "fp32"]
 GradReduce = Literal["auto", "fp32", "bf16"]
 MoeComm = Literal["alltoall", "lsh"]
+P2p = Literal["async", "megatron"]
 Offload = Literal["none", "optim", "params", "nvme"]
 PLAN_VERSION = 5
 """Version of the plan file. 5: strategies carry the share of saved activations swapped to host `swap`, the
@@ -235,6 +236,10 @@ class Plan(BaseModel):
                                            "1 with balanced routing, the capacity factor with padded experts")
     grad_reduce: GradReduce = Field("auto", description="precision gradients are reduced in: auto (the "
                                     "precision's gradient bytes: fp32 under bf16), fp32 or bf16 (FSDP's reduce_dtype)")
+    p2p: P2p = Field("async", description="how pipeline stages exchange activations: async (plait's runtime, "
+                     "torch.distributed.pipelining: sends overlap compute) or megatron (Megatron-LM without "
+                     "overlap_p2p_comm, for pricing its runs: synchronous exchanges, and a tensor-parallel stage "
+                     "without sequence parallelism sends 1/tp of its activation per rank, all-gathered on arrival)")
     pipelines: tuple[Pipeline, ...] = Field(min_length=1)
 
     @cached_property
