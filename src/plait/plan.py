@@ -40,8 +40,9 @@ GradReduce = Literal["auto", "fp32", "bf16"]
 MoeComm = Literal["alltoall", "lsh"]
 P2p = Literal["async", "megatron"]
 Offload = Literal["none", "optim", "params", "nvme"]
-PLAN_VERSION = 5
-"""Version of the plan file. 5: strategies carry the share of saved activations swapped to host `swap`, the
+PLAN_VERSION = 6
+"""Version of the plan file. 6: the plan's `p2p`, how stages exchange activations (absent in older files:
+"async", plait's runtime). 5: strategies carry the share of saved activations swapped to host `swap`, the
 `offload` of optimizer states to the host CPU and the MoE token exchange `moe_comm` (absent in older files: 0,
 "none" and "alltoall", every routed token travels; "lsh": LSH-MoE centroids). 4: strategies carry ZeRO's
 shard group `shard` (HSDP; absent in older files: 0, all data-parallel ranks) and the plan the gradient
@@ -220,7 +221,7 @@ class Plan(BaseModel):
             raw = {**raw, "pipelines": [
                 {("micro_batch_sequences" if k == "micro_batch_size" else k): v for k, v in p.items()}
                 if isinstance(p, dict) else p for p in raw.get("pipelines", [])]}
-        return {**raw, "version": PLAN_VERSION}  # versions 2 -> 3 -> 4 add fields with defaults
+        return {**raw, "version": PLAN_VERSION}  # versions 2 -> ... -> 6 add fields with defaults
 
     version: int = PLAN_VERSION
     model: str = Field(description="name of the model the plan was made for")
