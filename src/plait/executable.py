@@ -34,11 +34,6 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     return None
 
 
-UNEVEN_FAMILIES = ("gpt", "llama")
-"""Model families whose stages hand over one hidden state [B, T, H], which stages of different widths re-lay
-out between them (`plait.runtime.boundary`)."""
-
-
 def tied_ends_alike(pipe: Pipeline) -> bool:
     """Whether `pipe`'s first and last layers lay a tied embedding and head out alike (the same strategy but
     for recompute, on as many ranks): the two copies' gradients then add shard by shard; else each end
@@ -54,9 +49,9 @@ def tied_copies(plan: Plan) -> bool:
     the first layer and the head's like the last, whose whole gradients are summed after backward: in
     pipelines of several stages, and in one stage whose first and last layers lay the table out
     differently, or whose per-layer strategies (segments, `plait.runtime.parallelize.apply_dp_segment`)
-    would put one table into two ZeRO (FSDP) units. Then every pipeline does, so that pipelines reduce each
-    copy with its own kind (pipelines of one stage and of several do not mix: `_unsupported_replicas`);
-    else each stage holds one table."""
+    would put one table into two ZeRO (FSDP) units. Then every pipeline does, also one of one stage beside
+    pipelines of several, so that pipelines reduce each copy with its own kind; else each stage holds one
+    table."""
     return any(_tied_apart(pipe) for pipe in plan.pipelines)
 
 
@@ -70,17 +65,10 @@ def _tied_apart(pipe: Pipeline) -> bool:
 
 def _uneven_problem(plan: Plan, model: ModelSpec, pi: int) -> str | None:
     """Why pipeline `pi`, whose stages have different widths, cannot run (one line), or None: the runtime's
-    own schedule (`plait.runtime.pipeline_uneven`) runs one stage per rank of one pipeline, GPipe or 1F1B."""
-    widths = "/".join(str(len(stage.ranks)) for stage in plan.pipelines[pi].stages)
-    if len(plan.pipelines) > 1:
-        return (f"pipeline {pi} has stages of {widths} ranks; stages of different widths run in a plan of one "
-                "pipeline: give every stage of every pipeline the same number of ranks")
-    if plan.chunks > 1:
-        return (f"stages of {widths} ranks with interleaved chunks (vpp={plan.chunks}) are not executable yet; "
-                "use vpp=1 or stages of equal widths")
-    if model.family not in UNEVEN_FAMILIES:
-        return (f"stages of {widths} ranks run for {' and '.join(UNEVEN_FAMILIES)} models, not {model.family} "
-                f"({model.name}); give every stage the same number of ranks")
+    own schedule (`plait.runtime.pipeline_uneven`, `plait.runtime.pipeline_chunks` with interleaved chunks)
+    runs the stages of any pipeline of a plan of one or several pipelines, whose boundaries hand over the
+    state every family carries (`plait.runtime.boundary`: [B, T, H]; T5's [B, T, 2H]; LLaVA's flat image and
+    text before its projector). Nothing is refused today."""
     return None
 
 
@@ -142,17 +130,14 @@ def holders(plan: Plan, layer: int) -> list[Stage]:
 
 
 def _unsupported_replicas(plan: Plan, model: ModelSpec) -> str | None:
-    """Several pipelines (data-parallel replicas that may cut and shard the model differently): the runtime
-    reduces each layer's gradients across pipelines, shard by shard where every pipeline shards it alike,
-    else as whole tensors over all its holders (`plait.runtime.placement.Replicas`). ZeRO over the pipelines
-    themselves splits the optimizer state of a layer held alike among its holders
-    (`plait.runtime.replica_zero`). Not executed: a tied embedding and
-    head that one pipeline holds in one stage and another in two."""
-    if plan.chunks > 1:
-        return "several pipelines with interleaved chunks are not executable yet; use one pipeline or vpp=1"
-    if model.tied_embeddings and len({len(p.stages) == 1 for p in plan.pipelines}) > 1:
-        return (f"{model.name} ties its embedding and LM head, and some pipelines hold both in one stage "
-                "while others split them over two; give every pipeline one stage, or every pipeline several")
+    """Several pipelines (data-parallel replicas that may cut and shard the model differently, with stages
+    of different widths or interleaved chunks): the runtime reduces each layer's gradients across pipelines,
+    shard by shard where every pipeline shards it alike, else as whole tensors over all its holders
+    (`plait.runtime.placement.Replicas`). ZeRO over the pipelines themselves splits the optimizer state of a
+    layer held alike among its holders (`plait.runtime.replica_zero`). A tied embedding and head is held
+    twice by every pipeline when any pipeline holds it twice (`tied_copies`): the embedding's copies reduce
+    with the first layer's holders, the head's with the last's, then each pipeline sums its two. Nothing is
+    refused today."""
     return None
 
 

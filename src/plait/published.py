@@ -13,6 +13,8 @@ A layout's `chunk_layers` (pp*vpp layer counts in model order) replaces the even
 pipeline's chunks, for runs that published an uneven one (Llama 3 405B: one layer fewer on the first and last
 stage). Megatron-LM rows are priced with Megatron-LM's synchronous pipeline exchanges (`Plan.p2p` "megatron")
 unless their layout gives `p2p` "async" (Llama 3's "asynchronous point-to-point communication in PP").
+A ZeRO-3 row's layout may name its FSDP runtime, `fsdp_runtime` "torch" (PyTorch FSDP, the default) or "megatron"
+(Megatron-FSDP, priced with `plait.cost.calibration.megatron_fsdp`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from plait.cost.calibration import Calibration, calibration_for, megatron_fsdp
 from plait.errors import PlaitError
 from plait.plan import Plan, recut_chunks, uniform_plan
-from plait.simulate import Report
+from plait.simulate import Report, simulate
 from plait.spec.cluster import GB, Cluster, Link, dgx
 from plait.spec.model import PRESETS, ModelSpec
 
+FSDP_RUNTIMES = ("torch", "megatron")  # a row's `fsdp_runtime`: PyTorch FSDP or Megatron-FSDP
 REPORTED_KEYS = ("hardware_tflops_per_gpu", "model_tflops_per_gpu", "iteration_time_s", "mfu", "hfu",
                  "tokens_per_s")
 
@@ -45,6 +49,11 @@ class PublishedRun:
     group: str = "megatron"  # software family: "megatron", "deepspeed" (MT-NLG's pipeline engine), "fsdp", or
     # "moe" (mixture-of-experts runs with expert parallelism, whatever their software)
     held_out: bool = False  # set aside before any constant was chosen; graded separately
+    cal: Calibration | None = None  # the runtime's calibration where it is not the GPU type's default
+
+    def report(self) -> Report:
+        """The run's layout simulated with its calibration."""
+        return simulate(self.plan, self.model, self.cluster, self.cal)
 
 
 def _model(row: dict) -> ModelSpec:
@@ -98,10 +107,15 @@ def load_runs(path: str | Path) -> tuple[list[PublishedRun], list[tuple[str, str
         except PlaitError as exc:
             skipped.append((row["source"], str(exc)))
             continue
+        runtime = row["layout"].get("fsdp_runtime", "torch")
+        if runtime not in FSDP_RUNTIMES:
+            skipped.append((row["source"], f"fsdp_runtime {runtime!r} is not one of {', '.join(FSDP_RUNTIMES)}"))
+            continue
         reported = {k: float(v) for k, v in row["reported"].items() if k in REPORTED_KEYS}
+        cal = megatron_fsdp(calibration_for(cluster.gpu.name), cluster.gpu) if runtime == "megatron" else None
         runs.append(PublishedRun(row["source"], model, cluster, plan, strategy, reported,
                                  bool(row.get("layout_fully_published", True)), _group(row),
-                                 bool(row.get("held_out", False))))
+                                 bool(row.get("held_out", False)), cal))
     return runs, skipped
 
 
@@ -142,11 +156,18 @@ def relative_errors(run: PublishedRun, report: Report) -> dict[str, tuple[float,
     return {k: (v, predicted(report, k), predicted(report, k) / v - 1) for k, v in run.reported.items()}
 
 
+def executed_fraction(model: ModelSpec, seq_len: int) -> float:
+    """Share of the model's FLOPs per token counted whole (Megatron's 72*l*h^2*(1 + s/(6h) + V/(12lh)),
+    plait's MFU) that a causal fused-attention kernel executes: the attention cores of causal layers at half
+    their s x s FLOPs, everything else whole (no recomputation counted)."""
+    full = model.model_flops_per_token(seq_len)
+    masked = sum(b.attention_flops_per_token(seq_len) * b.seq(seq_len) * n
+                 for b, n in model.block_counts if b.causal) / seq_len
+    return (full - 3 * masked / 2) / full
+
+
 def causal_mfu(report: Report, model: ModelSpec, seq_len: int) -> float:
     """The report's MFU with the attention cores of causal layers counted at half their s x s FLOPs (the
     convention of FlashAttention's benchmarks and of papers that count only unmasked scores), where plait's
     MFU counts them whole (Megatron's 72*l*h^2*(1 + s/(6h) + V/(12lh)))."""
-    full = model.model_flops_per_token(seq_len)
-    masked = sum(b.attention_flops_per_token(seq_len) * b.seq(seq_len) * n
-                 for b, n in model.block_counts if b.causal) / seq_len
-    return report.mfu * (full - 3 * masked / 2) / full
+    return report.mfu * executed_fraction(model, seq_len)
