@@ -114,6 +114,13 @@ def test_uneven_layer_split_puts_fewer_layers_first() -> None:
     assert split_layers(5, 5) == [1] * 5
 
 
+def test_the_shorthand_prices_megatron_pipeline_exchanges_on_request() -> None:
+    m = parse_inline("gpt:layers=8,hidden=64,heads=4,vocab=100")
+    assert uniform_plan("pp=2,dp=4", m, C8, 128).p2p == "async"
+    assert uniform_plan("pp=2,dp=4,p2p=megatron", m, C8, 128).p2p == "megatron"
+    expect_error(lambda: uniform_plan("pp=2,dp=4,p2p=sync", m, C8, 128), "p2p")
+
+
 def test_recut_chunks_moves_layers_between_the_chunks_of_an_interleaved_plan() -> None:
     """Llama 3's balance in small: 10 layers on pp=2, vpp=2, one layer fewer in the first and the last chunk."""
     m = parse_inline("gpt:layers=10,hidden=64,heads=4,vocab=100")

@@ -442,7 +442,7 @@ def _validate_strategy(s: Strategy, block: Block, devices: int, mbs: int, plan: 
 # ---- the --strategy shorthand ----------------------------------------------------------------------
 
 _STRATEGY_KEYS = ("tp", "pp", "dp", "cp", "mbs", "gbs", "recompute", "sp", "zero", "vpp", "schedule",
-                  "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce",
+                  "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce", "p2p",
                   "moe_comm", "swap", "offload")
 
 
@@ -549,8 +549,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
     of the routed tokens), expert_load (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), swap
     (share of saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
-    precision, grad_reduce (auto|fp32|bf16), overlap. dp defaults to the devices left by tp*pp*cp; gbs to
-    4*pp micro-batches.
+    precision, grad_reduce (auto|fp32|bf16), p2p (async|megatron), overlap. dp defaults to the devices left by
+    tp*pp*cp; gbs to 4*pp micro-batches.
     """
     d = parse_strategy(text)
     tp, pp, cp = _int(d, "tp", 1), _int(d, "pp", 1), _int(d, "cp", 1)
@@ -573,6 +573,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     precision = _choice(d, "precision", ("bf16", "fp16", "fp32"))
     cp_mode = _choice(d, "cp_mode", ("ulysses", "ring"))
     grad_reduce = _choice(d, "grad_reduce", ("auto", "fp32", "bf16"))
+    p2p = _choice(d, "p2p", ("async", "megatron"))
     moe_comm = _choice(d, "moe_comm", ("alltoall", "lsh"))
     offload = _choice(d, "offload", ("none", "optim", "params", "nvme"))
     zero = _int(d, "zero", 0)
@@ -596,6 +597,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
                 precision=precision, overlap_grad_reduce=_bool(d, "overlap", True),  # type: ignore[arg-type]
                 expert_load=_expert_load(d),
                 grad_reduce=grad_reduce,  # type: ignore[arg-type]
+                p2p=p2p,  # type: ignore[arg-type]
                 pipelines=(Pipeline(stages=tuple(stages), micro_batches=gbs // (mbs * dp),
                                     micro_batch_sequences=mbs * dp),))
     validate_plan(plan, model, cluster)
