@@ -28,6 +28,7 @@ from plait.cost.price import (
     relayout_time,
     send_piece_bytes,
     send_time,
+    tied_copies_sum,
     tied_embedding_sync,
 )
 from plait.executable import holders, shard_shape, tied_copies
@@ -345,6 +346,9 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
     ctx = BlockContext(model, cluster, cal, prec, plan.seq_len, 1, comm.SINGLE, comm.SINGLE, comm.SINGLE)
     if model.tied_embeddings and len(plan.pipelines[0].stages) > 1:
         reduce_t += tied_embedding_sync(ctx)
+    elif model.tied_embeddings and tied_copies(plan):  # both copies on this stage: summed in place
+        reduce_t += tied_copies_sum(stage.strategy(stage.layers[0]), stage.strategy(stage.layers[1] - 1),
+                                    stage.ranks, ctx)
     held = [Held(c, count, s, _optimizer_shards(plan, layer, s, stage)) for cost in costs
             for c, count, s, layer in cost.priced]
     return reduce_t, gather_t, optimizer_time(held, ctx)
