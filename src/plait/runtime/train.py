@@ -87,6 +87,7 @@ class TrainConfig:
     cp_mode: str = "ulysses"
     varlen_states: str = "sharded"  # model states: sharded over the world (FSDP2, ZeRO-3) | replicated
     offload_above: int = 0  # documents of at least this many tokens swap their saved activations to host; 0 = none
+    varlen_stages: int = 1  # pipeline stages; each runs the step's sequence-parallel groups on its own ranks
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
