@@ -11,6 +11,11 @@ the whole-tensor one.
 The gradients stay whole until the step (the pipelines run different micro-batch counts, so their gradients
 meet once per step, after the last backward): ZeRO-2 and ZeRO-3 across pipelines hold what ZeRO-1 holds.
 Layers whose holders shard them differently (`Replicas.whole`) keep their whole optimizer state.
+
+Checkpoints and plan switches name optimizer state by parameter (`plait.runtime.checkpoint.local_state`):
+they see a stand-in optimizer holding each sliced parameter's whole moments, all-gathered from its holders
+for the save or switch alone (`whole_view`), and loading hands every holder its slice again (`load_whole`),
+so a run saved under one layout of holders resumes or switches to any other.
 """
 
 from __future__ import annotations
