@@ -92,7 +92,8 @@ def train_cmd(
     replan_degrees: ReplanDegreesOpt = "any",
     varlen: VarlenOpt = None, lengths: LengthsOpt = None, capacity: CapacityOpt = 1024, sp: VarlenSpOpt = None,
     cp_mode: CpModeOpt = "ulysses", varlen_states: VarlenStatesOpt = "sharded",
-    offload_above: OffloadAboveOpt = 0, varlen_stages: VarlenStagesOpt = 1, tokenizer: TokenizerOpt = None, text_field: TextFieldOpt = "text",
+    offload_above: OffloadAboveOpt = 0, varlen_stages: VarlenStagesOpt = 1, tokenizer: TokenizerOpt = None,
+    text_field: TextFieldOpt = "text",
     data_dtype: DataDtypeOpt = None, data_cache: DataCacheOpt = None,
 ) -> None:
     """Train with a plan on this machine's ranks (launches torchrun), or inside an existing torchrun job.
