@@ -201,7 +201,7 @@ class BatchPlan:
 
 
 def pipeline_seconds(stage_s: Sequence[float], stages: int) -> float:
-    """Seconds of a GPipe step of variable micro-batches whose slowest stage takes `stage_s` each (forward and
+    """Seconds of a GPipe or 1F1B step of variable micro-batches whose slowest stage takes `stage_s` each (forward and
     backward): the stage runs them back to back, and the other `stages - 1` stages add the fill and drain,
     each as long as the longest micro-batch (it is on the critical path of every stage it crosses)."""
     return sum(stage_s) + (stages - 1) * max(stage_s, default=0.0)

@@ -17,6 +17,11 @@ layout. Sharded, every rank makes the same passes in the same order (`slots`): a
 slot runs a one-token filler pass whose loss counts zero. ByteScale's selective offloading
 (`cfg.offload_above`): a pass whose row holds a document at least that long swaps every layer's saved
 activations to host memory (`runtime/swap.py`), as the planner prices it.
+
+Pipeline stages (`cfg.varlen_stages`): the layout is planned on one stage's ranks and every stage runs it on
+its own ranks, holding its layers with states sharded or replicated over those ranks; each pass goes
+through the stages in 1F1B order, hidden states handed on to the same place in the next stage
+(`DocumentSteps._pipelined`), so every stage makes every pass (fillers included).
 """
 
 from __future__ import annotations
@@ -509,39 +514,44 @@ class DocumentSteps:
         return loss.detach().double()
 
     def _pipelined(self, passes: list[Work | None], docs: list[Tensor], total: int) -> Tensor:
-        """Every pass of the step through the pipeline stages (GPipe): a stage runs each pass's forward on its
-        share of the pass's group, hands its hidden state [T_local, H] to the same place in the next stage
-        and keeps the graph; the last stage adds the loss and runs the backward at once; then each stage runs
-        the backwards in order with the gradients the next stage sends back. Returns the summed loss of this
-        rank's tokens (float64; zero off the last stage)."""
+        """Every pass of the step (work or filler) through the pipeline stages in 1F1B order
+        (`plait.runtime.pipeline_uneven.order`, each pass a micro-batch): a stage runs a pass's forward on
+        its share of the pass's group and hands its hidden state [T_local, H] to the same place on the next
+        stage, which reads it instead of the tokens; the last stage adds the loss; backwards run from the
+        loss or from the gradient the next stage sends back, and send the input's gradient on. Returns the
+        summed loss of this rank's tokens (float64; zero off the last stage)."""
+        from plait.runtime.pipeline_uneven import order
+
         stages, mode, width = self.stages, self.planner.mode, self.stages.width
         loss_sum = torch.zeros((), dtype=torch.float64)
-        saved: list[tuple[Tensor | None, Tensor]] = []
+        saved: dict[int, tuple[Tensor | None, Tensor]] = {}  # pass -> (received input, output or loss)
         pending: list[tuple[dist.Work, Tensor]] = []  # sends in flight, with their buffers
-        for work in passes:
-            packed, ranks, group = self._prepare(work, docs)
-            hidden = None
-            if not stages.first:
-                size = local_tokens(packed, len(ranks), ranks.index(self.rank), mode)
-                hidden = torch.empty(1, size, self.spec.hidden)
-                dist.recv(hidden, src=self.rank - width)
-                hidden.requires_grad_()
-            with self.autocast:
-                out, targets = run_group(self.model, packed, ranks, mode, group, hidden)
+        for what, k in order("1f1b", stages.count, stages.index, len(passes)):
+            if what == "F":
+                packed, ranks, group = self._prepare(passes[k], docs)
+                hidden = None
+                if not stages.first:
+                    size = local_tokens(packed, len(ranks), ranks.index(self.rank), mode)
+                    hidden = torch.empty(1, size, self.spec.hidden)
+                    dist.recv(hidden, src=self.rank - width)
+                    hidden.requires_grad_()
+                with self.autocast:
+                    out, targets = run_group(self.model, packed, ranks, mode, group, hidden)
+                    if stages.last:
+                        out = self._loss(out, targets, passes[k])
                 if stages.last:
-                    loss = self._loss(out, targets, work)
+                    loss_sum += out.detach().double()
+                else:
+                    pending.append(_send(out.float()[None], self.rank + width))
+                saved[k] = (hidden, out)
+                continue
+            hidden, out = saved.pop(k)
             if stages.last:
-                (loss / total).backward()
-                loss_sum += loss.detach().double()
-                if hidden is not None:
-                    pending.append(_send(hidden.grad, self.rank - width))
+                (out / total).backward()
             else:
-                pending.append(_send(out.detach().float()[None], self.rank + width))
-                saved.append((hidden, out))
-        for hidden, out in saved:
-            grad = torch.empty(out.shape, dtype=torch.float32)
-            dist.recv(grad, src=self.rank + width)
-            torch.autograd.backward(out, grad.to(out.dtype))
+                grad = torch.empty(out.shape, dtype=torch.float32)
+                dist.recv(grad, src=self.rank + width)
+                torch.autograd.backward(out, grad.to(out.dtype))
             if hidden is not None:
                 pending.append(_send(hidden.grad, self.rank - width))
         for handle, _ in pending:
