@@ -62,6 +62,14 @@ def _zero_across_pipelines(model: str) -> Plan:
                  micro_batches=m, micro_batch_sequences=1) for stages, m in pipes))
 
 
+def _zero_across_three(model: str) -> Plan:
+    """ZeRO-1 across three one-rank pipelines on ranks 1-3 (micro-batches 3, 3 and 2), rank 0 left out: each
+    holder keeps a third of the AdamW moments."""
+    return Plan(model=model, seq_len=SEQ, global_batch=GBS, precision="fp32", pipelines=tuple(
+        Pipeline(stages=(Stage(layers=(0, 4), ranks=(r,), strategies=(Strategy(zero=1),)),), micro_batches=m,
+                 micro_batch_sequences=1) for r, m in ((1, 3), (2, 3), (3, 2))))
+
+
 def cases() -> dict[str, tuple[str, Plan, Plan]]:
     return {
         "pp2xdp2 -> tp2xdp2": ("tiny-llama", _uniform("tiny-llama", "pp=2,dp=2,mbs=1"),
@@ -72,8 +80,8 @@ def cases() -> dict[str, tuple[str, Plan, Plan]]:
             "tiny-gpt", _uniform("tiny-gpt", "pp=2,dp=2,mbs=1"), _straggler_plan("tiny-gpt")),
         "rank 3 left out -> dp4 zero1 (recovered)": ("tiny-llama", _leaving_out_rank_3("tiny-llama"),
                                                      _uniform("tiny-llama", "dp=4,zero=1")),
-        "ZeRO across pipelines (half the moments each) -> pp2 tp2": (
-            "tiny-llama", _zero_across_pipelines("tiny-llama"), _uniform("tiny-llama", "pp=2,tp=2,mbs=1")),
+        "ZeRO across pipelines: halves of the moments on ranks 0-2 -> thirds on ranks 1-3": (
+            "tiny-llama", _zero_across_pipelines("tiny-llama"), _zero_across_three("tiny-llama")),
     }
 
 
@@ -114,9 +122,9 @@ def compare_state(model: str, before: Plan, after: Plan, directory: Path) -> dic
                 else got[top][key] == value
             if not same:
                 unequal.append(f"{top}.{key}")
-    sliced = sum(len(getattr(o, replica_zero.SHARDS, [])) for o in old.optimizers)  # ZeRO across pipelines
+    sliced = [sum(len(getattr(o, replica_zero.SHARDS, [])) for o in placed.optimizers) for placed in (old, net)]
     return {"unequal": unequal, "compared": compared, "model_keys": sorted(got["model"]), "sent": sent,
-            "sliced_groups": sliced,
+            "sliced_groups": sliced,  # before and after: groups of ZeRO across pipelines
             "optim_steps": sorted({float(_local(v)) for k, v in got["optim"].items() if k.endswith(".step")})}
 
 
