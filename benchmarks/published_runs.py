@@ -1,12 +1,14 @@
 """Predicted vs published: every published training run we have, simulated with plait's default model.
 
-    python benchmarks/published_runs.py [--json]
+    python benchmarks/published_runs.py [--json] [--breakdown TEXT]
 
 Reads the six reference runs in ../shared/data/published/training-runs.json (when present) and the
 larger collection in benchmarks/data/published_runs.json, simulates each layout, and prints the published
 figure, plait's prediction and the relative error, then summary statistics by software family
 (Megatron-LM, DeepSpeed, FSDP, MoE, offload and long context; FSDP, MoE and offload also split into the rows
-constants were chosen on and the held-out rows).
+constants were chosen on and the held-out rows). `--breakdown TEXT` prints instead, for every row whose source
+or model contains TEXT (e.g. "MPT-30b", "seq 8192", "A100 40GB"), plait's step time by cause and the memory
+of its fullest device by term, beside the step time the published figure implies.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from plait.published import load_runs, relative_errors
-from plait.simulate import simulate
+from plait.published import PublishedRun, load_runs, relative_errors
+from plait.simulate import BREAKDOWN_KEYS, Report
+from plait.spec.cluster import GIB
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {
@@ -53,8 +56,76 @@ def compact(strategy: str) -> str:
     return " ".join(parts)
 
 
+def published_step_s(run: PublishedRun, report: Report) -> float:
+    """Seconds per step that the row's first published figure implies: its iteration time, or plait's scaled by
+    predicted / published for a throughput (tokens/s, FLOP/s, MFU and HFU all grow as the step shrinks)."""
+    key, value = next(iter(run.reported.items()))
+    return value if key == "iteration_time_s" else report.iteration_time_s * float(getattr(report, key)) / value
+
+
+def breakdown_rows(text: str) -> list[dict]:
+    """Every collected or reference row whose source or model contains `text` (case-insensitive): its error,
+    the published and predicted step (s), plait's step by cause (`time_s`, s) and its fullest device's memory
+    by term (`memory_gib`, GiB; `states` = weights + gradients + optimizer, `headroom` = capacity - peak, and
+    `headroom_layers` the headroom in units of one layer's ZeRO-3 buffers, half of `buffers`)."""
+    out = []
+    for path in FILES.values():
+        if not path.exists():
+            continue
+        for run in load_runs(path)[0]:
+            label = f"{run.source} {run.model.name}"
+            if text.lower() not in label.lower():
+                continue
+            report = run.report()
+            _, (pub, ours, err) = next(iter(relative_errors(run, report).items()))
+            fullest = max(report.devices, key=lambda d: d.memory.total)
+            memory = {k: v / GIB for k, v in fullest.memory.as_dict().items()}
+            memory["states"] = memory["weights"] + memory["gradients"] + memory["optimizer"]
+            memory["headroom"] = report.memory_capacity_gib - report.peak_memory_gib
+            # ZeRO-3 buffers hold two layers' gathered parameters and gradients (the current and the prefetched)
+            memory["headroom_layers"] = 2 * memory["headroom"] / memory["buffers"] if memory["buffers"] else 0.0
+            out.append({"row": run.source, "strategy": run.strategy, "gpus": run.cluster.world_size,
+                        "gpu": run.cluster.gpu.name, "held_out": run.held_out, "error": err,
+                        "micro_batches": run.plan.pipelines[0].micro_batches,
+                        "published_step_s": published_step_s(run, report), "step_s": report.iteration_time_s,
+                        "time_s": dict(report.breakdown), "memory_gib": memory | {"peak": report.peak_memory_gib}})
+    return out
+
+
+MEMORY_KEYS = ("states", "activations", "buffers", "reserve", "peak", "headroom", "headroom_layers")
+
+
+def print_breakdown(console: Console, text: str) -> None:
+    """The table of `breakdown_rows(text)`: seconds per step by every cause that is not zero in all of them,
+    then GiB of the fullest device."""
+    rows = breakdown_rows(text)
+    if not rows:
+        console.print(f"no published row's source or model contains {text!r}")
+        raise SystemExit(2)
+    causes = [k for k in BREAKDOWN_KEYS if any(r["time_s"].get(k) for r in rows)]
+    table = Table(title=f"step time (s) by cause and memory (GiB) of the rows matching {text!r}",
+                  box=box.SIMPLE_HEAD)
+    for col in ("row", "GPUs", "layout", "mb/step", "error", "published", "plait", *causes, *MEMORY_KEYS):
+        table.add_column(col, justify="left" if col in ("row", "layout") else "right", no_wrap=True)
+    for r in rows:
+        row = r["row"]
+        where = row.split(", row ")[-1].split(" (")[0] if ", row " in row else short_source(row)
+        table.add_row(f"{where}{' (held out)' if r['held_out'] else ''}", f"{r['gpus']} {r['gpu']}",
+                      compact(r["strategy"]), str(r["micro_batches"]), f"{r['error']:+.1%}",
+                      f"{r['published_step_s']:.4g}", f"{r['step_s']:.4g}",
+                      *(f"{r['time_s'][k]:.3g}" for k in causes), *(f"{r['memory_gib'][k]:.{2 if k == 'headroom_layers' else 1}f}" for k in MEMORY_KEYS))
+    console.print(table)
+
+
 def main() -> None:
     console = Console(width=200)
+    if "--breakdown" in sys.argv:
+        at = sys.argv.index("--breakdown")
+        if at + 1 >= len(sys.argv):
+            console.print("--breakdown needs the text to look for, e.g. --breakdown MPT-30b")
+            raise SystemExit(2)
+        print_breakdown(Console(width=260), sys.argv[at + 1])
+        return
     table = Table(title="plait predictions vs published training runs", box=box.SIMPLE_HEAD)
     for col in ("set", "source", "model", "GPUs", "layout", "figure", "published", "plait", "error"):
         table.add_column(col, justify="right" if col in ("GPUs", "published", "plait", "error") else "left",
@@ -71,7 +142,7 @@ def main() -> None:
             continue
         runs, skipped = load_runs(path)
         for run in runs:
-            report = simulate(run.plan, run.model, run.cluster)
+            report = run.report()
             for key, (pub, ours, err) in relative_errors(run, report).items():
                 group = "reference" if name == "reference" else run.group
                 errors[group].append(err)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_runtime import reference_losses, text, train_together  # noqa: F401
 
-from plait.planner.contract import RANKS, emitted_plans, refusal_table, sample
+from plait.planner.contract import RANKS, emitted_plans, refusal_table, sample, shape_class
 
 STEPS = 2
 TOLERANCE = 1e-5
@@ -26,6 +26,15 @@ def test_every_emitted_plan_runs_or_is_refused_for_a_documented_reason(plans) ->
     table = refusal_table(plans)
     assert set(table) - {None} == STILL_REFUSED, table
     assert table[None] >= 0.9 * len(plans), table  # most plans run
+
+
+def test_the_sweep_holds_stages_of_different_widths(plans) -> None:
+    """The straggler planner's shrunk tensor-parallel units beside whole ones give pipelines whose stages
+    differ in width: 60 of the plans, in 2 shape classes of the sample (a tp2 unit and a one-rank unit,
+    with and without ZeRO), all from the straggler planner."""
+    uneven = [e for e in plans if not all(p.even_widths for p in e.plan.pipelines)]
+    assert len(uneven) == 60 and {e.source for e in uneven} == {"straggler"}
+    assert sum(shape_class(e.plan)[2] for e in sample(plans)) == 2
 
 
 @pytest.fixture(scope="module")

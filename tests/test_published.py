@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import re
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,44 +32,47 @@ def test_every_reference_run_is_simulated() -> None:
 @pytest.mark.parametrize("run", reference_runs, ids=lambda r: f"{r.model.name}-{r.cluster.world_size}gpu-"
                          f"{r.plan.pipelines[0].stages[0].strategies[0].recompute}")
 def test_reference_runs_within_10_percent(run) -> None:
-    report = simulate(run.plan, run.model, run.cluster)
+    report = run.report()
     for key, (published, predicted, error) in relative_errors(run, report).items():
         assert abs(error) <= 0.10, f"{key}: published {published}, predicted {predicted:.4g} ({error:+.1%})"
 
 
 def test_collected_megatron_runs_generalise() -> None:
-    """Runs of Megatron-LM whose layout is fully published: median error <= 6% (5.4% today), none beyond 12%."""
+    """Runs of Megatron-LM whose layout is fully published: median error 4.3%, max 8.5% (before Megatron-LM's
+    synchronous pipeline exchanges were priced: 5.4%, 10.6%)."""
     runs, _ = load_runs(COLLECTED)
     errors = []
     for run in runs:
         if not run.fully_published or run.group != "megatron":
             continue
-        report = simulate(run.plan, run.model, run.cluster)
+        report = run.report()
         errors.extend(abs(e) for _, _, e in relative_errors(run, report).values())
     assert len(errors) >= 10
-    assert statistics.median(errors) <= 0.06
-    assert max(errors) <= 0.12
+    assert statistics.median(errors) <= 0.045
+    assert max(errors) <= 0.09
 
 
 def test_all_collected_megatron_runs_mostly_within_10_percent() -> None:
     runs, skipped = load_runs(COLLECTED)
     assert all("fp8" in reason for _, reason in skipped)
     errors = [abs(e) for run in runs if run.group == "megatron"
-              for _, _, e in relative_errors(run, simulate(run.plan, run.model, run.cluster)).values()]
+              for _, _, e in relative_errors(run, run.report()).values()]
     assert len(errors) >= 60
     assert sum(e <= 0.10 for e in errors) >= 0.9 * len(errors)
 
 
 def test_every_collected_megatron_figure_keeps_its_accuracy() -> None:
-    """All 84 Megatron-LM figures, layout fully published or not: median 4.2%, max 16.5% (MegaScale's 530B
-    selective-recompute rows, +14-17%, unchanged by the FSDP and Hopper terms; the Llama 3 405B row on 16K
-    H100 moved from -7.6% to -12.8% with Hopper's lower GEMM efficiency)."""
+    """All 84 Megatron-LM figures, layout fully published or not: median 3.5%, max 10.4% (MegaScale's 530B bars
+    on 11,200 A100); before: 4.2%, 16.5%. Two changes: Megatron-LM's synchronous pipeline exchanges are priced
+    (MegaScale's 530B rows from +14.4..+16.5% to +8.4..+10.4%), and the Llama 3 405B rows hold one layer fewer on
+    their first and last pipeline stage, as published (16K H100 from -12.8% to -7.5% MFU, 8K from -0.6% to
+    +6.0%)."""
     runs, _ = load_runs(COLLECTED)
     errors = [abs(e) for run in runs if run.group == "megatron"
-              for _, _, e in relative_errors(run, simulate(run.plan, run.model, run.cluster)).values()]
+              for _, _, e in relative_errors(run, run.report()).values()]
     assert len(errors) == 84
-    assert statistics.median(errors) <= 0.045
-    assert max(errors) <= 0.17
+    assert statistics.median(errors) <= 0.036
+    assert max(errors) <= 0.105
 
 
 def _fsdp_predictions() -> list[tuple[object, float, float]]:
@@ -72,7 +81,7 @@ def _fsdp_predictions() -> list[tuple[object, float, float]]:
     out = []
     for run in runs:
         if run.group == "fsdp":
-            published, predicted, _ = relative_errors(run, simulate(run.plan, run.model, run.cluster))["tokens_per_s"]
+            published, predicted, _ = relative_errors(run, run.report())["tokens_per_s"]
             out.append((run, published, predicted))
     return out
 
@@ -101,7 +110,10 @@ def test_fsdp_rows_the_constants_were_chosen_on() -> None:
 def test_fsdp_held_out_rows() -> None:
     """Median 5.2% (7.6% before the Triton attention, 26.5% before the FSDP terms). The rows beyond 20% are
     MPT-30b at sequence 8192 with micro-batch 1 on 8 A100-80GB and 8 H100 (+25%, +29%), and a 70B run on 64
-    A100-40GB at micro-batch 2 (+30%), published ~27% below the same model on 128 GPUs at micro-batch 4."""
+    A100-40GB at micro-batch 2 (+30%), published ~27% below the same model on 128 GPUs at micro-batch 4. They
+    lack 9-20 ms per FSDP collective and have the least memory headroom of the rows with large FSDP buffers
+    (1.2-1.55 layers' buffers; every other such row >= 1.79), as allocator retries would; no fitted row shows it,
+    so it is not modelled (docs/benchmarks/published-runs.md)."""
     errors = _errors(held_out=True)
     assert statistics.median(errors) <= 0.053
     assert max(errors) <= 0.31
@@ -118,7 +130,7 @@ def test_fsdp_rows_that_ran_fit_in_the_predicted_memory() -> None:
     full, none = [], []
     for run in runs:
         if run.group == "fsdp":
-            report = simulate(run.plan, run.model, run.cluster)
+            report = run.report()
             recompute = run.plan.pipelines[0].stages[0].strategies[0].recompute
             (full if recompute == "full" else none).append((report.peak_memory_gib / report.memory_capacity_gib,
                                                             report.fits))
@@ -162,6 +174,74 @@ def test_fsdp_layouts_of_a_model_rank_as_published() -> None:
     assert agree >= 16 and disagree <= 4
 
 
+COMPOSER_PEAK_FLOPS = {"A100-40GB": 312e12, "A100-80GB": 312e12, "H100-80GB": 1.979e15 / 2}
+"""bf16 peak FLOP/s per GPU that llm-foundry's collect_results.py divides by (Composer's GPU_AVAILABLE_FLOPS in
+composer/callbacks/speed_monitor.py: 'a100' 312e12, 'h100-sxm' 1.979e15 / 2)."""
+
+
+def test_llm_foundry_throughput_agrees_with_its_mfu_column() -> None:
+    """Each llm-foundry row's tokens/s reproduces the MFU column of its README line through llm-foundry's own
+    formula (scripts/train/benchmarking/collect_results.py: (3 * 2 * NumParams * s + 3 * 4 * n_layers * d_model *
+    s^2) * samples/s / (GPUs * peak)) to within 0.01 of a point in all 116 rows: no throughput is mistyped. So the
+    MPT-1b run on 32 A100-40GB (+17.7%) is slow in every column of its line (MFU 45.39 vs 55.44-55.69 on 16, 64
+    and 128 GPUs at the same per-GPU layout), as in every revision of the README since 2023-05-03."""
+    rows = [r for r in json.loads(COLLECTED.read_text())["runs"] if "llm-foundry" in r["source"]]
+    assert len(rows) == 116
+    gaps = {}
+    for r in rows:
+        md, seq = r["model"], r["model"]["seq_len"]
+        params = int(re.search(r"NumParams (\d+)", r["notes"]).group(1))
+        samples_per_s = r["reported"]["tokens_per_s"] / seq
+        flops_per_seq = 3 * 2 * params * seq + 3 * md["layers"] * 4 * md["hidden"] * seq**2
+        mfu = 100 * flops_per_seq * samples_per_s / (r["gpus"] * COMPOSER_PEAK_FLOPS[r["gpu"]])
+        gaps[r["source"]] = mfu - r["published_mfu_percent"]
+    assert max(abs(g) for g in gaps.values()) < 0.01
+    (slow,) = [r for r in rows if r["gpu"] == "A100-40GB" and "MPT-1b seq 2048 on 32 GPUs" in r["source"]]
+    assert slow["published_mfu_percent"] == 45.39 and "not a transcription error" in slow["caveats"]
+
+
+def _published_runs_script():
+    spec = importlib.util.spec_from_file_location("published_runs", ROOT / "benchmarks" / "published_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_breakdown_of_the_70b_run_on_64_a100_40gb() -> None:
+    """`published_runs.py --breakdown`: the held-out MPT-70b row on 64 A100-40GB (micro-batch 2, one per step)
+    is published at 14.83 s a step where plait prices 11.40 s (+30.2%). The 3.4 s it lacks is not a per-step
+    term of gradient accumulation 1: plait's optimizer step is 0.025 s (unfused AdamW at ~100 bytes a parameter
+    would be ~0.08 s), and MPT-30b on 32 A100-40GB, also one micro-batch a step with 0.94 B parameters a GPU
+    (the 70B row: 1.01 B), is within 4%. The same model at micro-batch 4 on 128 GPUs is within 4% too."""
+    script = _published_runs_script()
+    rows = {(r["gpu"], r["gpus"]): r for r in script.breakdown_rows("MPT-70b seq 2048")}
+    slow = rows[("A100-40GB", 64)]
+    assert slow["held_out"] and slow["micro_batches"] == 1
+    assert slow["error"] == pytest.approx(0.302, abs=0.001)
+    assert slow["published_step_s"] == pytest.approx(14.83, abs=0.01)
+    assert slow["step_s"] == pytest.approx(11.40, abs=0.01)
+    assert slow["time_s"]["optimizer"] == pytest.approx(0.0245, abs=0.0005)
+    assert slow["published_step_s"] - slow["step_s"] > 100 * slow["time_s"]["optimizer"]
+    assert abs(rows[("A100-40GB", 128)]["error"]) < 0.04
+    # the least memory headroom, in one layer's FSDP buffers (gathered parameters and gradients), but MPT-30b at 8192
+    assert slow["memory_gib"]["headroom_layers"] == pytest.approx(1.55, abs=0.01)
+    assert rows[("A100-40GB", 128)]["memory_gib"]["headroom_layers"] == pytest.approx(1.79, abs=0.01)
+    (same_ga,) = script.breakdown_rows("A100 40GB with 1600 Gbps node-node interconnect (RoCE)', row MPT-30b seq 2048 "
+                                       "on 32 GPUs")
+    assert same_ga["micro_batches"] == 1 and abs(same_ga["error"]) < 0.04
+
+
+@pytest.mark.parametrize("args", [["--breakdown", "no such row"], ["--breakdown"]])
+def test_breakdown_without_a_matching_row_says_so_in_one_line(args: list[str]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "published_runs.py"), *args], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    (line,) = out.stdout.strip().splitlines()
+    assert ("no such row" in line) if len(args) == 2 else line.startswith("--breakdown needs the text to look for")
+
+
 def test_fms_fsdp_rows_hsdp_and_slow_networks() -> None:
     """IBM's fms-fsdp runs (Llama 2 7B/13B HSDP with shard groups of one node, 34B/70B FSDP; 128 A100 on 400 Gb/s
     and 96 H100 on 800 Gb/s per node, bf16 gradient reduce): median 3.7%, max 16.3% (70B at batch 2 on A100,
@@ -173,6 +253,61 @@ def test_fms_fsdp_rows_hsdp_and_slow_networks() -> None:
     errors = [abs(pred / pub - 1) for _, pub, pred in fms]
     assert statistics.median(errors) <= 0.04
     assert max(errors) <= 0.17
+
+
+def test_llama3_rows_hold_one_layer_fewer_on_the_first_and_last_stage() -> None:
+    """Dubey et al. 2024, Sec. 3.3.2: "we reduce one Transformer layer each from the first and the last stages".
+    126 layers on 16 PP ranks with the assumed vpp 2: 7 layers on ranks 0 and 15, 8 on the others, so the last
+    rank's output layer no longer sits on top of 8 layers. MFU error: 8K GPUs +6.0% (was -0.6%), 16K -7.5% (was
+    -12.8%), 16K at 128K context +4.6% (was +1.0%)."""
+    runs, _ = load_runs(COLLECTED)
+    llama = [run for run in runs if run.source.startswith("Dubey")]
+    assert len(llama) == 3
+    errors = {}
+    for run in llama:
+        stages = run.plan.pipelines[0].stages
+        per_rank = [sum(s.num_layers for s in stages[d::16]) for d in range(16)]
+        assert per_rank == [7] + [8] * 14 + [7]
+        assert (stages[0].layers, stages[-1].layers) == ((0, 3), (123, 126))
+        errors[(run.cluster.world_size, run.plan.seq_len)] = relative_errors(
+            run, run.report())["mfu"][2]
+    assert errors[(8192, 8192)] == pytest.approx(0.060, abs=0.002)
+    assert errors[(16384, 8192)] == pytest.approx(-0.075, abs=0.002)
+    assert errors[(16384, 131072)] == pytest.approx(0.046, abs=0.002)
+
+
+def test_megatron_p2p_costs_what_megascale_measured_for_overlapping_it() -> None:
+    """MegaScale's ablation (Jiang et al. 2024, Table 3): overlapping the pipeline sends and receives took the
+    175B model on 256 A100 (batch 256) from 55.5% to 58.0% MFU, i.e. the synchronous exchanges cost 4.3% of the
+    step. The same layout priced with them and without: 4.1% (MEGATRON_P2P_HOLD = 3.0; 1.4% at 1.0)."""
+    runs, _ = load_runs(COLLECTED)
+    (run,) = [r for r in runs if "network optimizations" in r.source]
+    assert run.plan.p2p == "megatron" and run.plan.global_batch == 256
+    sync = run.report()
+    free = simulate(run.plan.model_copy(update={"p2p": "async"}), run.model, run.cluster, run.cal)
+    assert 1 - sync.mfu / free.mfu == pytest.approx(0.0413, abs=0.001)
+
+
+def test_megascale_530b_rows_within_the_megatron_bar() -> None:
+    """Figure 9's Megatron-LM bars (49.2/48.8/48.2% MFU): +8.4/+9.2/+10.4% (were +14.4/+15.2/+16.5%), and
+    Korthikanti et al.'s measurement of the same per-pipeline work (280 GPUs, 56% MFU) stays within 1%."""
+    runs, _ = load_runs(COLLECTED)
+    bars = sorted((r.cluster.world_size, relative_errors(r, r.report())["mfu"][2])
+                  for r in runs if "Figure 9" in r.source)
+    assert [g for g, _ in bars] == [2240, 4480, 11200]
+    assert [round(e, 3) for _, e in bars] == [0.084, 0.092, 0.104]
+    (selective,) = [r for r in runs if "530B, selective" in r.source]
+    assert abs(relative_errors(selective, selective.report())["mfu"][2]) <= 0.011
+
+
+def test_a_row_whose_chunk_layers_do_not_add_up_is_skipped_with_its_reason(tmp_path: Path) -> None:
+    rows = json.loads(COLLECTED.read_text())
+    row = next(r for r in rows["runs"] if r["source"].startswith("Dubey"))
+    row["layout"]["chunk_layers"] = [4] * 32
+    (tmp_path / "runs.json").write_text(json.dumps({"runs": [row]}))
+    runs, skipped = load_runs(tmp_path / "runs.json")
+    assert runs == []
+    assert len(skipped) == 1 and "summing to the 126 layers" in skipped[0][1]
 
 
 def _throughput(run, key: str, value: float) -> float:
@@ -189,7 +324,7 @@ def test_two_layouts_of_one_model_on_one_cluster_rank_as_published() -> None:
     plait orders all 7 as published. (The MoE rows are left out: of Qwen3-235B's three layouts on 256 H100,
     the Megatron-FSDP one is predicted 2x too slow, so it misorders two of the three pairs.)"""
     runs, _ = load_runs(COLLECTED)
-    priced = [(run, simulate(run.plan, run.model, run.cluster)) for run in runs if run.group != "moe"]
+    priced = [(run, run.report()) for run in runs if run.group != "moe"]
     keys = ("tokens_per_s", "model_tflops_per_gpu", "mfu", "iteration_time_s")
     pairs = []
     for i, (a, ra) in enumerate(priced):
@@ -213,7 +348,7 @@ def _moe_errors() -> list[tuple[object, float]]:
     out = []
     for run in runs:
         if run.group == "moe":
-            (_, _, error), = relative_errors(run, simulate(run.plan, run.model, run.cluster)).values()
+            (_, _, error), = relative_errors(run, run.report()).values()
             out.append((run, error))
     return out
 
@@ -230,30 +365,30 @@ def test_moe_rows_are_collected_with_a_held_out_third() -> None:
 
 
 def test_moe_rows_the_constants_were_chosen_on() -> None:
-    """benchmarks/published_runs.py: median 14.8%, max 62.2% (before the dispatch and launch terms: 29.8%, 62.8%).
+    """benchmarks/published_runs.py: median 14.8%, max 63.8% (before the dispatch and launch terms: 29.8%, 62.8%).
     The four GPT-OSS 120B rows (Megatron-Bridge, 64 H100) are predicted ~60% too fast and the Mixtral-8x22B rows
     ~15% too fast; the issue's bar (median <= 10%, max <= 20%) is not met."""
     errors = [abs(e) for run, e in MOE if not run.held_out]
     assert statistics.median(errors) <= 0.15
-    assert max(errors) <= 0.63
+    assert max(errors) <= 0.64
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 40.3%, max 67.1% (before: 40.3%, 99.7%): Megatron-FSDP Qwen3-235B (+67%), GPT-OSS 120B (+63%),
-    DeepSeek-V3 on 1024 GPUs (+18%), Mixtral-8x7B (+18%)."""
+    """Median 17.8%, max 64.2% (before: 40.3%, 99.7%): GPT-OSS 120B (+64%), DeepSeek-V3 on 1024 GPUs (+18%),
+    Mixtral-8x7B (+18%), Megatron-FSDP Qwen3-235B (+11%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
-    assert statistics.median(errors) <= 0.41
-    assert max(errors) <= 0.68
+    assert statistics.median(errors) <= 0.18
+    assert max(errors) <= 0.65
 
 
 def test_megatron_fsdp_expert_gathers_hide_behind_the_token_exchange_too() -> None:
     """Qwen3-235B, TP2 EP8 (inside a node) and FSDP over the 32 expert data-parallel ranks (across nodes), 256 H100:
-    was +99.7%; the experts' gathers and reduce-scatters (InfiniBand) now also run beside the dispatch and combine
-    (NVLink), and the row reduces gradients in bf16 as Megatron-FSDP's guide recommends: +67.1%. What is left is
-    the FSDP contention (0.6) and per-collective hook time (1.5 ms) chosen on PyTorch FSDP rows."""
+    was +99.7%; the experts' gathers and reduce-scatters (InfiniBand) also run beside the dispatch and combine
+    (NVLink), the row reduces gradients in bf16 as Megatron-FSDP's guide recommends (+67.1%), and it is priced as
+    Megatron-FSDP (zero-copy double buffers: no per-collective hook time, contention of the SM share alone): +11.0%."""
     (error,) = [e for run, e in MOE if run.plan.pipelines[0].stages[0].strategies[0].zero == 3
                 and run.model.name == "qwen3-235b-a22b"]
-    assert 0.60 <= error <= 0.68
+    assert round(error, 3) == 0.110
 
 
 def test_cross_node_expert_parallel_rows_within_13_percent() -> None:
@@ -263,3 +398,67 @@ def test_cross_node_expert_parallel_rows_within_13_percent() -> None:
               .strategies[0].zero == 1]
     assert len(errors) == 2
     assert all(abs(e) <= 0.13 for e in errors)
+
+
+def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_about_60_percent_fast() -> None:
+    """Megatron-Bridge's 26.02-26.04 GPT-OSS perf configs set grad_reduce_in_fp32 False (bf16 gradient reduction):
+    +57.6..62.6% became +59.2..64.2%. The attention kernel is the open question: TransformerEngine runs the sink
+    attention in cuDNN (fused) only from cuDNN 9.13.1, else unfused, and unfused would add ~89 ms to each
+    9-layer stage's micro-batch (plait's eager kernel), more than the ~63 ms the published rate leaves."""
+    errors = sorted(e for run, e in MOE if run.model.name == "gpt-oss-120b")
+    assert [round(e, 3) for e in errors] == [0.592, 0.594, 0.638, 0.642]
+
+
+def test_megatron_fsdp_row_runs_at_its_infiniband_time() -> None:
+    """Qwen3-235B with Megatron-FSDP (TP2, EP8 in a node, 256 H100, mbs 4 x GA 4): per layer and micro-batch the
+    published 17.6 s is 46.8 ms, and the rank's InfiniBand carries 3 expert collectives (gather for forward, gather
+    for backward, reduce-scatter) over its 32 expert data-parallel peers, one per node, plus the same 3 for its
+    dense shard over 128 ranks: 44.0 ms. The run is link-bound with its compute hidden, which PyTorch FSDP's
+    contention (0.6) and per-collective hook time (1.5 ms) cannot give (+67.1%); Megatron-FSDP's are smaller."""
+    from plait.cost import comm
+    from plait.cost.calibration import calibration_for
+    from plait.cost.experts import expert_params, expert_params_per_rank
+
+    (run,) = [run for run, _ in MOE if run.model.name == "qwen3-235b-a22b"
+              and run.plan.pipelines[0].stages[0].strategies[0].zero == 3]
+    s = run.plan.pipelines[0].stages[0].strategies[0]
+    block = next(b for b in run.model.stack if b.kind == "moe")
+    cal = calibration_for(run.cluster.gpu.name)
+    experts = comm.all_gather(expert_params_per_rank(block, s) * 2, comm.GroupShape(32, 32, 1), run.cluster, cal)
+    dense = comm.all_gather((block.params - expert_params(block)) / s.tp * 2, comm.GroupShape(128, 32, 4),
+                            run.cluster, cal)
+    link_ms = 3 * (experts + dense) * 1e3
+    published_ms = 17.6 / (94 * 4) * 1e3
+    assert round(link_ms, 1) == 44.0
+    assert round(published_ms, 1) == 46.8
+
+
+def test_megatron_fsdp_calibration_is_the_sm_share_without_hook_time() -> None:
+    from plait.cost.calibration import calibration_for, megatron_fsdp
+    from plait.spec.cluster import dgx
+
+    for gpu, share in (("H100-80GB", 24 / 132), ("A100-80GB", 24 / 108)):
+        cluster = dgx(1, 8, gpu)
+        cal = megatron_fsdp(calibration_for(gpu), cluster.gpu)
+        assert cal.overlap_contention == pytest.approx(share)
+        assert cal.fsdp_collective_overhead_s == 0.0
+        assert cal.gemm_efficiency == calibration_for(gpu).gemm_efficiency
+
+
+def test_only_the_megatron_fsdp_row_gets_its_calibration() -> None:
+    runs, _ = load_runs(COLLECTED)
+    priced = [run for run in runs if run.cal is not None]
+    assert [(run.model.name, run.held_out) for run in priced] == [("qwen3-235b-a22b", True)]
+
+
+def test_an_unknown_fsdp_runtime_is_skipped_with_its_reason(tmp_path: Path) -> None:
+    import json
+
+    data = json.loads(COLLECTED.read_text())
+    row = next(r for r in data["runs"] if r["layout"].get("fsdp_runtime") == "megatron")
+    row["layout"]["fsdp_runtime"] = "deepspeed"
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"runs": [row]}))
+    runs, skipped = load_runs(path)
+    assert runs == []
+    assert skipped == [(row["source"], "fsdp_runtime 'deepspeed' is not one of torch, megatron")]

@@ -11,6 +11,9 @@ from plait.spec.model import ModelSpec
 
 def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     """Why `plan` cannot run on this version's runtime (one line), or None if it can."""
+    if plan.p2p == "megatron":
+        return ("p2p=megatron prices Megatron-LM's synchronous pipeline exchanges, which the runtime does not run "
+                "(its sends are asynchronous); set p2p to async")
     if (reason := unbuildable(model)) is not None or (reason := _kind_problem(plan, model)) is not None or \
             (reason := _expert_problem(plan, model)) is not None:
         return reason
@@ -19,21 +22,10 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
-    for pi, pipe in enumerate(plan.pipelines):
-        stages = pipe.stages
-        which = f"pipeline {pi} " if len(plan.pipelines) > 1 else "the pipeline "
-        pp = len(stages) // plan.chunks
-        if pp > 1 and pipe.micro_batches < pp and pipe.even_widths:  # the runtime's own schedule runs fewer
-            return (f"{which}has {pp} stages but only {pipe.micro_batches} micro-batches; "
-                    "torch.distributed.pipelining needs at least one per stage: lower mbs or raise gbs")
+    for pi, pipe in enumerate(plan.pipelines):  # fewer micro-batches than stages: the runtime's own schedule
         if not pipe.even_widths and (reason := _uneven_problem(plan, model, pi)) is not None:
             return reason
     return None
-
-
-UNEVEN_FAMILIES = ("gpt", "llama")
-"""Model families whose stages hand over one hidden state [B, T, H], which stages of different widths re-lay
-out between them (`plait.runtime.boundary`)."""
 
 
 def tied_ends_alike(pipe: Pipeline) -> bool:
@@ -51,9 +43,9 @@ def tied_copies(plan: Plan) -> bool:
     the first layer and the head's like the last, whose whole gradients are summed after backward: in
     pipelines of several stages, and in one stage whose first and last layers lay the table out
     differently, or whose per-layer strategies (segments, `plait.runtime.parallelize.apply_dp_segment`)
-    would put one table into two ZeRO (FSDP) units. Then every pipeline does, so that pipelines reduce each
-    copy with its own kind (pipelines of one stage and of several do not mix: `_unsupported_replicas`);
-    else each stage holds one table."""
+    would put one table into two ZeRO (FSDP) units. Then every pipeline does, also one of one stage beside
+    pipelines of several, so that pipelines reduce each copy with its own kind; else each stage holds one
+    table."""
     return any(_tied_apart(pipe) for pipe in plan.pipelines)
 
 
@@ -67,17 +59,10 @@ def _tied_apart(pipe: Pipeline) -> bool:
 
 def _uneven_problem(plan: Plan, model: ModelSpec, pi: int) -> str | None:
     """Why pipeline `pi`, whose stages have different widths, cannot run (one line), or None: the runtime's
-    own schedule (`plait.runtime.pipeline_uneven`) runs one stage per rank of one pipeline, GPipe or 1F1B."""
-    widths = "/".join(str(len(stage.ranks)) for stage in plan.pipelines[pi].stages)
-    if len(plan.pipelines) > 1:
-        return (f"pipeline {pi} has stages of {widths} ranks; stages of different widths run in a plan of one "
-                "pipeline: give every stage of every pipeline the same number of ranks")
-    if plan.chunks > 1:
-        return (f"stages of {widths} ranks with interleaved chunks (vpp={plan.chunks}) are not executable yet; "
-                "use vpp=1 or stages of equal widths")
-    if model.family not in UNEVEN_FAMILIES:
-        return (f"stages of {widths} ranks run for {' and '.join(UNEVEN_FAMILIES)} models, not {model.family} "
-                f"({model.name}); give every stage the same number of ranks")
+    own schedule (`plait.runtime.pipeline_uneven`, `plait.runtime.pipeline_chunks` with interleaved chunks)
+    runs the stages of any pipeline of a plan of one or several pipelines, whose boundaries hand over the
+    state every family carries (`plait.runtime.boundary`: [B, T, H]; T5's [B, T, 2H]; LLaVA's flat image and
+    text before its projector). Nothing is refused today."""
     return None
 
 
@@ -99,9 +84,10 @@ def _unsupported_sharding(plan: Plan, model: ModelSpec) -> str | None:
 
 
 def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
-    """Token-wise swapping runs on layers without recomputation or with full recomputation (checkpoint saves
-    the block's input under the swap's hooks; selective recomputation keeps its GEMM outputs outside them),
-    with tensor and sequence parallelism (DTensors cut as their local tensors), not with context parallelism. Offload runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
+    """Token-wise swapping runs with every recomputation (checkpoint saves the block's input under the swap's
+    hooks; selective recomputation's kept GEMM outputs are cut in its cache), with tensor and sequence
+    parallelism (DTensors cut as their local tensors) and context parallelism (each rank's chunk). Offload
+    runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
     optimizer states in host memory and steps on the CPU: exactly offload=params; offload=optim, whose cost
     keeps the 16-bit shard on the device, runs the same way (the same numerics, fewer device bytes). It
     needs ZeRO over more than one data-parallel rank in every stage, no context parallelism, every layer
@@ -117,9 +103,6 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
         if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.cp > 1 or len(offloads) > 1):
             return (f"{s.short()}: the runtime offloads model states with FSDP2 (zero >= 1 over dp > 1 in "
                     "every stage, no context parallelism, every layer alike); use offload=none")
-        if s.swap and (s.recompute == "selective" or s.cp > 1):
-            return (f"{s.short()}: the runtime swaps activations of layers without selective recompute or context "
-                    "parallelism; use swap=0 there")
     return None
 
 
@@ -139,17 +122,14 @@ def holders(plan: Plan, layer: int) -> list[Stage]:
 
 
 def _unsupported_replicas(plan: Plan, model: ModelSpec) -> str | None:
-    """Several pipelines (data-parallel replicas that may cut and shard the model differently): the runtime
-    reduces each layer's gradients across pipelines, shard by shard where every pipeline shards it alike,
-    else as whole tensors over all its holders (`plait.runtime.placement.Replicas`). ZeRO over the pipelines
-    themselves splits the optimizer state of a layer held alike among its holders
-    (`plait.runtime.replica_zero`). Not executed: a tied embedding and
-    head that one pipeline holds in one stage and another in two."""
-    if plan.chunks > 1:
-        return "several pipelines with interleaved chunks are not executable yet; use one pipeline or vpp=1"
-    if model.tied_embeddings and len({len(p.stages) == 1 for p in plan.pipelines}) > 1:
-        return (f"{model.name} ties its embedding and LM head, and some pipelines hold both in one stage "
-                "while others split them over two; give every pipeline one stage, or every pipeline several")
+    """Several pipelines (data-parallel replicas that may cut and shard the model differently, with stages
+    of different widths or interleaved chunks): the runtime reduces each layer's gradients across pipelines,
+    shard by shard where every pipeline shards it alike, else as whole tensors over all its holders
+    (`plait.runtime.placement.Replicas`). ZeRO over the pipelines themselves splits the optimizer state of a
+    layer held alike among its holders (`plait.runtime.replica_zero`). A tied embedding and head is held
+    twice by every pipeline when any pipeline holds it twice (`tied_copies`): the embedding's copies reduce
+    with the first layer's holders, the head's with the last's, then each pipeline sums its two. Nothing is
+    refused today."""
     return None
 
 
@@ -165,19 +145,16 @@ BUILT_STACKS: dict[str, tuple[str, str]] = {
 
 def unbuildable(model: ModelSpec) -> str | None:
     """Why the runtime cannot build `model` (one line), or None if it can: GPT and Llama stacks of identical
-    decoder layers, T5-style encoder layers then cross-decoder layers, and LLaVA-style patch embedding,
-    vision layers and projector then decoder layers; Llama stacks of decoder and MoE layers; layers with
-    global attention."""
+    decoder layers (but for their attention windows), T5-style encoder layers then cross-decoder layers, and
+    LLaVA-style patch embedding, vision layers and projector then decoder layers; Llama stacks of decoder
+    and MoE layers; global or sliding-window attention on any layer."""
     kinds = ", ".join(f"{n} {k}" for k, n in model.kind_counts().items())
     if model.family not in BUILT_STACKS:
         return (f"model {model.name!r} has family {model.family!r}; the runtime builds "
                 f"{', '.join(BUILT_STACKS)} models")
-    if model.window or any(b.window for b in model.stack):
-        return (f"model {model.name!r} has attention windows ({kinds}); the runtime builds layers with global "
-                "attention")
     if "moe" in model.kind_counts() and model.family != "llama":
         return f"model {model.name!r} has MoE layers ({kinds}); the runtime builds MoE layers in llama models"
-    if model.family == "gpt" and not model.uniform:
+    if model.family == "gpt" and any(b.with_(window=0) != model.block.with_(window=0) for b in model.stack):
         return (f"model {model.name!r} mixes layer kinds ({kinds}); the runtime builds {model.family} stacks of "
                 "identical decoder layers")
     pattern, text = BUILT_STACKS[model.family]

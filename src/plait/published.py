@@ -9,6 +9,12 @@ model gives a `"preset"` (the MoE rows) is that preset of `plait.spec.model` at 
 its layout may give the expert degrees `ep` and `etp` and the plan's `expert_load`. Offload and long-context rows
 (group "offload") may give `swap` (share of saved activations swapped to host memory) and `offload` ("optim") in
 their layout, and `host_memory_gb` (the node's host memory in GB, when the run used fewer GPUs than the node has).
+A layout's `chunk_layers` (pp*vpp layer counts in model order) replaces the even split of layers over the
+pipeline's chunks, for runs that published an uneven one (Llama 3 405B: one layer fewer on the first and last
+stage). Megatron-LM rows are priced with Megatron-LM's synchronous pipeline exchanges (`Plan.p2p` "megatron")
+unless their layout gives `p2p` "async" (Llama 3's "asynchronous point-to-point communication in PP").
+A ZeRO-3 row's layout may name its FSDP runtime, `fsdp_runtime` "torch" (PyTorch FSDP, the default) or "megatron"
+(Megatron-FSDP, priced with `plait.cost.calibration.megatron_fsdp`).
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from plait.cost.calibration import Calibration, calibration_for, megatron_fsdp
 from plait.errors import PlaitError
-from plait.plan import Plan, uniform_plan
-from plait.simulate import Report
+from plait.plan import Plan, recut_chunks, uniform_plan
+from plait.simulate import Report, simulate
 from plait.spec.cluster import GB, Cluster, Link, dgx
 from plait.spec.model import PRESETS, ModelSpec
 
+FSDP_RUNTIMES = ("torch", "megatron")  # a row's `fsdp_runtime`: PyTorch FSDP or Megatron-FSDP
 REPORTED_KEYS = ("hardware_tflops_per_gpu", "model_tflops_per_gpu", "iteration_time_s", "mfu", "hfu",
                  "tokens_per_s")
 
@@ -41,6 +49,11 @@ class PublishedRun:
     group: str = "megatron"  # software family: "megatron", "deepspeed" (MT-NLG's pipeline engine), "fsdp", or
     # "moe" (mixture-of-experts runs with expert parallelism, whatever their software)
     held_out: bool = False  # set aside before any constant was chosen; graded separately
+    cal: Calibration | None = None  # the runtime's calibration where it is not the GPU type's default
+
+    def report(self) -> Report:
+        """The run's layout simulated with its calibration."""
+        return simulate(self.plan, self.model, self.cluster, self.cal)
 
 
 def _model(row: dict) -> ModelSpec:
@@ -88,13 +101,21 @@ def load_runs(path: str | Path) -> tuple[list[PublishedRun], list[tuple[str, str
         strategy = _strategy(row["layout"])
         try:
             plan = uniform_plan(strategy, model, cluster, row["model"]["seq_len"])
+            if "chunk_layers" in row["layout"]:
+                plan = recut_chunks(plan, row["layout"]["chunk_layers"], model, cluster)
+            plan = plan.model_copy(update={"p2p": _p2p(row)})
         except PlaitError as exc:
             skipped.append((row["source"], str(exc)))
             continue
+        runtime = row["layout"].get("fsdp_runtime", "torch")
+        if runtime not in FSDP_RUNTIMES:
+            skipped.append((row["source"], f"fsdp_runtime {runtime!r} is not one of {', '.join(FSDP_RUNTIMES)}"))
+            continue
         reported = {k: float(v) for k, v in row["reported"].items() if k in REPORTED_KEYS}
+        cal = megatron_fsdp(calibration_for(cluster.gpu.name), cluster.gpu) if runtime == "megatron" else None
         runs.append(PublishedRun(row["source"], model, cluster, plan, strategy, reported,
                                  bool(row.get("layout_fully_published", True)), _group(row),
-                                 bool(row.get("held_out", False))))
+                                 bool(row.get("held_out", False)), cal))
     return runs, skipped
 
 
@@ -108,6 +129,16 @@ def _cluster(row: dict, nodes: int, per_node: int) -> Cluster:
     if "host_memory_gb" in row:  # e.g. one GPU of a DGX-2 with the whole node's 1.5 TB
         cluster = replace(cluster, host=replace(cluster.host_side, memory_bytes=row["host_memory_gb"] * GB))
     return cluster
+
+
+def _p2p(row: dict) -> str:
+    """How the row's pipeline stages exchanged activations (Plan.p2p): its layout's "p2p", else Megatron-LM's
+    synchronous exchanges for Megatron-LM rows (overlap_p2p_comm off, the default of the versions these rows ran),
+    else asynchronous."""
+    p2p = row["layout"].get("p2p") or ("megatron" if _group(row) == "megatron" else "async")
+    if p2p not in ("async", "megatron"):
+        raise PlaitError(f"layout p2p {p2p!r} must be 'async' or 'megatron'; fix the row")
+    return p2p
 
 
 def _group(row: dict) -> str:
@@ -125,11 +156,18 @@ def relative_errors(run: PublishedRun, report: Report) -> dict[str, tuple[float,
     return {k: (v, predicted(report, k), predicted(report, k) / v - 1) for k, v in run.reported.items()}
 
 
+def executed_fraction(model: ModelSpec, seq_len: int) -> float:
+    """Share of the model's FLOPs per token counted whole (Megatron's 72*l*h^2*(1 + s/(6h) + V/(12lh)),
+    plait's MFU) that a causal fused-attention kernel executes: the attention cores of causal layers at half
+    their s x s FLOPs, everything else whole (no recomputation counted)."""
+    full = model.model_flops_per_token(seq_len)
+    masked = sum(b.attention_flops_per_token(seq_len) * b.seq(seq_len) * n
+                 for b, n in model.block_counts if b.causal) / seq_len
+    return (full - 3 * masked / 2) / full
+
+
 def causal_mfu(report: Report, model: ModelSpec, seq_len: int) -> float:
     """The report's MFU with the attention cores of causal layers counted at half their s x s FLOPs (the
     convention of FlashAttention's benchmarks and of papers that count only unmasked scores), where plait's
     MFU counts them whole (Megatron's 72*l*h^2*(1 + s/(6h) + V/(12lh)))."""
-    full = model.model_flops_per_token(seq_len)
-    masked = sum(b.attention_flops_per_token(seq_len) * b.seq(seq_len) * n
-                 for b, n in model.block_counts if b.causal) / seq_len
-    return report.mfu * (full - 3 * masked / 2) / full
+    return report.mfu * executed_fraction(model, seq_len)

@@ -1,5 +1,6 @@
 """The planners' contract with the runtime: every plan the search prices, and every plan the straggler
-planner chooses, for tiny models on a few local ranks, each with the reason the runtime refuses it
+planner prices (Malleus-style: pipelines of shrunk and whole tensor-parallel units, so stages of different
+widths), for tiny models on a few local ranks, each with the reason the runtime refuses it
 (`plait.executable.unsupported`) or None. `tests/test_contract.py` runs a sample of them."""
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _search_plans(model: str, cluster: Cluster, global_batch: int) -> list[Plan]
 
 
 def emitted_plans() -> list[Emitted]:
-    """Every distinct plan the search prices and the straggler planner chooses (search first), in a
+    """Every distinct plan the search prices and the straggler planner prices (search first), in a
     deterministic order."""
     found: dict[str, tuple[Plan, str]] = {}
     for model in MODELS:
@@ -56,10 +57,9 @@ def emitted_plans() -> list[Emitted]:
                 for plan in _search_plans(model, local_ranks(RANKS).with_memory(gib), gbs):
                     found.setdefault(plan.model_dump_json(), (plan, "search"))
             for slow in SLOWDOWNS:
-                result = plan_around_stragglers(PRESETS[model], local_ranks(RANKS).with_slow(slow), SEQ_LEN, gbs,
-                                                precision="fp32")
-                if result.plan is not None:
-                    found.setdefault(result.plan.model_dump_json(), (result.plan, "straggler"))
+                plan_around_stragglers(PRESETS[model], local_ranks(RANKS).with_slow(slow), SEQ_LEN, gbs,
+                                       precision="fp32", record=lambda p: found.setdefault(
+                                           p.model_dump_json(), (p, "straggler")))
     return [Emitted(plan, source, unsupported(plan, PRESETS[plan.model])) for plan, source in found.values()]
 
 
@@ -77,7 +77,8 @@ def refusal_table(plans: list[Emitted]) -> Counter[str | None]:
 
 def shape_class(plan: Plan) -> tuple:
     """The runtime paths a plan takes: several pipelines or one (and its stages), interleaved chunks,
-    whether a stage mixes layer strategies, whether a tied embedding and head are laid out differently at the
+    whether some pipeline's stages differ in width (`plait.runtime.pipeline_uneven`), whether a stage mixes
+    layer strategies, whether a tied embedding and head are laid out differently at the
     two ends of a pipeline, and the ZeRO, tensor-, context- and sequence-parallel features any layer uses
     (not their degrees, recompute, micro-batch sizes or layer cuts: recompute changes no gradient path, and
     the class count bounds the contract test's time)."""
@@ -86,7 +87,8 @@ def shape_class(plan: Plan) -> tuple:
                 for p in plan.pipelines for st in p.stages)
     pipes = "several" if len(plan.pipelines) > 1 else len(plan.pipelines[0].stages) // plan.chunks
     tied_apart = PRESETS[plan.model].tied_embeddings and not all(tied_ends_alike(p) for p in plan.pipelines)
-    return (pipes, plan.chunks, mixed, tied_apart, max(s.zero for s in strategies) > 0,
+    uneven = not all(p.even_widths for p in plan.pipelines)
+    return (pipes, plan.chunks, uneven, mixed, tied_apart, max(s.zero for s in strategies) > 0,
             max(s.tp for s in strategies) > 1, max(s.cp for s in strategies) > 1, any(s.sp for s in strategies))
 
 

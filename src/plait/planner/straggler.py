@@ -456,13 +456,16 @@ def _current_cuts(current: Plan | None) -> dict[tuple[int, ...], int]:
 def plan_around_stragglers(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, *,
                            precision: str = "bf16", cal: Calibration | None = None, current: Plan | None = None,
                            runnable: bool = False, keep_degrees: bool = False, min_gain: float = 0.0,
-                           also: tuple[Plan, ...] = (), progress: Progress | None = None) -> StragglerResult:
+                           also: tuple[Plan, ...] = (), progress: Progress | None = None,
+                           record: Callable[[Plan], None] | None = None) -> StragglerResult:
     """The fastest plan that fits `cluster` with its speed factors (see the module docstring). `current`
     (the plan running now) is a candidate too, ties go to the plan that moves fewest layers from it, and
     another plan must be `min_gain` (a fraction) faster than it to be chosen. With `runnable`, only plans
     this version's runtime executes; with `keep_degrees`, only the current plan's tensor- and
     pipeline-parallel degrees, micro-batch size, recompute and ZeRO stage (data, layers and devices move).
-    Plans in `also` (e.g. the healthy cluster's best, to return to when stragglers recover) are judged too."""
+    Plans in `also` (e.g. the healthy cluster's best, to return to when stragglers recover) are judged too.
+    `record` gets every plan assembled and priced (the best-estimated ones as the integer programme splits
+    their micro-batches), fastest estimate first."""
     if seq_len <= 0 or global_batch <= 0:
         raise PlaitError(f"seq_len and global_batch must be positive, got {seq_len} and {global_batch}")
     if not model.uniform:
@@ -501,6 +504,8 @@ def plan_around_stragglers(model: ModelSpec, cluster: Cluster, seq_len: int, glo
         again = _assemble(model, planning, cal, prec, seq_len, global_batch, precision, t, current, price_for(t), True)
         exact.append(again if again is not None and again.estimate_s < cand.estimate_s else cand)
     found = sorted(exact, key=lambda c: c.estimate_s) + found[SIMULATED_CANDIDATES:]
+    for c in found if record is not None else ():
+        record(c.plan)
     judged: list[_Option] = []
     if current is not None:
         validate_plan(current, model, cluster)

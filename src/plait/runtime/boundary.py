@@ -5,7 +5,13 @@ layout; each position of the next stage receives exactly its piece in its first 
 positions that hold it (`plait.layout.transfer`: the blocks the cost model prices). Forward moves the
 activation; backward moves its gradient the other way, scaled by the two layouts' data degrees (the
 gradient convention of `plait.runtime.relayout`). Every (sender, receiver) pair exchanges one message per
-micro-batch and direction: sends are non-blocking, receives wait for every sender.
+micro-batch and direction: sends are non-blocking, receives wait for every sender. Each boundary of a
+pipeline tags its messages apart, so that interleaved chunks, whose ranks meet at several boundaries, match
+every receive with its own send.
+
+The state is what the family carries (`plait.spec.model.ModelSpec.carried_elements`): [B, T, H] hidden
+states; T5's encoder and decoder states side by side, [B, T, 2H]; LLaVA's flat image and text, [B, F], up
+to its projector, whose layers split no tokens, so it crosses as [B, 1, F].
 """
 
 from __future__ import annotations
@@ -18,16 +24,19 @@ from torch import Tensor
 
 from plait.layout import Block, Layout, transfer
 from plait.plan import Plan
+from plait.spec.model import ModelSpec
 
 FORWARD_TAG, BACKWARD_TAG = 1, 2
-"""Message tags of activations (forward) and their gradients (backward)."""
+"""Message tags of activations (forward) and their gradients (backward) at a pipeline's first boundary; the
+boundary after stage j adds 2 j (`Boundary.index`)."""
 
 
 @dataclass(frozen=True)
 class Boundary:
     """A stage (ranks `senders`, its last layer's layout `src`) hands micro-batches of `batch` sequences x
     `tokens` x `hidden` to the next stage (ranks `receivers`, its first layer's layout `dst`) over `group`
-    (a process group holding both stages' ranks; the ranks here are global)."""
+    (a process group holding both stages' ranks; the ranks here are global). `index`: the stage before it,
+    whose tags it uses; `flat`: the stages carry [B, hidden] (one token of `hidden` elements)."""
 
     src: Layout
     dst: Layout
@@ -37,6 +46,11 @@ class Boundary:
     tokens: int
     hidden: int
     group: dist.ProcessGroup | None
+    index: int = 0
+    flat: bool = False
+
+    def _tag(self, forward: bool) -> int:
+        return (FORWARD_TAG if forward else BACKWARD_TAG) + 2 * self.index
 
     def send(self, x: Tensor, forward: bool) -> list[tuple[dist.Work, Tensor]]:
         """Start sending this rank's piece `x` (forward: the activation, from a sender; backward: its gradient,
@@ -44,6 +58,8 @@ class Boundary:
         buffer) pairs and waits on them before the step ends."""
         have, want, mine, peers = self._sides(forward)
         position = mine.index(dist.get_rank())
+        if self.flat:
+            x = x.unsqueeze(1)
         if not forward and self.src.data_degree != self.dst.data_degree:
             x = x * (self.src.data_degree / self.dst.data_degree)
         (b0, _), (t0, _) = have.piece(position, self.batch, self.tokens)
@@ -52,7 +68,7 @@ class Boundary:
             if block.sender == position:
                 part = x[block.batch[0] - b0: block.batch[1] - b0, block.tokens[0] - t0: block.tokens[1] - t0]
                 out.setdefault(block.receiver, []).append(part.reshape(-1))
-        tag = FORWARD_TAG if forward else BACKWARD_TAG
+        tag = self._tag(forward)
         buffers = [(receiver, torch.cat(parts)) for receiver, parts in sorted(out.items())]
         return [(dist.isend(buf, peers[receiver], group=self.group, tag=tag), buf) for receiver, buf in buffers]
 
@@ -66,7 +82,7 @@ class Boundary:
         for block in self._blocks(have, want):
             if block.receiver == position:
                 by_sender.setdefault(block.sender, []).append(block)
-        tag = FORWARD_TAG if forward else BACKWARD_TAG
+        tag = self._tag(forward)
         buffers = {s: torch.empty(sum(b.cells for b in blocks) * self.hidden, dtype=dtype, device=device)
                    for s, blocks in by_sender.items()}
         works = [dist.irecv(buf, peers[s], group=self.group, tag=tag) for s, buf in sorted(buffers.items())]
@@ -80,7 +96,7 @@ class Boundary:
                 out[block.batch[0] - b0: block.batch[1] - b0, block.tokens[0] - t0: block.tokens[1] - t0] = \
                     buffers[s][start: start + size].view(shape)
                 start += size
-        return out
+        return out.flatten(1) if self.flat else out
 
     def _sides(self, forward: bool) -> tuple[Layout, Layout, tuple[int, ...], tuple[int, ...]]:
         """(layout sent, layout received, this rank's stage's ranks, the other stage's ranks) in a direction."""
@@ -93,16 +109,29 @@ class Boundary:
         return transfer(have, want, self.batch, self.tokens)
 
 
-def boundaries(plan: Plan, pipeline: int, index: int, hidden: int, group: dist.ProcessGroup | None
+def boundaries(plan: Plan, pipeline: int, index: int, spec: ModelSpec, group: dist.ProcessGroup | None
                ) -> tuple[Boundary | None, Boundary | None]:
-    """The boundaries before and after stage `index` of a pipeline (None at its ends)."""
+    """The boundaries before and after stage `index` of a pipeline (None at its ends), each sized by the
+    state `spec`'s family carries into the next stage's first layer."""
     pipe = plan.pipelines[pipeline]
     stages = pipe.stages
 
     def between(j: int) -> Boundary:
         a, b = stages[j], stages[j + 1]
+        tokens, width, flat = carried_shape(spec, b.layers[0], plan.seq_len)
         return Boundary(Layout.of(a.strategy(a.layers[1] - 1)), Layout.of(b.strategy(b.layers[0])), a.ranks,
-                        b.ranks, pipe.micro_batch_sequences, plan.seq_len, hidden, group)
+                        b.ranks, pipe.micro_batch_sequences, tokens, width, group, j, flat)
 
     return (between(index - 1) if index > 0 else None,
             between(index) if index < len(stages) - 1 else None)
+
+
+def carried_shape(spec: ModelSpec, layer: int, seq_len: int) -> tuple[int, int, bool]:
+    """(tokens, elements per token, flat) of one sample's state arriving at `layer`: seq_len tokens of the
+    carried width (T5: 2H), or one flat row of every element where a vision model carries its image
+    (`plait.models.vision`: up to the projector)."""
+    elements = int(spec.carried_elements(layer, seq_len))
+    stack = spec.stack
+    if layer > 0 and stack[layer - 1].kind in ("patch_embed", "vision"):
+        return 1, elements, True
+    return seq_len, elements // seq_len, False

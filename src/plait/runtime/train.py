@@ -41,6 +41,7 @@ from plait.runtime.parallelize import (
     sync_whole_gradients,
     whole_gradient,
 )
+from plait.runtime.pipeline_chunks import ChunkedSchedule
 from plait.runtime.pipeline_uneven import UnevenSchedule
 from plait.runtime.replica_zero import attach, optimizer_params, replica_shards
 from plait.runtime.placement import Placement, Replicas, check_executable, place
@@ -296,13 +297,19 @@ def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro
 
 
 def _uneven_schedule(plan: Plan, spec: ModelSpec, chunks: list[torch.nn.Module], where: Placement, loss_fn: Callable,
-                     clock: ComputeClock | None) -> UnevenSchedule:
-    """This rank's schedule in a pipeline whose stages have different widths (one stage per rank)."""
-    index = where.chunks[0].index
+                     clock: ComputeClock | None) -> UnevenSchedule | ChunkedSchedule:
+    """This rank's schedule in a pipeline whose stages have different widths: its one stage's, or with
+    interleaved chunks its stages' in the priced order (`plait.runtime.pipeline_chunks`)."""
     pipe = plan.pipelines[where.pipeline]
-    before, after = boundaries(plan, where.pipeline, index, spec.hidden, where.pp_group)
-    return UnevenSchedule(chunks[0], index, len(pipe.stages), before, after, pipe.micro_batches, loss_fn,
-                          plan.schedule, clock.compute if clock is not None else contextlib.nullcontext)
+    timed = clock.compute if clock is not None else contextlib.nullcontext
+    parts = {}
+    for model, chunk in zip(chunks, where.chunks):
+        before, after = boundaries(plan, where.pipeline, chunk.index, spec, where.pp_group)
+        parts[chunk.index] = UnevenSchedule(model, chunk.index, len(pipe.stages), before, after,
+                                            pipe.micro_batches, loss_fn, plan.schedule, timed)
+    if plan.chunks == 1:
+        return parts[where.chunks[0].index]
+    return ChunkedSchedule(parts, where.group, where.pp, pipe.micro_batches, plan.chunks)
 
 
 @dataclass
@@ -350,7 +357,7 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
     for optimizer, s in zip(optimizers, shards):
         attach(optimizer, s)
     schedule = None
-    if where.pp > 1 and not plan.pipelines[where.pipeline].even_widths:
+    if plan.pipelines[where.pipeline].own_schedule(plan.chunks):
         schedule = _uneven_schedule(plan, spec, chunks, where, loss, clock)
     elif where.pp > 1:
         schedule, stages = _schedule(plan, chunks, where, plan.pipelines[where.pipeline].micro_batches, loss)
