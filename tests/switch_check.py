@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from plait.plan import Pipeline, Plan, Stage, Strategy, uniform_plan
-from plait.runtime import checkpoint, migrate, stragglers
+from plait.runtime import checkpoint, migrate, replica_zero, stragglers
 from plait.runtime.train import TrainConfig, apply_plan, init_distributed, run
 from plait.spec.cluster import local_ranks
 from plait.spec.model import load_model
@@ -53,6 +53,23 @@ def _leaving_out_rank_3(model: str) -> Plan:
                  micro_batch_sequences=1) for r, m in ((0, 3), (1, 3), (2, 2))))
 
 
+def _zero_across_pipelines(model: str) -> Plan:
+    """ZeRO-1 across a one-rank pipeline (rank 0) and a pp2 one (ranks 1, 2), rank 3 left out: every holder
+    of a layer keeps half of its AdamW moments (`plait.runtime.replica_zero`)."""
+    pipes = [([((0, 4), (0,))], 4), ([((0, 2), (1,)), ((2, 4), (2,))], 4)]
+    return Plan(model=model, seq_len=SEQ, global_batch=GBS, precision="fp32", pipelines=tuple(
+        Pipeline(stages=tuple(Stage(layers=lay, ranks=r, strategies=(Strategy(zero=1),)) for lay, r in stages),
+                 micro_batches=m, micro_batch_sequences=1) for stages, m in pipes))
+
+
+def _zero_across_three(model: str) -> Plan:
+    """ZeRO-1 across three one-rank pipelines on ranks 1-3 (micro-batches 3, 3 and 2), rank 0 left out: each
+    holder keeps a third of the AdamW moments."""
+    return Plan(model=model, seq_len=SEQ, global_batch=GBS, precision="fp32", pipelines=tuple(
+        Pipeline(stages=(Stage(layers=(0, 4), ranks=(r,), strategies=(Strategy(zero=1),)),), micro_batches=m,
+                 micro_batch_sequences=1) for r, m in ((1, 3), (2, 3), (3, 2))))
+
+
 def cases() -> dict[str, tuple[str, Plan, Plan]]:
     return {
         "pp2xdp2 -> tp2xdp2": ("tiny-llama", _uniform("tiny-llama", "pp=2,dp=2,mbs=1"),
@@ -63,6 +80,8 @@ def cases() -> dict[str, tuple[str, Plan, Plan]]:
             "tiny-gpt", _uniform("tiny-gpt", "pp=2,dp=2,mbs=1"), _straggler_plan("tiny-gpt")),
         "rank 3 left out -> dp4 zero1 (recovered)": ("tiny-llama", _leaving_out_rank_3("tiny-llama"),
                                                      _uniform("tiny-llama", "dp=4,zero=1")),
+        "ZeRO across pipelines: halves of the moments on ranks 0-2 -> thirds on ranks 1-3": (
+            "tiny-llama", _zero_across_pipelines("tiny-llama"), _zero_across_three("tiny-llama")),
     }
 
 
@@ -103,7 +122,9 @@ def compare_state(model: str, before: Plan, after: Plan, directory: Path) -> dic
                 else got[top][key] == value
             if not same:
                 unequal.append(f"{top}.{key}")
+    sliced = [sum(len(getattr(o, replica_zero.SHARDS, [])) for o in placed.optimizers) for placed in (old, net)]
     return {"unequal": unequal, "compared": compared, "model_keys": sorted(got["model"]), "sent": sent,
+            "sliced_groups": sliced,  # before and after: groups of ZeRO across pipelines
             "optim_steps": sorted({float(_local(v)) for k, v in got["optim"].items() if k.endswith(".step")})}
 
 

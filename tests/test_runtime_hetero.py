@@ -77,6 +77,14 @@ RESUMED_AS = _one_stage((0, 1), (S(dp=2),), 2, 2)
 """A checkpoint of the two copies (after 3 steps), resumed by a stage holding one table, in the same job."""
 
 
+ZERO_SAVED, ZERO_RESUMED = "ZeRO across pipelines, saved", "resumed under ZeRO across three pipelines"
+ZERO_SAVED_FROM = "ZeRO across pipelines: a one-rank zero1 stage beside a pp2 zero1 pipeline"
+ZERO_RESUMED_AS = _plan("tiny-llama", [([((0, 4), (r,), S(zero=1))], m, 1) for r, m in ((0, 2), (2, 1), (3, 1))])
+"""A checkpoint of ZeRO across two pipelines (each holder keeping half of the AdamW moments, after 3 steps),
+resumed in the same job by three one-rank pipelines, each keeping a third: moments gathered on save, sliced
+on load (`plait.runtime.replica_zero.whole_view`)."""
+
+
 def test_pipelines_shard_their_layers_differently() -> None:
     """Every case holds some layer in two different shapes (else it would test the shard-by-shard path)
     and is executable."""
@@ -85,7 +93,7 @@ def test_pipelines_shard_their_layers_differently() -> None:
                   for p in plan.pipelines}
         assert len(shapes) == 2, name
         assert unsupported(plan, PRESETS[plan.model]) is None, name
-    for name, plan in {**CASES, **ALIKE, **TIED_COPIES, RESUMED: RESUMED_AS}.items():
+    for name, plan in {**CASES, **ALIKE, **TIED_COPIES, RESUMED: RESUMED_AS, ZERO_RESUMED: ZERO_RESUMED_AS}.items():
         validate_plan(plan, PRESETS[plan.model], local_ranks(4))  # raises on a malformed case
     for name, plan in TIED_COPIES.items():
         assert tied_copies(plan) and unsupported(plan, PRESETS[plan.model]) is None, name
@@ -107,7 +115,10 @@ def hetero_runs(tmp_path_factory, text):  # noqa: F811
     tmp = tmp_path_factory.mktemp("hetero")
     ckpt = {"checkpoint_dir": str(tmp / "tied-checkpoint")}
     cases |= {SAVED: ("tiny-gpt", TIED_COPIES[SAVED_FROM]), RESUMED: ("tiny-gpt", RESUMED_AS)}
-    options = {SAVED: {**ckpt, "steps": SAVED_STEPS}, RESUMED: ckpt}
+    zero = {"checkpoint_dir": str(tmp / "zero-checkpoint")}
+    cases |= {ZERO_SAVED: ("tiny-llama", ALIKE[ZERO_SAVED_FROM]), ZERO_RESUMED: ("tiny-llama", ZERO_RESUMED_AS)}
+    options = {SAVED: {**ckpt, "steps": SAVED_STEPS}, RESUMED: ckpt, ZERO_SAVED: {**zero, "steps": SAVED_STEPS},
+               ZERO_RESUMED: zero}
     return ref, train_together(tmp, text, 4, cases, options)
 
 
@@ -123,6 +134,19 @@ def test_a_checkpoint_of_two_tied_copies_resumes_as_one_table(hetero_runs) -> No
     assert len(losses.get(SAVED, [])) == SAVED_STEPS and len(losses.get(RESUMED, [])) == STEPS - SAVED_STEPS, \
         proc.stderr[-3000:]
     assert_same(losses[SAVED] + losses[RESUMED], ref[("tiny-gpt", GBS)])
+
+
+def test_zero_across_pipelines_checkpoints_and_resumes_under_another_plan(hetero_runs) -> None:
+    """Saved and resumed with the moments split among the holders (the run that saves keeps half of them,
+    the one that resumes a third), the losses are those of one process."""
+    ref, (proc, losses) = hetero_runs
+    assert len(losses.get(ZERO_SAVED, [])) == SAVED_STEPS and \
+        len(losses.get(ZERO_RESUMED, [])) == STEPS - SAVED_STEPS, proc.stderr[-3000:]
+    optim = lambda name: [t["optim"] for t in proc.first_records[name]["memory_terms"]]  # noqa: E731
+    assert optim(ZERO_SAVED)[0] == _sliced_optimizer_bytes("tiny-llama", 2, 0)
+    assert optim(ZERO_RESUMED)[0] == _sliced_optimizer_bytes("tiny-llama", 3, 0)
+    assert optim(ZERO_RESUMED)[3] == _sliced_optimizer_bytes("tiny-llama", 3, 2)
+    assert_same(losses[ZERO_SAVED] + losses[ZERO_RESUMED], ref[("tiny-llama", GBS)])
 
 
 def test_simulate_prices_the_whole_gradient_reduction() -> None:

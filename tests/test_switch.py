@@ -107,6 +107,10 @@ def test_network_switches_equal_dcp_switches_and_one_process(tmp_path, text) -> 
         states = entry["state"]
         assert [s["unequal"] for s in states] == [[]] * 4, name  # every entry torch.equal to DCP's
         assert all(s["optim_steps"] == [1.0] for s in states if s["compared"]), name
+        # ZeRO across pipelines: ranks 0-2 step halves of the moments (rank 3 left out), then ranks 1-3 thirds.
+        sliced = [[groups > 0 for groups in s["sliced_groups"]] for s in states]
+        zero = name.startswith("ZeRO across")
+        assert sliced == ([[True, False], [True, True], [True, True], [False, True]] if zero else [[False] * 2] * 4)
         held = set().union(*(s["model_keys"] for s in states))
         assert held == set(build_model(load_model(model)).state_dict()), name  # the new plan holds every parameter
         expected = reference[model]

@@ -159,7 +159,9 @@ def test_varlen_command_prints_json_and_flexsp_beats_static(lengths_file) -> Non
         out = _varlen("--lengths", lengths_file, "--method", method, "--json")
         assert out.exit_code == 0, out.output
         res[method] = json.loads(out.stdout)
-        assert set(res[method]) == {"total_time_s", "solve_time_s", "states", "states_bytes_per_device", "per_batch"}
+        assert set(res[method]) == {"total_time_s", "solve_time_s", "states", "states_bytes_per_device", "pipeline",
+                                    "per_batch"}
+        assert res[method]["pipeline"] == {"stages": 1, "devices_per_stage": 16, "layers": [[0, 32]]}
         assert len(res[method]["per_batch"]) == 2
     assert res["flexsp"]["total_time_s"] <= res["static"]["total_time_s"]
     table = _varlen("--lengths", lengths_file)
@@ -173,7 +175,9 @@ def test_varlen_command_prints_json_and_flexsp_beats_static(lengths_file) -> Non
     (["--global-batch", "0"], "positive"),
     (["--states", "half"], "--states must be one of"),
     (["--offload-above", "-5"], "--offload-above is a length"),
-    (["--states", "replicated"], "use --states sharded"),  # 7B x 18 bytes (bf16 + Adam) > 80 GB
+    (["--states", "replicated", "--stages", "1"], "use --states sharded or more --stages"),  # 7B x 18 B > 80 GB
+    (["--stages", "3"], "--stages must be one of 1, 2, 4, 8, 16"),
+    (["--method", "static", "--sp", "16", "--stages", "2"], "--sp 16 exceeds the 8 devices of a stage"),
 ])
 def test_varlen_bad_input(lengths_file, args, needle) -> None:
     res = _varlen("--lengths", lengths_file, *args)
@@ -205,3 +209,55 @@ def test_varlen_bad_lengths_file(tmp_path) -> None:
     assert res.exit_code == 2 and "line 2" in res.stderr
     res = _varlen("--lengths", tmp_path / "missing.txt")
     assert res.exit_code == 2 and "cannot read" in res.stderr
+
+
+def test_pipeline_of_variable_micro_batches_adds_the_longest_per_extra_stage() -> None:
+    from plait.planner.varlen import BatchPlan, Group, MicroBatch, pipeline_seconds
+
+    assert pipeline_seconds([1.0, 3.0, 2.0], 1) == 6.0
+    assert pipeline_seconds([1.0, 3.0, 2.0], 4) == 6.0 + 3 * 3.0  # fill and drain: the longest, per extra stage
+    mbs = [MicroBatch((Group(1, (n,), t, (0,)),)) for n, t in ((100, 0.5), (900, 2.0))]
+    assert BatchPlan(mbs, stages=2).seconds == 4.5 and BatchPlan(mbs, stages=2).bubble_s == 2.0
+
+
+def test_stages_price_the_slowest_stage_and_plans_use_a_stage_s_devices() -> None:
+    from plait.planner.varlen import stage_layers
+
+    whole, halves = SequenceCost(MODEL, CLUSTER), SequenceCost(MODEL, CLUSTER, stages=2)
+    assert halves.cuts == stage_layers(32, 2) == [(0, 16), (16, 32)]
+    for n in (512, 8192):  # half the layers each, plus the head's stage's logits and the hand-over
+        assert whole.seconds(n, 1) / 2 < halves.seconds(n, 1) < whole.seconds(n, 1)
+    lengths = [8000, 6000, 3000, 2000, 900, 500, 300, 100] * 4
+    plan = plan_batch(lengths, 16, halves, CAP)
+    assert plan.stages == 2 and max(r for mb in plan.micro_batches for g in mb.groups for r in g.ranks) < 8
+    stage_s = [mb.seconds for mb in plan.micro_batches]
+    assert plan.seconds == pytest.approx(sum(stage_s) + max(stage_s))
+
+
+def test_the_fewest_stages_whose_states_fit_are_chosen() -> None:
+    from plait.planner.varlen import fewest_stages, states_bytes
+
+    m = load_model("llama3-8b")
+    memory = 80 * 2**30
+    assert states_bytes(m, 8, "bf16", "replicated", 2) == m.params * 18 / 2  # each device: half the model, whole
+    assert fewest_stages(m, 8, "bf16", "replicated", memory) == 2  # 8.03B x 18 B = 134.6 GiB; halves fit
+    assert fewest_stages(m, 8, "bf16", "sharded", memory) == 1
+    with pytest.raises(PlaitError, match="do not fit"):
+        fewest_stages(m, 8, "bf16", "replicated", 2**30)
+
+
+def test_varlen_command_chooses_and_prints_the_stage_plan(lengths_file) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from plait.cli import app
+
+    args = ["varlen", "--model", "llama3-8b", "--cluster", "1x8xA100-80GB", "--batches", "2", "--global-batch", "64",
+            "--capacity", "16384", "--lengths", str(lengths_file), "--states", "replicated"]
+    table = CliRunner().invoke(app, args)
+    assert table.exit_code == 0, table.output
+    assert "pipeline of 2 stages x 4 devices (layers 0-15 | 16-31)" in " ".join(table.stdout.split())
+    result = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
+    assert result["pipeline"] == {"stages": 2, "devices_per_stage": 4, "layers": [[0, 16], [16, 32]]}
+    assert all(0 < b["bubble_s"] < b["time_s"] for b in result["per_batch"])

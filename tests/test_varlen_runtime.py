@@ -131,6 +131,27 @@ def test_every_layout_method_trains_like_one_process(tmp_path, single, method) -
         assert any(not part.startswith("1x") for r in runs for part in r["layout"].split(" | ")), runs
 
 
+@pytest.mark.parametrize("method", [("flexsp", "--varlen-states", "sharded"),
+                                    ("bytescale", "--varlen-states", "replicated")], ids=lambda m: " ".join(m))
+def test_pipeline_stages_run_sequence_parallel_groups_like_one_process(tmp_path, single, method) -> None:
+    """pp2 x 2 ranks per stage: every micro-batch's groups (some of 2 ranks: FlexSP's with Ulysses, ByteScale's
+    with ring attention) run on each stage's ranks, hidden states handed from stage to stage in 1F1B order;
+    the losses equal one process's over 3 steps."""
+    runs = _train(tmp_path, "stages", 4, "--varlen", *method, "--capacity", "256", "--varlen-stages", "2")
+    assert len(runs) == 3 and all(r["stages"] == 2 for r in runs)
+    assert any(part.startswith("2x") for r in runs for mb in r["layout"].split(" | ") for part in mb.split()), runs
+    for a, b in zip(single, runs):
+        assert a["tokens"] == b["tokens"]
+        assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5, (a["step"], a["loss"], b["loss"])
+    from plait.models import build_model
+
+    whole = sum(p.numel() for p in build_model(load_model(MODEL)).parameters()) * 4  # fp32 bytes
+    held = [t["weights"] for t in runs[0]["memory_terms"]]
+    # each parameter on one stage: sharded over its 2 ranks (held once in all) or whole on both
+    assert sum(held) == whole * (1 if "sharded" in method else 2)
+    assert held[0] + held[1] != held[2] + held[3]  # the stages hold different layers (embedding, head)
+
+
 STATES_MODEL = "llama:layers=4,hidden=512,heads=8,kv_heads=4,ffn=1376,vocab=512,seq=256"
 """Big enough that model states (12.1M parameters: 46 MiB of weights, 185 MiB with gradients and Adam)
 outweigh one step's activations on 4 ranks."""
@@ -181,6 +202,7 @@ def test_train_varlen_resumes_from_its_checkpoint(tmp_path) -> None:
     (["--varlen", "flexsp", "--adaptive"], "do not combine with --varlen"),
     (["--varlen", "flexsp", "--varlen-states", "half"], "--varlen-states must be one of"),
     (["--varlen", "flexsp", "--offload-above", "-1"], "--offload-above is a document length"),
+    (["--varlen", "flexsp", "--varlen-stages", "3"], "--varlen-stages must divide the 4 ranks"),
 ])
 def test_train_varlen_bad_input_is_one_line_and_exit_2(extra, needle) -> None:
     cmd = [sys.executable, "-m", "plait.cli", "train", "--model", MODEL, "--nproc", "4", *extra]

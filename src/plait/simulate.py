@@ -34,6 +34,7 @@ from plait.cost.price import (
     relayout_time,
     send_piece_bytes,
     send_time,
+    tied_copies_sum,
     tied_embedding_sync,
 )
 from plait.executable import holders, shard_shape, tied_copies
@@ -351,7 +352,10 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
     reduce_t += _whole_reduce(costs, plan, stage, model, cluster, cal, prec)
     gather_t = sum(count * c.param_gather for cost in costs for c, count, _, _ in cost.priced)
     ctx = BlockContext(model, cluster, cal, prec, plan.seq_len, 1, comm.SINGLE, comm.SINGLE, comm.SINGLE)
-    if model.tied_embeddings and len(plan.pipelines[0].stages) > 1:
+    if model.tied_embeddings and stage.layers == (0, model.layers) and tied_copies(plan):
+        # a one-stage pipeline holding both copies: summed in place
+        reduce_t += tied_copies_sum(stage.strategy(0), stage.strategy(model.layers - 1), stage.ranks, ctx)
+    elif model.tied_embeddings and len(plan.pipelines[0].stages) > 1:
         reduce_t += tied_embedding_sync(ctx)
     held = [Held(c, count, s, _optimizer_shards(plan, layer, s, stage)) for cost in costs
             for c, count, s, layer in cost.priced]

@@ -58,6 +58,8 @@ VarlenStatesOpt = Annotated[str, typer.Option(
     "--varlen-states", help="--varlen: model states sharded over all ranks (FSDP2) | replicated")]
 OffloadAboveOpt = Annotated[int, typer.Option(
     "--offload-above", help="--varlen: documents of at least this many tokens swap activations to host (0: none)")]
+VarlenStagesOpt = Annotated[int, typer.Option(
+    "--varlen-stages", help="--varlen: pipeline stages, each running the step's sequence-parallel groups")]
 
 
 TasksOpt = Annotated[Path | None, typer.Option(
@@ -90,7 +92,8 @@ def train_cmd(
     replan_degrees: ReplanDegreesOpt = "any",
     varlen: VarlenOpt = None, lengths: LengthsOpt = None, capacity: CapacityOpt = 1024, sp: VarlenSpOpt = None,
     cp_mode: CpModeOpt = "ulysses", varlen_states: VarlenStatesOpt = "sharded",
-    offload_above: OffloadAboveOpt = 0, tokenizer: TokenizerOpt = None, text_field: TextFieldOpt = "text",
+    offload_above: OffloadAboveOpt = 0, varlen_stages: VarlenStagesOpt = 1, tokenizer: TokenizerOpt = None,
+    text_field: TextFieldOpt = "text",
     data_dtype: DataDtypeOpt = None, data_cache: DataCacheOpt = None,
 ) -> None:
     """Train with a plan on this machine's ranks (launches torchrun), or inside an existing torchrun job.
@@ -119,7 +122,7 @@ def train_cmd(
         if varlen is not None:
             cfg, world = _varlen_config(m, model, varlen, world or 1, steps, global_batch, seed, lr, dtype, data,
                                         metrics_file, lengths, capacity, sp, cp_mode, varlen_states, offload_above,
-                                        plan or strategy,
+                                        plan or strategy, varlen_stages,
                                         hf_checkpoint or adaptive or inject_slow or slurm)
             cfg = replace(cfg, timeout_s=timeout, data_dtype=data_dtype, checkpoint_every=checkpoint_every,
                           checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
@@ -300,7 +303,7 @@ def _check_checkpoints(directory: Path | None, resume_from: Path | None, m: Mode
 def _varlen_config(m, model: str, method: str, world: int, steps: int, global_batch: int | None, seed: int,
                    lr: float, dtype: str, data: Path | None, metrics_out: Path | None, lengths: Path | None,
                    capacity: int, sp: int | None, cp_mode: str, states: str, offload_above: int, layout: object,
-                   other: object):
+                   stages: int, other: object):
     """The TrainConfig of a `train --varlen` run (PlaitError on bad options) and its ranks."""
     from importlib.resources import files
 
@@ -320,7 +323,7 @@ def _varlen_config(m, model: str, method: str, world: int, steps: int, global_ba
                       data=str(data) if data else None, metrics_out=str(metrics_out) if metrics_out else None,
                       varlen=method, lengths=path, global_batch=global_batch or 4 * world, capacity=capacity,
                       sp=sp, cp_mode=cp_mode, varlen_states=states,
-                      offload_above=offload_above)
+                      offload_above=offload_above, varlen_stages=stages)
     check_config(cfg, m, world)
     if other:
         raise PlaitError("--hf-checkpoint, --adaptive, --inject-slow and --slurm do not combine with --varlen yet; "

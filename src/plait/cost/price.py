@@ -206,6 +206,38 @@ def tied_embedding_sync(ctx: BlockContext) -> float:
     return comm.all_reduce(m.vocab * m.hidden * ctx.prec.grad, comm.GroupShape(2, 2, 1), ctx.cluster, ctx.cal)
 
 
+TIED_SUM_PASSES = 5
+"""Whole tied tables a one-stage copy sum reads or writes (dimensionless): both copies' gathered gradients
+read, their sum written, then read once more as each copy takes its part back
+(`plait.runtime.train._sum_tied_grad`: stack, sum, scale in place, copy to each copy's shard)."""
+
+
+def tied_shards(s: Strategy) -> int:
+    """Pieces a tied table's gradient is split into under `s`: tensor parallel (along the vocabulary) times
+    ZeRO's shard group (all the data and context ranks, or `shard` of them)."""
+    return s.tp * ((s.shard or s.dp * s.cp) if s.zero >= 1 else 1)
+
+
+def tied_gather_bytes(first: Strategy, last: Strategy, ctx: BlockContext) -> tuple[float, float]:
+    """Bytes of a tied table's gradient that each rank of a one-stage pipeline receives to sum the two copies
+    (`plait.executable.tied_copies`): the embedding's copy laid out like `first`, the head's like `last`, each
+    copy's whole gradient gathered over the ranks sharding it; per copy (shards - 1) / shards of the table."""
+    table = ctx.model.vocab * ctx.model.hidden * ctx.prec.grad
+    k0, k1 = tied_shards(first), tied_shards(last)
+    return table * (k0 - 1) / k0, table * (k1 - 1) / k1
+
+
+def tied_copies_sum(first: Strategy, last: Strategy, ranks: tuple[int, ...], ctx: BlockContext) -> float:
+    """Seconds per step summing the gradients of a tied table's two copies held on one stage of `ranks`
+    (`tied_gather_bytes`): an all-gather of each sharded copy over the ranks sharding it (the first of
+    `ranks`), then the sum in device memory (`TIED_SUM_PASSES` table passes)."""
+    table = ctx.model.vocab * ctx.model.hidden * ctx.prec.grad
+    gpn = ctx.cluster.gpus_per_node
+    gathers = sum(comm.all_gather(table, comm.GroupShape.of(ranks[: tied_shards(s)], gpn), ctx.cluster, ctx.cal)
+                  for s in (first, last))
+    return gathers + elementwise_time(TIED_SUM_PASSES * table, ctx.cluster.gpu, ctx.cal, kernels=3)
+
+
 @dataclass(frozen=True)
 class Held:
     """Parameters a device updates in its optimizer step: a priced layer, how many of it, its strategy and

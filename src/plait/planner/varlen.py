@@ -49,9 +49,9 @@ from plait.cost.comm import GroupShape
 from plait.cost.layer import BlockContext
 from plait.cost.memory import model_state_bytes
 from plait.cost.precision import PRECISIONS
-from plait.cost.price import price, price_edge
+from plait.cost.price import carried_bytes, price, price_edge
 from plait.errors import PlaitError
-from plait.plan import Strategy
+from plait.plan import Strategy, split_layers
 from plait.spec.cluster import Cluster
 from plait.spec.model import ModelSpec
 
@@ -70,12 +70,30 @@ STATES = ("sharded", "replicated")
 """Model states sharded over every device (FSDP2, ZeRO-3) or replicated on each."""
 
 
-def states_bytes(model: ModelSpec, devices: int, precision: str, states: str) -> float:
-    """Bytes of model states (weights, gradients, optimizer) on each device: sharded over all `devices`
-    (ZeRO-3) or replicated."""
+def states_bytes(model: ModelSpec, devices: int, precision: str, states: str, stages: int = 1) -> float:
+    """Bytes of model states (weights, gradients, optimizer) on each device: a stage's share of the model
+    (1/`stages` of it) sharded over the stage's devices (ZeRO-3) or replicated on each."""
     sharded = states == "sharded"
-    w, g, o = model_state_bytes(model.params, devices if sharded else 1, 3 if sharded else 0, PRECISIONS[precision])
+    w, g, o = model_state_bytes(model.params / stages, devices // stages if sharded else 1, 3 if sharded else 0,
+                                PRECISIONS[precision])
     return w + g + o
+
+
+def stage_counts(devices: int, layers: int) -> list[int]:
+    """Pipeline stage counts the variable-length planner may use: powers of two that divide `devices` and
+    leave every stage a layer."""
+    return [p for p in degrees(devices) if devices % p == 0 and p <= layers]
+
+
+def fewest_stages(model: ModelSpec, devices: int, precision: str, states: str, memory: float) -> int:
+    """The fewest pipeline stages whose model states fit `memory` bytes per device (ByteScale cuts the model
+    into stages when its replicated states do not fit); PlaitError naming the fix when none does."""
+    for p in stage_counts(devices, model.layers):
+        if states_bytes(model, devices, precision, states, p) <= memory:
+            return p
+    raise PlaitError(f"{states} model states of {model.name} do not fit {memory / 2**30:.0f} GiB per device in any "
+                     f"pipeline of up to {model.layers} stages on {devices} devices; use --states sharded or more "
+                     "devices")
 
 
 def offloaded(length: int, above: int) -> bool:
@@ -90,11 +108,15 @@ class SequenceCost:
     `on(length, ranks)` on any set of ranks (the links it spans matter)."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, cal: Calibration | None = None, precision: str = "bf16",
-                 cp_mode: str = "ulysses", offload_above: int = 0) -> None:
+                 cp_mode: str = "ulysses", offload_above: int = 0, stages: int = 1) -> None:
         if any(b.kind not in ("decoder", "moe") for b in model.stack):
             raise PlaitError(f"variable-length planning packs decoder-only models; {model.name} has "
                              f"{', '.join(model.kind_counts())} layers")
-        self.model, self.cluster = model, cluster
+        if stages < 1 or stages > model.layers:
+            raise PlaitError(f"{stages} pipeline stages cannot cut {model.name}'s {model.layers} layers; give 1 to "
+                             f"{model.layers} stages")
+        self.model, self.cluster, self.stages = model, cluster, stages
+        self.cuts = stage_layers(model.layers, stages)
         self.cal = cal or calibration_for(cluster.gpu.name)
         self.prec = PRECISIONS[precision]
         self.cp_mode, self.offload_above = cp_mode, offload_above
@@ -108,13 +130,24 @@ class SequenceCost:
         return self._cost(length, GroupShape.of(sorted(ranks), self.cluster.gpus_per_node))
 
     def _shaped(self, length: int, group: GroupShape) -> float:
+        """Seconds of the slowest pipeline stage (all of the model with one stage): its layers, the
+        embedding on the first, the head on the last, and with several stages the hand-over of the
+        sequence's hidden state to the next stage and of its gradient back (`comm.p2p`, this rank's share)."""
         s = Strategy(cp=group.size, cp_mode=self.cp_mode,  # type: ignore[arg-type]
                      swap=float(offloaded(length, self.offload_above)))
         shape = group if group.size > 1 else comm.SINGLE
         ctx = BlockContext(self.model, self.cluster, self.cal, self.prec, length, 1, comm.SINGLE, shape, comm.SINGLE)
-        layers = sum(n * price(b, s, ctx).micro_batch_s for b, n in self.model.block_counts)
-        embedding, head = price_edge("embedding", s, ctx), price_edge("head", s, ctx)
-        return layers + sum(e.time.forward + e.time.backward for e in (embedding, head))
+        edge = {e: price_edge(e, s, ctx).time for e in ("embedding", "head")}
+        stack = self.model.stack
+        hand_over = 2 * comm.p2p(carried_bytes(0, 1, ctx) / group.size, False, self.cluster, self.cal) \
+            if self.stages > 1 else 0.0
+        slowest = 0.0
+        for i, (start, end) in enumerate(self.cuts):
+            t = sum(price(b, s, ctx).micro_batch_s for b in stack[start:end])
+            t += (edge["embedding"].forward + edge["embedding"].backward) if i == 0 else hand_over
+            t += (edge["head"].forward + edge["head"].backward) if i == self.stages - 1 else 0.0
+            slowest = max(slowest, t)
+        return slowest
 
 
 @dataclass(frozen=True)
@@ -137,17 +170,41 @@ class MicroBatch:
         return max((g.seconds for g in self.groups), default=0.0)
 
 
+def stage_layers(layers: int, stages: int) -> list[tuple[int, int]]:
+    """[start, end) layers of each pipeline stage (`plait.plan.split_layers`: as even as possible)."""
+    counts = split_layers(layers, stages)
+    ends = np.cumsum(counts).tolist()
+    return [(int(e - n), int(e)) for n, e in zip(counts, ends)]
+
+
 @dataclass
 class BatchPlan:
-    """One global batch: its micro-batches in order, the planned seconds and the solver's seconds."""
+    """One global batch: its micro-batches in order, the planned seconds and the solver's seconds. With
+    `stages` > 1 every micro-batch runs through a pipeline of that many stages, its groups laid out on each
+    stage's devices alike (group ranks count within a stage)."""
 
     micro_batches: list[MicroBatch]
     solve_time_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    stages: int = 1
 
     @property
     def seconds(self) -> float:
-        return sum(m.seconds for m in self.micro_batches)
+        """Seconds of the step: the micro-batches one after another on the slowest stage, plus the pipeline's
+        fill and drain (`pipeline_seconds`)."""
+        return pipeline_seconds([m.seconds for m in self.micro_batches], self.stages)
+
+    @property
+    def bubble_s(self) -> float:
+        """Seconds the pipeline's fill and drain add (0 with one stage)."""
+        return self.seconds - sum(m.seconds for m in self.micro_batches)
+
+
+def pipeline_seconds(stage_s: Sequence[float], stages: int) -> float:
+    """Seconds of a GPipe or 1F1B step of variable micro-batches whose slowest stage takes `stage_s` each (forward and
+    backward): the stage runs them back to back, and the other `stages - 1` stages add the fill and drain,
+    each as long as the longest micro-batch (it is on the critical path of every stage it crosses)."""
+    return sum(stage_s) + (stages - 1) * max(stage_s, default=0.0)
 
 
 def degrees(devices: int) -> list[int]:
@@ -419,8 +476,14 @@ def plan_batch(lengths: Sequence[int], devices: int, cost: SequenceCost, capacit
                method: str = "flexsp", degree: int | None = None) -> BatchPlan:
     """Micro-batches of one global batch: `flexsp`, `bytescale` (the balance scheduler, with `cost` in ring
     mode), or `static` sequence parallelism of `degree` (default: the smallest that holds the longest
-    sequence; with a ring cost, a static data x context parallel mesh)."""
+    sequence; with a ring cost, a static data x context parallel mesh). With a cost of several pipeline
+    stages (`SequenceCost.stages`) the groups are laid out on one stage's devices (devices / stages), which
+    every stage repeats, and the step is priced as a pipeline of the micro-batches (`pipeline_seconds`)."""
     t0 = time.perf_counter()
+    stages = cost.stages
+    if devices % stages:
+        raise PlaitError(f"{stages} pipeline stages do not divide {devices} devices; give a stage count that does")
+    devices //= stages
     if method == "static":
         degree = degree or smallest_degree(max(lengths), capacity, devices)
         if max(lengths) > degree * capacity:
@@ -442,11 +505,12 @@ def plan_batch(lengths: Sequence[int], devices: int, cost: SequenceCost, capacit
             mbs = [plan_micro_batch(c, devices, cost, capacity) for c in chunks]
         if any(m is None for m in mbs):
             continue  # a micro-batch did not fit: try more of them
-        plan = BatchPlan(mbs)  # type: ignore[arg-type]
+        plan = BatchPlan(mbs, stages=stages)  # type: ignore[arg-type]
         if best is None or plan.seconds < best.seconds:
             best = plan
     if best is None:
-        raise PlaitError(f"no micro-batching of this batch fits {capacity} tokens per device on {devices} devices; "
+        raise PlaitError(f"no micro-batching of this batch fits {capacity} tokens per device on {devices} devices "
+                         f"per stage; "
                          "raise the capacity or lower the global batch")
     best.solve_time_s = time.perf_counter() - t0
     return best
@@ -481,4 +545,5 @@ def sample_batches(lengths: np.ndarray, batches: int, global_batch: int, seed: i
 
 
 __all__ = ["BatchPlan", "Group", "MicroBatch", "SequenceCost", "balance_micro_batch", "balance_split", "blast", "buckets", "degrees",
-           "homogeneous", "load_lengths", "plan_batch", "plan_micro_batch", "sample_batches", "smallest_degree"]
+           "fewest_stages", "homogeneous", "load_lengths", "pipeline_seconds", "plan_batch", "plan_micro_batch",
+           "sample_batches", "smallest_degree", "stage_counts", "stage_layers", "states_bytes"]

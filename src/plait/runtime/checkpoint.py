@@ -31,15 +31,20 @@ _LOAD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, strict=False
 
 def local_state(chunks: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> tuple[dict, list[tuple]]:
     """This rank's merged state of every chunk ({"model": ..., "optim": ...} by fully qualified name, DTensor
-    shards as they are) and each chunk's own keys."""
+    shards as they are) and each chunk's own keys (with the optimizer that names its state). An optimizer
+    that steps slices of ZeRO across pipelines shows its whole moments, gathered from the slices' holders
+    (`plait.runtime.replica_zero.whole_view`, collective)."""
+    from plait.runtime.replica_zero import whole_view
+
     model_sd: dict = {}
     optim_sd: dict = {}
     keys = []
     for m, o in zip(chunks, optimizers):
-        ms, os_ = get_state_dict(m, o, options=_OPTIONS)
+        view = whole_view(m, o)
+        ms, os_ = get_state_dict(m, view, options=_OPTIONS)
         model_sd.update(ms)
         optim_sd.update(os_)
-        keys.append((set(ms), set(os_)))
+        keys.append((set(ms), set(os_), view))
     return {"model": model_sd, "optim": optim_sd}, keys
 
 
@@ -228,7 +233,11 @@ def load(path: Path, chunks: list[torch.nn.Module], optimizers: list[torch.optim
 
 def apply_state(state: dict, keys: list[tuple], chunks: list[torch.nn.Module],
                 optimizers: list[torch.optim.Optimizer]) -> None:
-    """Set each chunk's model and optimizer state from a `local_state` whose values were filled in."""
-    for m, o, (model_keys, optim_keys) in zip(chunks, optimizers, keys):
-        set_state_dict(m, o, model_state_dict={k: state["model"][k] for k in model_keys},
+    """Set each chunk's model and optimizer state from a `local_state` whose values were filled in (a sliced
+    optimizer takes its slices of the whole moments, `plait.runtime.replica_zero.load_whole`)."""
+    from plait.runtime.replica_zero import load_whole
+
+    for m, o, (model_keys, optim_keys, view) in zip(chunks, optimizers, keys):
+        set_state_dict(m, view, model_state_dict={k: state["model"][k] for k in model_keys},
                        optim_state_dict={k: state["optim"][k] for k in optim_keys}, options=_LOAD_OPTIONS)
+        load_whole(view, o)

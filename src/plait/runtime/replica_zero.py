@@ -11,10 +11,16 @@ the whole-tensor one.
 The gradients stay whole until the step (the pipelines run different micro-batch counts, so their gradients
 meet once per step, after the last backward): ZeRO-2 and ZeRO-3 across pipelines hold what ZeRO-1 holds.
 Layers whose holders shard them differently (`Replicas.whole`) keep their whole optimizer state.
+
+Checkpoints and plan switches name optimizer state by parameter (`plait.runtime.checkpoint.local_state`):
+they see a stand-in optimizer holding each sliced parameter's whole moments, all-gathered from its holders
+for the save or switch alone (`whole_view`), and loading hands every holder its slice again (`load_whole`),
+so a run saved under one layout of holders resumes or switches to any other.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -65,25 +71,36 @@ class ReplicaShards:
 
     def gather(self) -> None:
         """All-gather every member's stepped slices into the parameters, then drop the whole gradients."""
-        sizes = [_bounds(_local(p).numel(), self.members, 0)[2] for p in self.params]
-        mine = torch.zeros(sum(sizes), dtype=_local(self.params[0]).dtype)
-        at = 0
-        for p, size in zip(self.params, sizes):
-            start, end, _ = _bounds(_local(p).numel(), self.members, self.index)
-            mine[at: at + end - start] = _local(p).detach().reshape(-1)[start:end]
-            at += size
-        parts = [torch.empty_like(mine) for _ in range(self.members)]
-        dist.all_gather(parts, mine, group=self.group)
+        mine = [_local(p).detach().reshape(-1)[slice(*_bounds(_local(p).numel(), self.members, self.index)[:2])]
+                for p in self.params]
         with torch.no_grad():
-            for i, part in enumerate(parts):
-                at = 0
-                for p, size in zip(self.params, sizes):
-                    start, end, _ = _bounds(_local(p).numel(), self.members, i)
-                    if i != self.index and end > start:
-                        _local(p).view(-1)[start:end].copy_(part[at: at + end - start])
-                    at += size
+            for p, whole in zip(self.params, self.all_gather(mine)):
+                _local(p).view(-1).copy_(whole)
         for p in self.params:
             p.grad = None
+
+    def all_gather(self, mine: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every member's slices put together (collective over the group): `mine` holds this member's slice
+        of each parameter's flat local tensor (or of a tensor shaped like it); the whole flat tensors."""
+        sizes = [_bounds(_local(p).numel(), self.members, 0)[2] for p in self.params]
+        flat = torch.zeros(sum(sizes), dtype=mine[0].dtype if mine else _local(self.params[0]).dtype)
+        at = 0
+        for part, size in zip(mine, sizes):
+            flat[at: at + part.numel()] = part
+            at += size
+        parts = [torch.empty_like(flat) for _ in range(self.members)]
+        dist.all_gather(parts, flat, group=self.group)
+        out, at = [], 0
+        for p, size in zip(self.params, sizes):
+            numel = _local(p).numel()
+            out.append(torch.cat([part[at: at + end - start] for i, part in enumerate(parts)
+                                  for start, end, _ in [_bounds(numel, self.members, i)]]))
+            at += size
+        return out
+
+    def slice_of(self, p: nn.Parameter) -> slice:
+        """This member's part of `p`'s flat local tensor."""
+        return slice(*_bounds(_local(p).numel(), self.members, self.index)[:2])
 
 
 def replica_shards(chunks: list[nn.Module], where: Placement, plan: Plan, layers: int) -> list[list[ReplicaShards]]:
@@ -117,10 +134,15 @@ def optimizer_params(model: nn.Module, shards: list[ReplicaShards]) -> list[nn.P
     return [p for p in model.parameters() if id(p) not in sliced] + [v for s in shards for v in s.slices]
 
 
+SHARDS = "_plait_replica_shards"
+"""The attribute of an optimizer that steps slices: its `ReplicaShards`."""
+
+
 def attach(optimizer: torch.optim.Optimizer, shards: list[ReplicaShards]) -> None:
     """Load the slices' gradients before `optimizer` steps, gather the slices after."""
     if not shards:
         return
+    setattr(optimizer, SHARDS, shards)
 
     def before(*_: object) -> None:
         for s in shards:
@@ -132,3 +154,74 @@ def attach(optimizer: torch.optim.Optimizer, shards: list[ReplicaShards]) -> Non
 
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""AdamW's per-element state, which a member keeps for its slice alone."""
+
+
+def _fresh(p: torch.Tensor) -> dict:
+    """AdamW's state of a parameter before its first step (what its lazy initialisation makes)."""
+    return {"step": torch.tensor(0.0), **{k: torch.zeros_like(p) for k in MOMENTS}}
+
+
+def _as(p: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """A whole local tensor shaped and placed like `p` (a DTensor for a DTensor parameter)."""
+    local = local.view_as(_local(p))
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return local
+
+
+def whole_view(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer as checkpoints and plan switches name it (`plait.runtime.checkpoint.local_state`): itself,
+    or, when it steps slices (`attach`), a stand-in AdamW over `model`'s parameters holding their whole
+    state: each sliced parameter's moments all-gathered from its replica group (collective), the others'
+    state shared with `optimizer`. State not made yet is AdamW's initial state."""
+    shards: list[ReplicaShards] = getattr(optimizer, SHARDS, [])
+    if not shards:
+        return optimizer
+    accepted = inspect.signature(type(optimizer)).parameters
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    view = type(optimizer)(list(model.parameters()), **{k: v for k, v in group.items() if k in accepted})
+    view.param_groups[0].update(group)
+    sliced = {id(p) for s in shards for p in s.params}
+    for p in model.parameters():
+        if id(p) not in sliced:
+            view.state[p] = optimizer.state[p] = optimizer.state.get(p) or _fresh(p)
+    for s in shards:
+        owned = {id(p): v for p, v in s._owned}
+        states = [optimizer.state.get(owned[id(p)]) if id(p) in owned else None for p in s.params]
+        states = [st or _fresh(owned[id(p)]) if id(p) in owned else None for p, st in zip(s.params, states)]
+        steps = torch.tensor([float(st["step"]) if st else -1.0 for st in states])
+        every = [torch.empty_like(steps) for _ in range(s.members)]
+        dist.all_gather(every, steps, group=s.group)
+        step = torch.stack(every).amax(0)
+        moments = {k: s.all_gather([st[k] if st else torch.zeros(0) for st in states]) for k in MOMENTS}
+        for i, p in enumerate(s.params):
+            view.state[p] = {"step": step[i].clone(), **{k: _as(p, moments[k][i]) for k in MOMENTS}}
+    return view
+
+
+def load_whole(view: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:
+    """After `view` (from `whole_view`) was loaded: give `optimizer` its hyperparameters and each sliced
+    parameter's slice of the loaded moments (the rest it shares with `view`)."""
+    if view is optimizer:
+        return
+    for key, value in view.param_groups[0].items():
+        if key != "params":
+            optimizer.param_groups[0][key] = value
+    shards: list[ReplicaShards] = getattr(optimizer, SHARDS)
+    sliced = {id(p) for s in shards for p in s.params}
+    for p in view.param_groups[0]["params"]:
+        if id(p) not in sliced:
+            optimizer.state[p] = view.state[p]
+    for s in shards:
+        owned = {id(p): v for p, v in s._owned}
+        for p in s.params:
+            if id(p) in owned:
+                st = view.state[p]
+                optimizer.state[owned[id(p)]] = {
+                    "step": st["step"].clone(),
+                    **{k: _local(st[k]).detach().reshape(-1)[s.slice_of(p)].clone() for k in MOMENTS}}

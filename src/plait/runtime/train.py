@@ -88,6 +88,7 @@ class TrainConfig:
     cp_mode: str = "ulysses"
     varlen_states: str = "sharded"  # model states: sharded over the world (FSDP2, ZeRO-3) | replicated
     offload_above: int = 0  # documents of at least this many tokens swap their saved activations to host; 0 = none
+    varlen_stages: int = 1  # pipeline stages; each runs the step's sequence-parallel groups on its own ranks
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -350,8 +351,7 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
     if where.idle:
         return Placed(plan, where, [], [], [], None, [], loss)
     chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint, hand_sync)
-    # Checkpoints and plan switches save and move optimizer state by parameter name, which a slice has not.
-    sliced = not (hand_sync or cfg.checkpoint_dir or cfg.resume_from) and bool(where.replicas)
+    sliced = bool(where.replicas)  # checkpoints and switches see whole moments (`replica_zero.whole_view`)
     shards = replica_shards(chunks, where, plan, spec.layers) if sliced else [[] for _ in chunks]
     optimizers = [make_optimizer(optimizer_params(m, s), cfg.lr) for m, s in zip(chunks, shards)]
     for optimizer, s in zip(optimizers, shards):

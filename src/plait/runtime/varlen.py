@@ -17,6 +17,11 @@ layout. Sharded, every rank makes the same passes in the same order (`slots`): a
 slot runs a one-token filler pass whose loss counts zero. ByteScale's selective offloading
 (`cfg.offload_above`): a pass whose row holds a document at least that long swaps every layer's saved
 activations to host memory (`runtime/swap.py`), as the planner prices it.
+
+Pipeline stages (`cfg.varlen_stages`): the layout is planned on one stage's ranks and every stage runs it on
+its own ranks, holding its layers with states sharded or replicated over those ranks; each pass goes
+through the stages in 1F1B order, hidden states handed on to the same place in the next stage
+(`DocumentSteps._pipelined`), so every stage makes every pass (fillers included).
 """
 
 from __future__ import annotations
@@ -122,6 +127,33 @@ def masked(mask: Tensor) -> Callable[..., Tensor]:
     return attend
 
 
+@dataclass(frozen=True)
+class Stages:
+    """Pipeline stages of a variable-length run: `count` stages of `width` neighbouring ranks each, this
+    rank on stage `index`. A layout's group ranks count within a stage; every stage runs them alike."""
+
+    count: int
+    index: int
+    width: int
+
+    @staticmethod
+    def of(count: int, rank: int, world: int) -> Stages:
+        return Stages(count, rank // (world // count), world // count)
+
+    def ranks(self, local: tuple[int, ...], stage: int | None = None) -> tuple[int, ...]:
+        """The world ranks of stage-local ranks `local` on `stage` (default: this rank's)."""
+        base = (self.index if stage is None else stage) * self.width
+        return tuple(base + r for r in local)
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
 class Groups:
     """Process groups of rank sets, made when first needed (collectively, in the same order on every rank)
     and kept."""
@@ -129,11 +161,15 @@ class Groups:
     def __init__(self) -> None:
         self.made: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
-    def prepare(self, layout: StepLayout) -> None:
+    def prepare(self, layout: StepLayout, stages: Stages | None = None) -> None:
+        """Make the groups of `layout` (its ranks count within a stage: on every stage of `stages`)."""
+        stages = stages or Stages(1, 0, dist.get_world_size())
         for mb in layout.micro_batches:
             for w in mb:
-                if len(w.ranks) > 1 and w.ranks not in self.made:
-                    self.made[w.ranks] = dist.new_group(list(w.ranks))
+                for stage in range(stages.count):
+                    ranks = stages.ranks(w.ranks, stage)
+                    if len(ranks) > 1 and ranks not in self.made:
+                        self.made[ranks] = dist.new_group(list(ranks))
 
     def __getitem__(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         return self.made[ranks]
@@ -145,18 +181,30 @@ def row_mask(packed: Packed) -> Tensor:
     return document_mask(packed.documents, place, packed.documents, place)
 
 
+def local_tokens(packed: Packed, ranks: int, me: int, mode: str) -> int:
+    """Tokens of a packed row that member `me` of `ranks` keeps (`run_group`): all alone, its zigzag pieces
+    (ring), its contiguous slice (Ulysses)."""
+    if ranks == 1:
+        return packed.length
+    return len((zigzag if mode == "ring" else contiguous)(packed.length, ranks)[me])
+
+
 def run_group(model: nn.Module, packed: Packed, ranks: tuple[int, ...], mode: str,
-              group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor]:
-    """This rank's logits [T_local, V] and targets [T_local] of a packed row that `ranks` run together:
-    alone (`len(ranks) == 1`), with Ulysses, or with ring attention (`mode`)."""
+              group: dist.ProcessGroup | None, hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """This rank's logits [T_local, V] (or hidden state [T_local, H] on a stage without the head) and
+    targets [T_local] of a packed row that `ranks` run together: alone (`len(ranks) == 1`), with Ulysses, or
+    with ring attention (`mode`). `hidden` [1, T_local, H]: the previous pipeline stage's output for this
+    rank's tokens, read instead of the tokens by a stage without the embedding."""
     d, me = len(ranks), ranks.index(dist.get_rank()) if dist.is_initialized() else 0
     if d == 1:
-        return model(packed.tokens[None], packed.positions, masked(row_mask(packed)))[0], packed.targets
+        x = packed.tokens[None] if hidden is None else hidden
+        return model(x, packed.positions, masked(row_mask(packed)))[0], packed.targets
     if mode == "ring":
         parts = zigzag(packed.length, d)
         layout = RingLayout(group, ranks, tuple(parts), tuple(packed.documents[p] for p in parts))
         local = packed.take(parts[me])
-        return model(local.tokens[None], local.positions, partial(ring_attention, layout=layout))[0], local.targets
+        x = local.tokens[None] if hidden is None else hidden
+        return model(x, local.positions, partial(ring_attention, layout=layout))[0], local.targets
     mine = contiguous(packed.length, d)[me]
     mask = row_mask(packed)
     attentions = [layer.attention for layer in model.layers.values()]
@@ -164,7 +212,8 @@ def run_group(model: nn.Module, packed: Packed, ranks: tuple[int, ...], mode: st
     for a in attentions:
         a.context_parallel = Ulysses(group)
     try:
-        return model(packed.tokens[None], packed.positions, masked(mask))[0], packed.targets[mine]
+        x = packed.tokens[None] if hidden is None else hidden
+        return model(x, packed.positions, masked(mask))[0], packed.targets[mine]
     finally:
         model.sequence_slice = None
         for a in attentions:
@@ -185,22 +234,39 @@ def slots(mb: list[Work]) -> list[list[Work]]:
     return out
 
 
-def shard_states(model: nn.Module, world: int) -> None:
-    """FSDP2 (ZeRO-3) over all `world` ranks: each layer and the rest (embedding, norm, head) one unit;
-    gradients summed over the ranks, not averaged (the loss is already divided by the batch's tokens)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def shard_states(model: nn.Module, mesh) -> None:
+    """FSDP2 (ZeRO-3) over the ranks of the 1-D `mesh` (all ranks, or a pipeline stage's): each layer and
+    the rest (embedding, norm, head) one unit; gradients summed over the ranks, not averaged (the loss is
+    already divided by the batch's tokens)."""
     from torch.distributed.fsdp import FSDPModule
 
     from plait.runtime.zero import shard_unit
 
-    mesh = init_device_mesh("cpu", (world,))
     for layer in model.layers.values():
         shard_unit(layer, mesh, 3)
     shard_unit(model, mesh, 3)
     for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
-        if world > 1:  # gloo has no pre-multiplied sum (see plait.runtime.experts._zero)
+        if mesh.size() > 1:  # gloo has no pre-multiplied sum (see plait.runtime.experts._zero)
             unit.set_force_sum_reduction_for_comms(True)
         unit.set_gradient_divide_factor(1.0)
+
+
+def stage_model(spec: ModelSpec, seed: int, stages: Stages) -> nn.Module:
+    """This rank's stage of the model (`plait.planner.varlen.stage_layers`), initialised from `seed` as the
+    whole model is: its layers, the embedding on the first stage, the norm and head on the last."""
+    from plait.planner.varlen import stage_layers
+
+    model = build_model(spec)
+    model.init_weights(seed)
+    start, end = stage_layers(spec.layers, stages.count)[stages.index]
+    for name in list(model.layers.keys()):
+        if not start <= int(name) < end:
+            del model.layers[name]
+    if not stages.first:
+        model.tok_embeddings = model.pos_embeddings = None
+    if not stages.last:
+        model.norm = model.output = None
+    return model
 
 
 FILLER = torch.tensor([0, 0])
@@ -224,9 +290,9 @@ class Planner:
         self.rank = dist.get_rank()
         cluster, cal = local_cost(cfg.profile, world)
         precision = "bf16" if cfg.dtype == "bf16" else "fp32"
-        self.cost = SequenceCost(spec, cluster, cal, precision, self.mode, cfg.offload_above)
+        self.cost = SequenceCost(spec, cluster, cal, precision, self.mode, cfg.offload_above, cfg.varlen_stages)
         # Static: one degree for the whole run, the smallest that holds the longest document it can meet.
-        self.degree = (cfg.sp or smallest_degree(spec.max_seq_len, cfg.capacity, world)) \
+        self.degree = (cfg.sp or smallest_degree(spec.max_seq_len, cfg.capacity, world // cfg.varlen_stages)) \
             if cfg.varlen == "static" else None
         self.pool = ThreadPoolExecutor(1) if self.rank == 0 else None
         self.pending: dict[int, Future] = {}
@@ -288,10 +354,19 @@ def check_config(cfg, spec: ModelSpec, world: int) -> None:
         raise PlaitError(f"--cp-mode must be ulysses or ring, got {cfg.cp_mode!r}")
     if cfg.capacity <= 0:
         raise PlaitError(f"--capacity must be a positive number of tokens per rank, got {cfg.capacity}")
+    stages = cfg.varlen_stages
+    if stages < 1 or world % stages or stages > spec.layers:
+        raise PlaitError(f"--varlen-stages must divide the {world} ranks and leave every stage a layer of "
+                         f"{spec.layers}; got {stages}")
+    if stages > 1 and spec.tied_embeddings:
+        raise PlaitError(f"--varlen-stages cuts the model, and {spec.name} ties its head to the embedding; use "
+                         "--varlen-stages 1 or an untied model")
+    world //= stages  # what follows is about one stage's ranks
     if cfg.sp is not None and (cfg.varlen != "static" or cfg.sp <= 0 or cfg.sp & (cfg.sp - 1) or cfg.sp > world):
         raise PlaitError(f"--sp goes with --varlen static and is a power of two up to {world}; got {cfg.sp}")
     if spec.max_seq_len > cfg.capacity * world:
         raise PlaitError(f"documents are cut at the model's {spec.max_seq_len} positions, more than {world} ranks "
+                         f"{'of a stage ' if stages > 1 else ''}"
                          f"hold at --capacity {cfg.capacity}; raise it to "
                          f"{-(-spec.max_seq_len // world)} or use a model with fewer positions (seq=...)")
     ulysses = cfg.varlen != "bytescale" and cfg.cp_mode == "ulysses"
@@ -333,11 +408,17 @@ class DocumentSteps:
     def __init__(self, cfg, spec: ModelSpec, source: DocumentSource, world: int) -> None:
         self.cfg, self.spec, self.source, self.rank = cfg, spec, source, dist.get_rank()
         self.reserve = memory.current_bytes()  # before any model state
+        from torch.distributed.device_mesh import init_device_mesh
+
         self.sharded = cfg.varlen_states == "sharded"
-        self.model = build_model(spec)
-        self.model.init_weights(cfg.seed)
+        self.stages = Stages.of(cfg.varlen_stages, self.rank, world)
+        self.model = stage_model(spec, cfg.seed, self.stages)
+        mesh = init_device_mesh("cpu", (self.stages.count, self.stages.width), mesh_dim_names=("pp", "sp"))
+        # a stage's ranks (they sum its gradients) and this rank's peers on the other stages (the norm)
+        self.stage_group = mesh["sp"].get_group() if self.stages.count > 1 else None
+        self.pp_group = mesh["pp"].get_group() if self.stages.count > 1 else None
         if self.sharded:
-            shard_states(self.model, world)
+            shard_states(self.model, mesh["sp"])
         # ByteScale's selective offloading: passes holding a document of at least cfg.offload_above tokens
         # swap every layer's saved activations to host memory (exact values back in backward).
         self.swaps = swap.switchable(self.model) if cfg.offload_above > 0 else []
@@ -361,7 +442,7 @@ class DocumentSteps:
 
         cfg, rank = self.cfg, self.rank
         layout, waited = self.planner.layout(step, cfg.steps)  # this step's plan
-        self.groups.prepare(layout)
+        self.groups.prepare(layout, self.stages)
         docs = self.source.documents(step)
         total = sum(len(d) - 1 for d in docs)  # target tokens of the global batch
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -370,29 +451,33 @@ class DocumentSteps:
             self.model.swap_meter.reset()
         meter = memory.SavedActivations(self.params) if first else contextlib.nullcontext()
         t1 = time.perf_counter()
+        local = rank % self.stages.width  # this rank's place in its stage (the layout's ranks)
         with meter:
-            for mb in layout.micro_batches:
-                # A rank may serve several groups of a micro-batch one after another (ByteScale's spread
-                # sequences); every rank takes its works in the layout's order, so no two groups wait on
-                # each other. Sharded states are gathered by all ranks at once: each makes one pass per
-                # slot, a filler where it has no work.
-                for slot in slots(mb):
-                    mine = next((w for w in slot if rank in w.ranks), None)
-                    if mine is None and not self.sharded:
-                        continue
-                    loss_sum += self._pass(mine, docs, total)
+            # A rank may serve several groups of a micro-batch one after another (ByteScale's spread
+            # sequences); every rank takes its works in the layout's order, so no two groups wait on
+            # each other. Sharded states are gathered by all ranks of a stage at once, and pipeline stages
+            # hand every pass on: each rank makes one pass per slot, a filler where it has no work.
+            passes = [next((w for w in slot if local in w.ranks), None)
+                      for mb in layout.micro_batches for slot in slots(mb)]
+            if self.stages.count > 1:
+                loss_sum += self._pipelined(passes, docs, total)
+            else:
+                for mine in passes:
+                    if mine is not None or self.sharded:
+                        loss_sum += self._pass(mine, docs, total)
         t2 = time.perf_counter()
         if not self.sharded:
-            sum_gradients(self.params)
+            sum_gradients(self.params, self.stage_group)
         grads = memory.tensor_bytes(p.grad for p in self.params) if first else 0.0
-        grad_norm = clip_grads(self.params, cfg.clip, None)
+        grad_norm = clip_grads(self.params, cfg.clip, self.pp_group)
         step_optimizers([self.optimizer])
         dist.all_reduce(loss_sum)
         elapsed = time.perf_counter() - t0
         record = {"step": step, "loss": float(loss_sum / total), "step_time_s": elapsed,
                   "tokens_per_s": total / elapsed, "tokens": total, "lr": lr_at(step, cfg),
                   "grad_norm": grad_norm, "peak_memory_bytes": memory.peak_bytes(),
-                  "layout": layout.summary(), "planned_s": layout.planned_s, "solve_s": layout.solve_s,
+                  "layout": layout.summary(), "stages": self.stages.count, "planned_s": layout.planned_s,
+                  "solve_s": layout.solve_s,
                   "plan_wait_s": waited, "phases_s": {"plan_and_groups": t1 - t0, "forward_backward": t2 - t1,
                                                       "gradient_sync_and_step": elapsed - (t2 - t0)}}
         if (swapped := swap.step_metrics([self.model])) is not None:
@@ -406,27 +491,79 @@ class DocumentSteps:
             record["memory_terms"] = by_rank
         return record
 
-    def _pass(self, work: Work | None, docs: list[Tensor], total: int) -> Tensor:
-        """Forward and backward of this rank's share of `work` (a filler pass, counting zero, if None);
-        returns its summed token loss (float64)."""
+    def _prepare(self, work: Work | None, docs: list[Tensor]) -> tuple[Packed, tuple[int, ...],
+                                                                       dist.ProcessGroup | None]:
+        """The packed row of `work` (a filler's if None), the world ranks running it on this rank's stage and
+        their group; sets ByteScale's selective offloading for the pass."""
         from plait.planner.varlen import offloaded
 
-        mode = self.planner.mode
-        ranks = work.ranks if work is not None else (self.rank,)
+        ranks = self.stages.ranks(work.ranks) if work is not None else (self.rank,)
         rows = [docs[i] for i in work.documents] if work is not None else [FILLER]
-        packed = pack(rows, padding_multiple(len(ranks), mode))
-        group = self.groups[ranks] if len(ranks) > 1 else None
+        packed = pack(rows, padding_multiple(len(ranks), self.planner.mode))
         offload = work is not None and any(offloaded(len(docs[i]) - 1, self.cfg.offload_above)
                                            for i in work.documents)
         for layer_swap in self.swaps:
             layer_swap.share = 1.0 if offload else 0.0
+        return packed, ranks, self.groups[ranks] if len(ranks) > 1 else None
+
+    def _loss(self, logits: Tensor, targets: Tensor, work: Work | None) -> Tensor:
+        loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
+        return loss * 0.0 if work is None else loss
+
+    def _pass(self, work: Work | None, docs: list[Tensor], total: int) -> Tensor:
+        """Forward and backward of this rank's share of `work` (a filler pass, counting zero, if None);
+        returns its summed token loss (float64)."""
+        packed, ranks, group = self._prepare(work, docs)
         with self.autocast:
-            logits, targets = run_group(self.model, packed, ranks, mode, group)
-            loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
-        if work is None:
-            loss = loss * 0.0
+            logits, targets = run_group(self.model, packed, ranks, self.planner.mode, group)
+            loss = self._loss(logits, targets, work)
         (loss / total).backward()
         return loss.detach().double()
+
+    def _pipelined(self, passes: list[Work | None], docs: list[Tensor], total: int) -> Tensor:
+        """Every pass of the step (work or filler) through the pipeline stages in 1F1B order
+        (`plait.runtime.pipeline_uneven.order`, each pass a micro-batch): a stage runs a pass's forward on
+        its share of the pass's group and hands its hidden state [T_local, H] to the same place on the next
+        stage, which reads it instead of the tokens; the last stage adds the loss; backwards run from the
+        loss or from the gradient the next stage sends back, and send the input's gradient on. Returns the
+        summed loss of this rank's tokens (float64; zero off the last stage)."""
+        from plait.runtime.pipeline_uneven import order
+
+        stages, mode, width = self.stages, self.planner.mode, self.stages.width
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        saved: dict[int, tuple[Tensor | None, Tensor]] = {}  # pass -> (received input, output or loss)
+        pending: list[tuple[dist.Work, Tensor]] = []  # sends in flight, with their buffers
+        for what, k in order("1f1b", stages.count, stages.index, len(passes)):
+            if what == "F":
+                packed, ranks, group = self._prepare(passes[k], docs)
+                hidden = None
+                if not stages.first:
+                    size = local_tokens(packed, len(ranks), ranks.index(self.rank), mode)
+                    hidden = torch.empty(1, size, self.spec.hidden)
+                    dist.recv(hidden, src=self.rank - width)
+                    hidden.requires_grad_()
+                with self.autocast:
+                    out, targets = run_group(self.model, packed, ranks, mode, group, hidden)
+                    if stages.last:
+                        out = self._loss(out, targets, passes[k])
+                if stages.last:
+                    loss_sum += out.detach().double()
+                else:
+                    pending.append(_send(out.float()[None], self.rank + width))
+                saved[k] = (hidden, out)
+                continue
+            hidden, out = saved.pop(k)
+            if stages.last:
+                (out / total).backward()
+            else:
+                grad = torch.empty(out.shape, dtype=torch.float32)
+                dist.recv(grad, src=self.rank + width)
+                torch.autograd.backward(out, grad.to(out.dtype))
+            if hidden is not None:
+                pending.append(_send(hidden.grad, self.rank - width))
+        for handle, _ in pending:
+            handle.wait()
+        return loss_sum
 
     def after_step(self, step: int, record: dict) -> None:
         pass  # the layout changes every step inside train_step; there is no plan to switch between steps
@@ -438,12 +575,18 @@ class DocumentSteps:
         self.planner.close()
 
 
-def sum_gradients(params: list[nn.Parameter]) -> None:
-    """Sum every parameter's gradient over all ranks (one flat all-reduce; a rank that did not touch a
-    parameter adds zeros)."""
+def _send(tensor: Tensor, dst: int) -> tuple[dist.Work, Tensor]:
+    """A non-blocking send of a contiguous copy of `tensor` to `dst`, with the buffer it reads."""
+    buffer = tensor.detach().contiguous()
+    return dist.isend(buffer, dst=dst), buffer
+
+
+def sum_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
+    """Sum every parameter's gradient over the ranks of `group` (default: all; one flat all-reduce; a rank
+    that did not touch a parameter adds zeros)."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     start = 0
     for p, g in zip(params, grads):
         p.grad = flat[start: start + g.numel()].view_as(p).clone()
