@@ -144,6 +144,10 @@ def test_train_tasks_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert_bad_input(runner.invoke(app, ["train", "--tasks", str(wide), "--nproc", "4"]), "same hidden")
     assert_bad_input(runner.invoke(app, ["train", "--tasks", str(TINY), "--model", "gpt2"]), "drop --model")
     assert_bad_input(runner.invoke(app, ["train", "--nproc", "2"]), "--tasks")
+    assert_bad_input(runner.invoke(app, ["train", "--tasks", str(TINY), "--nproc", "4", "--checkpoint-every", "2"]),
+                     "give --checkpoint-dir")
+    assert_bad_input(runner.invoke(app, ["train", "--tasks", str(TINY), "--nproc", "4", "--resume-from",
+                                         str(tmp_path / "none")]), "not a directory")
 
 
 def test_train_tasks_cli_prints_losses_and_timeline(tmp_path: Path) -> None:
@@ -153,10 +157,11 @@ def test_train_tasks_cli_prints_losses_and_timeline(tmp_path: Path) -> None:
 
     metrics = tmp_path / "m.jsonl"
     cmd = [sys.executable, "-m", "plait.cli", "train", "--tasks", str(TINY), "--nproc", "2", "--steps", "1",
-           "--metrics-out", str(metrics)]
+           "--metrics-out", str(metrics), "--checkpoint-dir", str(tmp_path / "ckpt")]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loss per task" in proc.stdout and "measured timeline" in proc.stdout
     (record,) = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert set(record["losses"]) == {"caption", "chat"}
     assert len(record["timeline"]) == 8  # four ops, forward and backward
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-1"]  # saved after the last step
