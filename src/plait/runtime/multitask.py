@@ -274,10 +274,13 @@ class MultitaskStepper:
         """This rank's tensor/context-parallel copies of its units' layers, by unit index (every rank builds
         every such unit's mesh, in order)."""
         out = {}
+        meshes: dict[tuple, object] = {}
         for k, u in enumerate(self.graph.units):
             if u.tp * u.cp == 1:
                 continue
-            mesh = group_mesh(u.ranks, u.layout)
+            if (u.ranks, u.layout) not in meshes:
+                meshes[u.ranks, u.layout] = group_mesh(u.ranks, u.layout)
+            mesh = meshes[u.ranks, u.layout]
             if self.rank in u.ranks:
                 stack = self.model.stacks[stack_key(self.tasks, self.tasks.tasks[u.task], u.module)]
                 out[k] = GroupLayers(list(stack[u.lo:u.hi]), u.layout, mesh, u.cp_mode,
