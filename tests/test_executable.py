@@ -83,7 +83,8 @@ def test_refusals_name_their_cause() -> None:
     assert unsupported(two_widths, llama) is None  # in each of several pipelines too
     few = plan("tiny-llama", [Stage(layers=(0, 2), ranks=(0,), strategies=(S(),)),
                               Stage(layers=(2, 4), ranks=(1,), strategies=(S(),))], micro_batches=1)
-    assert "micro-batches" in unsupported(few, llama)
+    assert unsupported(few, llama) is None  # fewer micro-batches than stages: the runtime's own schedule
+    assert few.pipelines[0].own_schedule() and not ring.pipelines[0].own_schedule()
 
 
 def test_hsdp_and_a_chosen_reduce_precision_run_but_not_hsdp_in_moe_layers() -> None:
@@ -101,3 +102,13 @@ def test_hsdp_and_a_chosen_reduce_precision_run_but_not_hsdp_in_moe_layers() -> 
     assert unsupported(moe_fsdp, moe) is None
 
 
+
+
+def test_megatron_p2p_is_priced_not_run() -> None:
+    llama = PRESETS["tiny-llama"]
+    p = plan("tiny-llama", [Stage(layers=(0, 1), ranks=(0, 1), strategies=(S(dp=2),)),
+                            Stage(layers=(1, llama.layers), ranks=(2, 3), strategies=(S(dp=2),))])
+    assert unsupported(p, llama) is None
+    assert unsupported(p.model_copy(update={"p2p": "megatron"}), llama) == (
+        "p2p=megatron prices Megatron-LM's synchronous pipeline exchanges, which the runtime does not run (its "
+        "sends are asynchronous); set p2p to async")

@@ -270,6 +270,19 @@ def test_token_swap_with_full_recompute_swaps_the_checkpoint_inputs() -> None:
         assert m["host_peak_bytes"] == pytest.approx(share * counted["resident_peak_bytes"], rel=0.05)
 
 
+def test_token_swap_with_selective_recompute_swaps_the_kept_gemm_outputs() -> None:
+    """Selective recomputation keeps its GEMM outputs in checkpoint's cache: the swap cuts them there too, so
+    `share` of every byte the layer keeps moves (the cost model's `swapped` of a selective layer)."""
+    base, counted = _swapped_run(0.0, recompute="selective")
+    plain, whole = _swapped_run(0.0)
+    assert whole["resident_peak_bytes"] / 4 < counted["resident_peak_bytes"] < whole["resident_peak_bytes"]
+    for share in (0.5, 1.0):
+        grads, m = _swapped_run(share, recompute="selective")
+        assert max((grads[n] - plain[n]).abs().max().item() for n in plain) <= 1e-6
+        assert m["resident_peak_bytes"] / counted["resident_peak_bytes"] == pytest.approx(1 - share, abs=0.05)
+        assert m["host_peak_bytes"] == pytest.approx(share * counted["resident_peak_bytes"], rel=0.05)
+
+
 def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
     from plait.executable import unsupported
     from plait.plan import uniform_plan
@@ -284,13 +297,15 @@ def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
     assert isinstance(policy, CPUOffloadPolicy) and not policy.pin_memory
     assert _fsdp_policy("none", None) == {"reduce_dtype": None}
     model = load_model("tiny-llama")
-    for text in ("dp=2,zero=1,swap=0.5", "dp=2,recompute=full,swap=1", "tp=2,sp=1,swap=0.5", "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim",
+    for text in ("dp=2,zero=1,swap=0.5", "dp=2,recompute=full,swap=1", "tp=2,sp=1,swap=0.5", "cp=2,swap=0.5",
+                 "dp=2,recompute=selective,swap=1", "cp=2,cp_mode=ring,recompute=selective,swap=0.5",
+                 "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim",
                  "dp=2,zero=1,offload=params", "dp=2,pp=2,zero=1,offload=optim", "dp=2,tp=2,zero=1,offload=params"):
         world = 4 if "dp=4" in text or "pp=2" in text or "tp=2" in text else 2
         assert unsupported(uniform_plan(text, model, local_ranks(world), 64), model) is None, text
     for text, needle in (("dp=2,offload=optim", "offloads model states with FSDP2"),
                          ("dp=2,cp=2,zero=1,offload=params", "offloads model states with FSDP2"),
-                         ("cp=2,swap=0.5", "swap=0 there"), ("dp=2,zero=1,offload=nvme", "no NVMe path"), ("dp=2,recompute=selective,swap=1", "swap=0 there")):
+                         ("dp=2,zero=1,offload=nvme", "no NVMe path")):
         world = 4 if ("tp=2" in text or "pp=2" in text or "cp=2" in text) and "dp=2" in text else 2
         reason = unsupported(uniform_plan(text, model, local_ranks(world), 64), model)
         assert reason is not None and needle in reason and "\n" not in reason, (text, reason)
@@ -381,7 +396,8 @@ def test_swap_with_tensor_and_sequence_parallelism_keeps_the_losses(tmp_path: Pa
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(f"plait swaps local shards of tokens {i}." for i in range(200)))
     model = load_model("tiny-llama")
-    cases = {"one": "dp=1", "tp": "tp=2,swap=0.5", "sp": "tp=2,sp=1,swap=0.5"}
+    cases = {"one": "dp=1", "tp": "tp=2,swap=0.5", "sp": "tp=2,sp=1,swap=0.5",
+             "sp-selective": "tp=2,sp=1,recompute=selective,swap=0.5"}
     paths, outs = _train_configs(tmp_path, text, {
         key: uniform_plan(strategy, model, local_ranks(1 if key == "one" else 2), 64)
         for key, strategy in cases.items()}, 4)
@@ -390,12 +406,51 @@ def test_swap_with_tensor_and_sequence_parallelism_keeps_the_losses(tmp_path: Pa
     records = {k: [json.loads(line) for line in out.read_text().splitlines()] for k, out in outs.items()}
     base = [r["loss"] for r in records["one"]]
     assert len(base) == 4
-    for key in ("tp", "sp"):
+    for key in ("tp", "sp", "sp-selective"):
         assert [r["loss"] for r in records[key]] == pytest.approx(base, abs=1e-5), key
         for r in records[key]:  # DTensors cut as their local tensors, gathered sequences included
             m = r["swap"]
             assert m["resident_peak_bytes"] == pytest.approx(m["host_peak_bytes"], rel=0.05)
             assert m["swapped_bytes"] > 0
+
+
+def test_swap_with_selective_recompute_and_context_parallelism_keeps_the_losses(tmp_path: Path) -> None:
+    """Selective recomputation's kept GEMM outputs and ring attention's saved chunks (queries, keys, values,
+    output, log-sum-exp) swap like the rest: the losses of the unswapped plan, and of the saved bytes the
+    device keeps `1 - swap` (all of them on the host at swap=1)."""
+    import json
+
+    from plait.plan import uniform_plan
+    from plait.spec.cluster import local_ranks
+    from plait.spec.model import load_model
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"plait swaps what selective recompute keeps {i}." for i in range(200)))
+    model = load_model("tiny-llama")
+    cases = {(kind, share): f"{extra},gbs=4" + (f",swap={share:g}" if share else "")
+             for kind, extra in (("selective", "dp=2,zero=1,recompute=selective"),
+                                 ("ring", "cp=2,cp_mode=ring"),
+                                 ("ring-selective", "cp=2,cp_mode=ring,recompute=selective"),
+                                 ("ulysses", "cp=2"))
+             for share in ((0.0, 0.5, 1.0) if kind != "ulysses" else (0.0, 0.5))}
+    paths, outs = _train_configs(tmp_path, text, {f"{k}-{a:g}": uniform_plan(v, model, local_ranks(2), 64)
+                                                  for (k, a), v in cases.items()}, 3)
+    run_workers(paths)
+    records = {key: [json.loads(line) for line in outs[f"{key[0]}-{key[1]:g}"].read_text().splitlines()]
+               for key in cases}
+    for (kind, share), rec in records.items():
+        base = records[kind, 0.0]
+        assert len(rec) == 3
+        assert [r["loss"] for r in rec] == pytest.approx([r["loss"] for r in base], abs=1e-6), (kind, share)
+        if share == 0.0:
+            assert all("swap" not in r for r in rec)
+            continue
+        for step, r in enumerate(rec):
+            m = r["swap"]
+            saved = m["resident_peak_bytes"] + m["host_peak_bytes"]
+            assert m["resident_peak_bytes"] / saved == pytest.approx(1 - share, abs=0.05), (kind, share)
+            if (kind, 1.0) in records:  # every saved byte of the layer (all on the host at swap=1)
+                assert saved == pytest.approx(records[kind, 1.0][step]["swap"]["host_peak_bytes"], rel=0.05)
 
 
 def memo_gpt():  # noqa: ANN201

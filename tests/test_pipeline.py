@@ -381,3 +381,20 @@ def test_interleaved_equal_stages_without_sends_closed_form(p: int, v: int, roun
     r = simulate_pipeline([StageTimes(f, b)] * (p * v), m, "interleaved", chunks=v)
     assert close(r.makespan_s, (m * v + p - 1) * (f + b))
     assert all(close(r.last_backward_end_s[d], r.makespan_s - d * b) for d in range(p))
+
+
+def test_synchronous_sends_hold_their_devices() -> None:
+    """Megatron-LM's exchanges: every forward and backward also holds its device for `hold` x its send.
+    16 devices x 2 chunks, 16 micro-batches, f = 1, b = 2, s = 0.1: 147.2 s with free sends ((m v + p - 1)(f + b)
+    = 141 s and the sends of the fill and drain), 154.9 s at hold 1, 172.2 s at hold 3."""
+    stages = [StageTimes(1.0, 2.0, 0.1)] * 32
+    spans = [simulate_pipeline(stages, 16, "interleaved", 2, hold=h).makespan_s for h in (0.0, 1.0, 3.0)]
+    assert spans == pytest.approx([147.2, 154.9, 172.2])
+    assert simulate_pipeline(stages, 16, "interleaved", 2, hold=3.0).busy_s == (96.0,) * 16  # compute only
+    # Plain 1F1B takes the event path when holding: no send, no change; sends held cost more than free ones.
+    free = [StageTimes(1.0, 2.0)] * 4
+    assert simulate_pipeline(free, 8, "1f1b", hold=3.0).makespan_s == simulate_pipeline(free, 8, "1f1b").makespan_s
+    sent = [StageTimes(1.0, 2.0, 0.1)] * 4
+    assert simulate_pipeline(sent, 8, "1f1b", hold=1.0).makespan_s > simulate_pipeline(sent, 8, "1f1b").makespan_s
+    with pytest.raises(ValueError, match="hold"):
+        simulate_pipeline(sent, 8, "1f1b", hold=-1.0)

@@ -24,6 +24,7 @@ from plait.plan import (
     Strategy,
     load_plan,
     parse_strategy,
+    recut_chunks,
     split_layers,
     uniform_plan,
     validate_plan,
@@ -111,6 +112,27 @@ def test_uneven_layer_split_puts_fewer_layers_first() -> None:
     assert split_layers(10, 4) == [2, 2, 3, 3]
     assert split_layers(96, 16) == [6] * 16
     assert split_layers(5, 5) == [1] * 5
+
+
+def test_the_shorthand_prices_megatron_pipeline_exchanges_on_request() -> None:
+    m = parse_inline("gpt:layers=8,hidden=64,heads=4,vocab=100")
+    assert uniform_plan("pp=2,dp=4", m, C8, 128).p2p == "async"
+    assert uniform_plan("pp=2,dp=4,p2p=megatron", m, C8, 128).p2p == "megatron"
+    expect_error(lambda: uniform_plan("pp=2,dp=4,p2p=sync", m, C8, 128), "p2p")
+
+
+def test_recut_chunks_moves_layers_between_the_chunks_of_an_interleaved_plan() -> None:
+    """Llama 3's balance in small: 10 layers on pp=2, vpp=2, one layer fewer in the first and the last chunk."""
+    m = parse_inline("gpt:layers=10,hidden=64,heads=4,vocab=100")
+    p = uniform_plan("pp=2,vpp=2,dp=4", m, C8, 128)
+    assert [s.num_layers for s in p.pipelines[0].stages] == [2, 2, 3, 3]
+    q = recut_chunks(p, [2, 3, 3, 2], m, C8)
+    assert [s.layers for s in q.pipelines[0].stages] == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    assert [s.ranks for s in q.pipelines[0].stages] == [s.ranks for s in p.pipelines[0].stages]
+    assert q.chunks == 2 and q.pipelines[0].micro_batches == p.pipelines[0].micro_batches
+    expect_error(lambda: recut_chunks(p, [2, 3, 3, 3], m, C8), "chunk_layers [2, 3, 3, 3]", "summing to the 10")
+    expect_error(lambda: recut_chunks(p, [5, 5], m, C8), "must give 4 counts")
+    expect_error(lambda: recut_chunks(p, [0, 4, 3, 3], m, C8), "each >= 1")
 
 
 @given(layers=st.integers(1, 200), parts=st.integers(1, 50))

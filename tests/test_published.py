@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from plait.published import load_runs, relative_errors
+from plait.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 # The copy in the checkout, so that the result never depends on what sits beside it.
@@ -37,7 +38,8 @@ def test_reference_runs_within_10_percent(run) -> None:
 
 
 def test_collected_megatron_runs_generalise() -> None:
-    """Runs of Megatron-LM whose layout is fully published: median error <= 6% (5.4% today), none beyond 12%."""
+    """Runs of Megatron-LM whose layout is fully published: median error 4.3%, max 8.5% (before Megatron-LM's
+    synchronous pipeline exchanges were priced: 5.4%, 10.6%)."""
     runs, _ = load_runs(COLLECTED)
     errors = []
     for run in runs:
@@ -46,8 +48,8 @@ def test_collected_megatron_runs_generalise() -> None:
         report = run.report()
         errors.extend(abs(e) for _, _, e in relative_errors(run, report).values())
     assert len(errors) >= 10
-    assert statistics.median(errors) <= 0.06
-    assert max(errors) <= 0.12
+    assert statistics.median(errors) <= 0.045
+    assert max(errors) <= 0.09
 
 
 def test_all_collected_megatron_runs_mostly_within_10_percent() -> None:
@@ -60,15 +62,17 @@ def test_all_collected_megatron_runs_mostly_within_10_percent() -> None:
 
 
 def test_every_collected_megatron_figure_keeps_its_accuracy() -> None:
-    """All 84 Megatron-LM figures, layout fully published or not: median 4.2%, max 16.5% (MegaScale's 530B
-    selective-recompute rows, +14-17%, unchanged by the FSDP and Hopper terms; the Llama 3 405B row on 16K
-    H100 moved from -7.6% to -12.8% with Hopper's lower GEMM efficiency)."""
+    """All 84 Megatron-LM figures, layout fully published or not: median 3.5%, max 10.4% (MegaScale's 530B bars
+    on 11,200 A100); before: 4.2%, 16.5%. Two changes: Megatron-LM's synchronous pipeline exchanges are priced
+    (MegaScale's 530B rows from +14.4..+16.5% to +8.4..+10.4%), and the Llama 3 405B rows hold one layer fewer on
+    their first and last pipeline stage, as published (16K H100 from -12.8% to -7.5% MFU, 8K from -0.6% to
+    +6.0%)."""
     runs, _ = load_runs(COLLECTED)
     errors = [abs(e) for run in runs if run.group == "megatron"
               for _, _, e in relative_errors(run, run.report()).values()]
     assert len(errors) == 84
-    assert statistics.median(errors) <= 0.045
-    assert max(errors) <= 0.17
+    assert statistics.median(errors) <= 0.036
+    assert max(errors) <= 0.105
 
 
 def _fsdp_predictions() -> list[tuple[object, float, float]]:
@@ -249,6 +253,61 @@ def test_fms_fsdp_rows_hsdp_and_slow_networks() -> None:
     errors = [abs(pred / pub - 1) for _, pub, pred in fms]
     assert statistics.median(errors) <= 0.04
     assert max(errors) <= 0.17
+
+
+def test_llama3_rows_hold_one_layer_fewer_on_the_first_and_last_stage() -> None:
+    """Dubey et al. 2024, Sec. 3.3.2: "we reduce one Transformer layer each from the first and the last stages".
+    126 layers on 16 PP ranks with the assumed vpp 2: 7 layers on ranks 0 and 15, 8 on the others, so the last
+    rank's output layer no longer sits on top of 8 layers. MFU error: 8K GPUs +6.0% (was -0.6%), 16K -7.5% (was
+    -12.8%), 16K at 128K context +4.6% (was +1.0%)."""
+    runs, _ = load_runs(COLLECTED)
+    llama = [run for run in runs if run.source.startswith("Dubey")]
+    assert len(llama) == 3
+    errors = {}
+    for run in llama:
+        stages = run.plan.pipelines[0].stages
+        per_rank = [sum(s.num_layers for s in stages[d::16]) for d in range(16)]
+        assert per_rank == [7] + [8] * 14 + [7]
+        assert (stages[0].layers, stages[-1].layers) == ((0, 3), (123, 126))
+        errors[(run.cluster.world_size, run.plan.seq_len)] = relative_errors(
+            run, run.report())["mfu"][2]
+    assert errors[(8192, 8192)] == pytest.approx(0.060, abs=0.002)
+    assert errors[(16384, 8192)] == pytest.approx(-0.075, abs=0.002)
+    assert errors[(16384, 131072)] == pytest.approx(0.046, abs=0.002)
+
+
+def test_megatron_p2p_costs_what_megascale_measured_for_overlapping_it() -> None:
+    """MegaScale's ablation (Jiang et al. 2024, Table 3): overlapping the pipeline sends and receives took the
+    175B model on 256 A100 (batch 256) from 55.5% to 58.0% MFU, i.e. the synchronous exchanges cost 4.3% of the
+    step. The same layout priced with them and without: 4.1% (MEGATRON_P2P_HOLD = 3.0; 1.4% at 1.0)."""
+    runs, _ = load_runs(COLLECTED)
+    (run,) = [r for r in runs if "network optimizations" in r.source]
+    assert run.plan.p2p == "megatron" and run.plan.global_batch == 256
+    sync = run.report()
+    free = simulate(run.plan.model_copy(update={"p2p": "async"}), run.model, run.cluster, run.cal)
+    assert 1 - sync.mfu / free.mfu == pytest.approx(0.0413, abs=0.001)
+
+
+def test_megascale_530b_rows_within_the_megatron_bar() -> None:
+    """Figure 9's Megatron-LM bars (49.2/48.8/48.2% MFU): +8.4/+9.2/+10.4% (were +14.4/+15.2/+16.5%), and
+    Korthikanti et al.'s measurement of the same per-pipeline work (280 GPUs, 56% MFU) stays within 1%."""
+    runs, _ = load_runs(COLLECTED)
+    bars = sorted((r.cluster.world_size, relative_errors(r, r.report())["mfu"][2])
+                  for r in runs if "Figure 9" in r.source)
+    assert [g for g, _ in bars] == [2240, 4480, 11200]
+    assert [round(e, 3) for _, e in bars] == [0.084, 0.092, 0.104]
+    (selective,) = [r for r in runs if "530B, selective" in r.source]
+    assert abs(relative_errors(selective, selective.report())["mfu"][2]) <= 0.011
+
+
+def test_a_row_whose_chunk_layers_do_not_add_up_is_skipped_with_its_reason(tmp_path: Path) -> None:
+    rows = json.loads(COLLECTED.read_text())
+    row = next(r for r in rows["runs"] if r["source"].startswith("Dubey"))
+    row["layout"]["chunk_layers"] = [4] * 32
+    (tmp_path / "runs.json").write_text(json.dumps({"runs": [row]}))
+    runs, skipped = load_runs(tmp_path / "runs.json")
+    assert runs == []
+    assert len(skipped) == 1 and "summing to the 126 layers" in skipped[0][1]
 
 
 def _throughput(run, key: str, value: float) -> float:

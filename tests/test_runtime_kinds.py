@@ -149,12 +149,15 @@ def test_carried_elements_are_what_the_runtime_carries(model) -> None:
 
 
 def test_what_the_runtime_refuses_names_the_cause() -> None:
-    """sliding windows are not built (MoE layers are: tests/test_runtime_moe.py); the tower and projector split
-    no tokens; ring attention is causal only; an image must leave text in the sequence."""
+    """sliding windows and MoE layers are built (tests/test_runtime_windows.py, tests/test_runtime_moe.py);
+    the tower and projector split no tokens; ring attention is causal only; an image must leave text in the
+    sequence."""
     assert unbuildable(PRESETS["tiny-t5"]) is None and unbuildable(PRESETS["tiny-llava"]) is None
     assert unbuildable(parse_inline("t5:encoder_layers=1,decoder_layers=1,hidden=64,heads=4,vocab=512")) is None
     assert unbuildable(parse_inline("gpt:layers=2,hidden=64,heads=4,vocab=512,vision=tiny-vit")) is None
-    assert "attention windows" in unbuildable(PRESETS["mistral-7b"])
+    assert unbuildable(PRESETS["mistral-7b"]) is None and unbuildable(PRESETS["gemma2-9b"]) is None
+    local_gpt = parse_inline("gpt:layers=4,hidden=64,heads=4,vocab=512,window=8,global_every=2")
+    assert unbuildable(local_gpt) is None
     llava, t5 = PRESETS["tiny-llava"], PRESETS["tiny-t5"]
     assert "splits no tokens" in strategy_problem(S(tp=2, sp=True), llava.stack[3], 2, 2, SEQ)
     assert "splits no tokens" in strategy_problem(S(cp=2), llava.stack[3], 2, 2, SEQ)

@@ -198,3 +198,16 @@ def test_busy_keys_are_every_term_a_stage_spends_computing_or_communicating() ->
     stage = _stage_cost(plan, 0, 0, m, c, calibration_for(c.gpu.name))
     assert tuple(stage.parts) == BUSY_KEYS
     assert set(BREAKDOWN_KEYS) - set(BUSY_KEYS) == {"pp_bubble", "p2p", "dp_comm_exposed", "optimizer"}
+
+
+def test_megatron_p2p_scatters_replicated_activations_over_the_tensor_parallel_ranks() -> None:
+    """Without sequence parallelism every tp rank holds the whole activation: Megatron-LM sends 1/tp of it from
+    each rank and all-gathers on arrival (SC21, Sec. 4.1); plait's runtime sends the whole of it from each."""
+    plan = uniform_plan("tp=8,pp=4,dp=1,mbs=1,gbs=16", GPT13, C32, 2048)
+    cal = calibration_for("A100-80GB")
+    whole = _stage_cost(plan, 0, 0, GPT13, C32, cal).send
+    split = _stage_cost(plan.model_copy(update={"p2p": "megatron"}), 0, 0, GPT13, C32, cal).send
+    assert split < whole / 4
+    sp = uniform_plan("tp=8,pp=4,dp=1,mbs=1,gbs=16,sp=1", GPT13, C32, 2048)  # already split: nothing changes
+    assert _stage_cost(sp.model_copy(update={"p2p": "megatron"}), 0, 0, GPT13, C32, cal).send == \
+        _stage_cost(sp, 0, 0, GPT13, C32, cal).send

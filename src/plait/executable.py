@@ -11,6 +11,9 @@ from plait.spec.model import ModelSpec
 
 def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     """Why `plan` cannot run on this version's runtime (one line), or None if it can."""
+    if plan.p2p == "megatron":
+        return ("p2p=megatron prices Megatron-LM's synchronous pipeline exchanges, which the runtime does not run "
+                "(its sends are asynchronous); set p2p to async")
     if (reason := unbuildable(model)) is not None or (reason := _kind_problem(plan, model)) is not None or \
             (reason := _expert_problem(plan, model)) is not None:
         return reason
@@ -19,13 +22,7 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
-    for pi, pipe in enumerate(plan.pipelines):
-        stages = pipe.stages
-        which = f"pipeline {pi} " if len(plan.pipelines) > 1 else "the pipeline "
-        pp = len(stages) // plan.chunks
-        if pp > 1 and pipe.micro_batches < pp and pipe.even_widths:  # the runtime's own schedule runs fewer
-            return (f"{which}has {pp} stages but only {pipe.micro_batches} micro-batches; "
-                    "torch.distributed.pipelining needs at least one per stage: lower mbs or raise gbs")
+    for pi, pipe in enumerate(plan.pipelines):  # fewer micro-batches than stages: the runtime's own schedule
         if not pipe.even_widths and (reason := _uneven_problem(plan, model, pi)) is not None:
             return reason
     return None
@@ -87,9 +84,10 @@ def _unsupported_sharding(plan: Plan, model: ModelSpec) -> str | None:
 
 
 def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
-    """Token-wise swapping runs on layers without recomputation or with full recomputation (checkpoint saves
-    the block's input under the swap's hooks; selective recomputation keeps its GEMM outputs outside them),
-    with tensor and sequence parallelism (DTensors cut as their local tensors), not with context parallelism. Offload runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
+    """Token-wise swapping runs with every recomputation (checkpoint saves the block's input under the swap's
+    hooks; selective recomputation's kept GEMM outputs are cut in its cache), with tensor and sequence
+    parallelism (DTensors cut as their local tensors) and context parallelism (each rank's chunk). Offload
+    runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
     optimizer states in host memory and steps on the CPU: exactly offload=params; offload=optim, whose cost
     keeps the 16-bit shard on the device, runs the same way (the same numerics, fewer device bytes). It
     needs ZeRO over more than one data-parallel rank in every stage, no context parallelism, every layer
@@ -105,9 +103,6 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
         if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.cp > 1 or len(offloads) > 1):
             return (f"{s.short()}: the runtime offloads model states with FSDP2 (zero >= 1 over dp > 1 in "
                     "every stage, no context parallelism, every layer alike); use offload=none")
-        if s.swap and (s.recompute == "selective" or s.cp > 1):
-            return (f"{s.short()}: the runtime swaps activations of layers without selective recompute or context "
-                    "parallelism; use swap=0 there")
     return None
 
 
@@ -150,19 +145,16 @@ BUILT_STACKS: dict[str, tuple[str, str]] = {
 
 def unbuildable(model: ModelSpec) -> str | None:
     """Why the runtime cannot build `model` (one line), or None if it can: GPT and Llama stacks of identical
-    decoder layers, T5-style encoder layers then cross-decoder layers, and LLaVA-style patch embedding,
-    vision layers and projector then decoder layers; Llama stacks of decoder and MoE layers; layers with
-    global attention."""
+    decoder layers (but for their attention windows), T5-style encoder layers then cross-decoder layers, and
+    LLaVA-style patch embedding, vision layers and projector then decoder layers; Llama stacks of decoder
+    and MoE layers; global or sliding-window attention on any layer."""
     kinds = ", ".join(f"{n} {k}" for k, n in model.kind_counts().items())
     if model.family not in BUILT_STACKS:
         return (f"model {model.name!r} has family {model.family!r}; the runtime builds "
                 f"{', '.join(BUILT_STACKS)} models")
-    if model.window or any(b.window for b in model.stack):
-        return (f"model {model.name!r} has attention windows ({kinds}); the runtime builds layers with global "
-                "attention")
     if "moe" in model.kind_counts() and model.family != "llama":
         return f"model {model.name!r} has MoE layers ({kinds}); the runtime builds MoE layers in llama models"
-    if model.family == "gpt" and not model.uniform:
+    if model.family == "gpt" and any(b.with_(window=0) != model.block.with_(window=0) for b in model.stack):
         return (f"model {model.name!r} mixes layer kinds ({kinds}); the runtime builds {model.family} stacks of "
                 "identical decoder layers")
     pattern, text = BUILT_STACKS[model.family]

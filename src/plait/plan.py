@@ -38,9 +38,11 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["bf16", "fp16", "fp32"]
 GradReduce = Literal["auto", "fp32", "bf16"]
 MoeComm = Literal["alltoall", "lsh"]
+P2p = Literal["async", "megatron"]
 Offload = Literal["none", "optim", "params", "nvme"]
-PLAN_VERSION = 5
-"""Version of the plan file. 5: strategies carry the share of saved activations swapped to host `swap`, the
+PLAN_VERSION = 6
+"""Version of the plan file. 6: the plan's `p2p`, how stages exchange activations (absent in older files:
+"async", plait's runtime). 5: strategies carry the share of saved activations swapped to host `swap`, the
 `offload` of optimizer states to the host CPU and the MoE token exchange `moe_comm` (absent in older files: 0,
 "none" and "alltoall", every routed token travels; "lsh": LSH-MoE centroids). 4: strategies carry ZeRO's
 shard group `shard` (HSDP; absent in older files: 0, all data-parallel ranks) and the plan the gradient
@@ -193,6 +195,13 @@ class Pipeline(BaseModel):
         """Whether every stage has the same number of ranks (then stages hand over rank by rank)."""
         return len({len(stage.ranks) for stage in self.stages}) == 1
 
+    def own_schedule(self, chunks: int = 1) -> bool:
+        """Whether the runtime runs this pipeline (`chunks` model chunks per rank) with its own GPipe / 1F1B
+        schedule (`plait.runtime.pipeline_uneven`) instead of torch.distributed.pipelining's: stages of
+        different widths, or fewer micro-batches than stages (torch's schedules need one per stage)."""
+        pp = len(self.stages) // chunks
+        return pp > 1 and (not self.even_widths or self.micro_batches < pp)
+
     def per_replica(self, s: Strategy) -> int:
         """Sequences per micro-batch on one data-parallel replica of a layer of strategy `s` (the `mbs` of
         the --strategy shorthand)."""
@@ -219,7 +228,7 @@ class Plan(BaseModel):
             raw = {**raw, "pipelines": [
                 {("micro_batch_sequences" if k == "micro_batch_size" else k): v for k, v in p.items()}
                 if isinstance(p, dict) else p for p in raw.get("pipelines", [])]}
-        return {**raw, "version": PLAN_VERSION}  # versions 2 -> 3 -> 4 add fields with defaults
+        return {**raw, "version": PLAN_VERSION}  # versions 2 -> ... -> 6 add fields with defaults
 
     version: int = PLAN_VERSION
     model: str = Field(description="name of the model the plan was made for")
@@ -235,6 +244,10 @@ class Plan(BaseModel):
                                            "1 with balanced routing, the capacity factor with padded experts")
     grad_reduce: GradReduce = Field("auto", description="precision gradients are reduced in: auto (the "
                                     "precision's gradient bytes: fp32 under bf16), fp32 or bf16 (FSDP's reduce_dtype)")
+    p2p: P2p = Field("async", description="how pipeline stages exchange activations: async (plait's runtime, "
+                     "torch.distributed.pipelining: sends overlap compute) or megatron (Megatron-LM without "
+                     "overlap_p2p_comm, for pricing its runs: synchronous exchanges, and a tensor-parallel stage "
+                     "without sequence parallelism sends 1/tp of its activation per rank, all-gathered on arrival)")
     pipelines: tuple[Pipeline, ...] = Field(min_length=1)
 
     @cached_property
@@ -436,7 +449,7 @@ def _validate_strategy(s: Strategy, block: Block, devices: int, mbs: int, plan: 
 # ---- the --strategy shorthand ----------------------------------------------------------------------
 
 _STRATEGY_KEYS = ("tp", "pp", "dp", "cp", "mbs", "gbs", "recompute", "sp", "zero", "vpp", "schedule",
-                  "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce",
+                  "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce", "p2p",
                   "moe_comm", "swap", "offload")
 
 
@@ -482,6 +495,28 @@ def split_layers(layers: int, parts: int) -> list[int]:
     return [base + (1 if i >= parts - extra else 0) for i in range(parts)]
 
 
+def recut_chunks(plan: Plan, chunk_layers: list[int], model: ModelSpec, cluster: Cluster) -> Plan:
+    """`plan` with its one pipeline's chunks re-cut to hold `chunk_layers[j]` layers each, in model order
+    (chunk j keeps its ranks and strategies: the device group of chunk j % pp). Expresses uneven splits such
+    as Llama 3's pipeline, which holds one layer fewer on the first and last stage (Dubey et al. 2024,
+    Sec. 3.3.2)."""
+    if len(plan.pipelines) != 1:
+        raise PlaitError(f"chunk_layers: the plan has {len(plan.pipelines)} pipelines; re-cut plans of one")
+    pipe = plan.pipelines[0]
+    if len(chunk_layers) != len(pipe.stages) or min(chunk_layers) < 1 or sum(chunk_layers) != model.layers:
+        raise PlaitError(f"chunk_layers {chunk_layers} must give {len(pipe.stages)} counts (pp*vpp), each >= 1, "
+                         f"summing to the {model.layers} layers of {model.name}; fix the counts")
+    if any(len(stage.strategies) != 1 for stage in pipe.stages):
+        raise PlaitError("chunk_layers: re-cut only plans with one strategy per stage (a uniform plan)")
+    stages, start = [], 0
+    for stage, n in zip(pipe.stages, chunk_layers, strict=True):
+        stages.append(Stage(layers=(start, start + n), ranks=stage.ranks, strategies=stage.strategies))
+        start += n
+    recut = plan.model_copy(update={"pipelines": (pipe.model_copy(update={"stages": tuple(stages)}),)})
+    validate_plan(recut, model, cluster)
+    return recut
+
+
 def _number(d: dict[str, str], key: str, default: str, ok: Callable[[float], bool], what: str) -> float:
     """The shorthand's number `key` (`default` when absent), refused unless `ok` (it must be `what`)."""
     raw = d.get(key, default)
@@ -521,8 +556,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
     of the routed tokens), expert_load (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), swap
     (share of saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
-    precision, grad_reduce (auto|fp32|bf16), overlap. dp defaults to the devices left by tp*pp*cp; gbs to
-    4*pp micro-batches.
+    precision, grad_reduce (auto|fp32|bf16), p2p (async|megatron), overlap. dp defaults to the devices left by
+    tp*pp*cp; gbs to 4*pp micro-batches.
     """
     d = parse_strategy(text)
     tp, pp, cp = _int(d, "tp", 1), _int(d, "pp", 1), _int(d, "cp", 1)
@@ -545,6 +580,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     precision = _choice(d, "precision", ("bf16", "fp16", "fp32"))
     cp_mode = _choice(d, "cp_mode", ("ulysses", "ring"))
     grad_reduce = _choice(d, "grad_reduce", ("auto", "fp32", "bf16"))
+    p2p = _choice(d, "p2p", ("async", "megatron"))
     moe_comm = _choice(d, "moe_comm", ("alltoall", "lsh"))
     offload = _choice(d, "offload", ("none", "optim", "params", "nvme"))
     zero = _int(d, "zero", 0)
@@ -568,6 +604,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
                 precision=precision, overlap_grad_reduce=_bool(d, "overlap", True),  # type: ignore[arg-type]
                 expert_load=_expert_load(d),
                 grad_reduce=grad_reduce,  # type: ignore[arg-type]
+                p2p=p2p,  # type: ignore[arg-type]
                 pipelines=(Pipeline(stages=tuple(stages), micro_batches=gbs // (mbs * dp),
                                     micro_batch_sequences=mbs * dp),))
     validate_plan(plan, model, cluster)

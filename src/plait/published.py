@@ -9,6 +9,10 @@ model gives a `"preset"` (the MoE rows) is that preset of `plait.spec.model` at 
 its layout may give the expert degrees `ep` and `etp` and the plan's `expert_load`. Offload and long-context rows
 (group "offload") may give `swap` (share of saved activations swapped to host memory) and `offload` ("optim") in
 their layout, and `host_memory_gb` (the node's host memory in GB, when the run used fewer GPUs than the node has).
+A layout's `chunk_layers` (pp*vpp layer counts in model order) replaces the even split of layers over the
+pipeline's chunks, for runs that published an uneven one (Llama 3 405B: one layer fewer on the first and last
+stage). Megatron-LM rows are priced with Megatron-LM's synchronous pipeline exchanges (`Plan.p2p` "megatron")
+unless their layout gives `p2p` "async" (Llama 3's "asynchronous point-to-point communication in PP").
 A ZeRO-3 row's layout may name its FSDP runtime, `fsdp_runtime` "torch" (PyTorch FSDP, the default) or "megatron"
 (Megatron-FSDP, priced with `plait.cost.calibration.megatron_fsdp`).
 """
@@ -21,7 +25,7 @@ from pathlib import Path
 
 from plait.cost.calibration import Calibration, calibration_for, megatron_fsdp
 from plait.errors import PlaitError
-from plait.plan import Plan, uniform_plan
+from plait.plan import Plan, recut_chunks, uniform_plan
 from plait.simulate import Report, simulate
 from plait.spec.cluster import GB, Cluster, Link, dgx
 from plait.spec.model import PRESETS, ModelSpec
@@ -97,6 +101,9 @@ def load_runs(path: str | Path) -> tuple[list[PublishedRun], list[tuple[str, str
         strategy = _strategy(row["layout"])
         try:
             plan = uniform_plan(strategy, model, cluster, row["model"]["seq_len"])
+            if "chunk_layers" in row["layout"]:
+                plan = recut_chunks(plan, row["layout"]["chunk_layers"], model, cluster)
+            plan = plan.model_copy(update={"p2p": _p2p(row)})
         except PlaitError as exc:
             skipped.append((row["source"], str(exc)))
             continue
@@ -122,6 +129,16 @@ def _cluster(row: dict, nodes: int, per_node: int) -> Cluster:
     if "host_memory_gb" in row:  # e.g. one GPU of a DGX-2 with the whole node's 1.5 TB
         cluster = replace(cluster, host=replace(cluster.host_side, memory_bytes=row["host_memory_gb"] * GB))
     return cluster
+
+
+def _p2p(row: dict) -> str:
+    """How the row's pipeline stages exchanged activations (Plan.p2p): its layout's "p2p", else Megatron-LM's
+    synchronous exchanges for Megatron-LM rows (overlap_p2p_comm off, the default of the versions these rows ran),
+    else asynchronous."""
+    p2p = row["layout"].get("p2p") or ("megatron" if _group(row) == "megatron" else "async")
+    if p2p not in ("async", "megatron"):
+        raise PlaitError(f"layout p2p {p2p!r} must be 'async' or 'megatron'; fix the row")
+    return p2p
 
 
 def _group(row: dict) -> str:

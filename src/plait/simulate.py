@@ -15,7 +15,13 @@ from plait.cost.calibration import Calibration, calibration_for
 from plait.cost.comm import GroupShape
 from plait.cost.layer import BlockContext
 from plait.cost.memory import GRAD_BUCKET_BYTES, MemoryTerms, with_reserve
-from plait.cost.pipeline import PipelineResult, StageTimes, peak_weighted_in_flight, simulate_pipeline
+from plait.cost.pipeline import (
+    MEGATRON_P2P_HOLD,
+    PipelineResult,
+    StageTimes,
+    peak_weighted_in_flight,
+    simulate_pipeline,
+)
 from plait.cost.precision import PRECISIONS, PrecisionBytes, plan_precision
 from plait.cost.price import (
     Held,
@@ -282,7 +288,8 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         ctx = context(last_s, stage.layers[1] - 1)
         cross = comm.nodes_of(stage.ranks, cluster.gpus_per_node) != comm.nodes_of(nxt.ranks, cluster.gpus_per_node)
         receiver = nxt.strategy(nxt.layers[0])
-        send = send_time(stage.layers[1], last_s, pipe.micro_batch_sequences, ctx, cross, receiver)
+        split = last_s.tp if plan.p2p == "megatron" and not last_s.sp and receiver.devices == last_s.devices else 1
+        send = send_time(stage.layers[1], last_s, pipe.micro_batch_sequences, ctx, cross, receiver, split)
         buffers += 2 * send_piece_bytes(stage.layers[1], last_s, pipe.micro_batch_sequences, ctx, receiver)
     speed = _slowest(stage.ranks, cluster)
     if speed != 1.0:
@@ -298,7 +305,8 @@ def _simulate_pipelines(plan: Plan, all_costs: list[list[StageCost]], record: bo
     staged = []
     for pi, (pipe, costs) in enumerate(zip(plan.pipelines, all_costs, strict=True)):
         times = [StageTimes(c.forward, c.backward, c.send) for c in costs]
-        res = simulate_pipeline(times, pipe.micro_batches, plan.schedule, plan.chunks, record=record)
+        hold = MEGATRON_P2P_HOLD if plan.p2p == "megatron" else 0.0
+        res = simulate_pipeline(times, pipe.micro_batches, plan.schedule, plan.chunks, record=record, hold=hold)
         no_send = None
         if detail and len(costs) > 1 and any(c.send for c in costs):
             no_send = simulate_pipeline([StageTimes(c.forward, c.backward) for c in costs], pipe.micro_batches,

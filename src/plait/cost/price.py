@@ -264,10 +264,16 @@ def send_piece_bytes(layer: int, s: Strategy, sequences: int, ctx: BlockContext,
 
 
 def send_time(layer: int, s: Strategy, sequences: int, ctx: BlockContext, cross_node: bool,
-              receiver: Strategy | None = None) -> float:
+              receiver: Strategy | None = None, split: int = 1) -> float:
     """Seconds of one pipeline send (one direction, one micro-batch) at the boundary before `layer`: the
-    busiest rank's bytes (`send_piece_bytes`) point to point, the senders in parallel."""
-    return comm.p2p(send_piece_bytes(layer, s, sequences, ctx, receiver), cross_node, ctx.cluster, ctx.cal)
+    busiest rank's bytes (`send_piece_bytes`) point to point, the senders in parallel. `split` > 1: Megatron-LM's
+    scatter/gather (Narayanan et al., SC21, Sec. 4.1), where the `split` tensor-parallel ranks that hold the same
+    activation each send 1/split of it and the receivers all-gather the pieces inside their node."""
+    piece = send_piece_bytes(layer, s, sequences, ctx, receiver)
+    if split <= 1:
+        return comm.p2p(piece, cross_node, ctx.cluster, ctx.cal)
+    gather = comm.all_gather(piece, comm.GroupShape(split, 1, split), ctx.cluster, ctx.cal)
+    return comm.p2p(piece / split, cross_node, ctx.cluster, ctx.cal) + gather
 
 
 def carried_bytes(layer: int, sequences: int, ctx: BlockContext) -> float:

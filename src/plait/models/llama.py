@@ -43,6 +43,14 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float = 10000.0, device: 
     return torch.stack([angles.cos(), angles.sin()], dim=1)
 
 
+def causal_mask(q_index: Tensor, k_index: Tensor, window: int = 0) -> Tensor:
+    """Which keys each query may see: none later than itself and, with a sliding `window` (tokens; 0: every
+    earlier one), only the `window` ending at itself (Mistral's and Hugging Face's convention). Bool
+    [Tq, Tk] from the queries' and keys' places in the sequence ([Tq], [Tk])."""
+    back = q_index[:, None] - k_index[None, :]
+    return (back >= 0) & (back < window) if window else back >= 0
+
+
 def rotate_half(x: Tensor) -> Tensor:
     """[x1, x2] -> [-x2, x1] over the last dimension (halves)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -83,13 +91,15 @@ RESIDUAL_OUTPUTS = ("attention.wo.weight", "feed_forward.w2.weight", "feed_forwa
 class Attention(nn.Module):
     """Grouped-query self-attention, causal or bidirectional: x [B, T, H] -> [B, T, H]. Heads are inferred
     from the projection widths (`view(B, T, -1, D)`), so tensor parallelism can hand it a rank's local
-    heads. `spec` is a ModelSpec or a layer's Block (the same width fields)."""
+    heads. `spec` is a ModelSpec or a layer's Block (the same width fields); its `window` (tokens; 0: global)
+    limits each causal query to a sliding window of keys."""
 
     def __init__(self, spec: ModelSpec | Block, dropout: float = 0.0, causal: bool = True) -> None:
         super().__init__()
         self.head_dim = spec.head_dim
         self.dropout = dropout
         self.causal = causal
+        self.window = spec.window if causal else 0
         qkv_bias, out_bias = spec.bias or spec.qkv_bias, spec.bias or spec.out_bias
         self.wq = nn.Linear(spec.hidden, spec.q_dim, bias=qkv_bias)
         self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
@@ -125,11 +135,14 @@ class Attention(nn.Module):
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, D]
         if (rep := q.shape[1] // k.shape[1]) > 1:  # GQA: query head j reads kv head j // rep (as HF)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if attend is not None:
-            out = attend(q, k, v).transpose(1, 2)
+        if attend is not None:  # a windowed layer tells the core its window
+            out = (attend(q, k, v, window=self.window) if self.window else attend(q, k, v)).transpose(1, 2)
         else:
             p = self.dropout if self.training else 0.0
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal).transpose(1, 2)
+            place = torch.arange(q.shape[2], device=q.device)
+            mask = causal_mask(place, place, self.window) if self.window else None
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                 is_causal=self.causal and mask is None).transpose(1, 2)
         if cp is not None:
             out = cp.to_sequence(out)
         return self.wo(out.reshape(b, t, -1))
@@ -172,8 +185,9 @@ class Transformer(nn.Module):
     """Embedding -> blocks -> norm -> LM head; tokens [B, T] -> float logits [B, T, V].
 
     `make_norm` and `make_ffn` give the family's norm and MLP; `make_layer(i, block)`, when given, builds
-    layer i of `spec.stack` instead of the trunk's decoder block. Positions: a learned table
-    (`pos_embeddings`) when spec.learned_positions, else RoPE from the non-persistent `freqs_cis` buffer.
+    layer i of `spec.stack` instead of the trunk's decoder block (which takes the block's attention window).
+    Positions: a learned table (`pos_embeddings`) when spec.learned_positions, else RoPE from the
+    non-persistent `freqs_cis` buffer.
     """
 
     def __init__(self, spec: ModelSpec, make_norm: Callable[[], nn.Module],
@@ -188,7 +202,9 @@ class Transformer(nn.Module):
             assert make_ffn is not None
 
             def make_layer(i: int, block: Block) -> nn.Module:
-                return TransformerBlock(make_norm(), Attention(spec, dropout), make_norm(), make_ffn(), dropout)
+                attention = Attention(spec, dropout)
+                attention.window = block.window  # the trunk's layer, local or global
+                return TransformerBlock(make_norm(), attention, make_norm(), make_ffn(), dropout)
         self.layers = nn.ModuleDict({str(i): make_layer(i, block) for i, block in enumerate(spec.stack)})
         self.norm: nn.Module | None = make_norm()
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from plait.models.llama import causal_mask
+
 IGNORE = -100
 """Target of a token without one (padding): cross-entropy skips it."""
 
@@ -53,10 +55,12 @@ def pack(documents: list[Tensor], multiple: int = 1) -> Packed:
     return Packed(torch.cat(inputs), torch.cat(targets), torch.cat(number), torch.cat(places))
 
 
-def document_mask(q_docs: Tensor, q_index: Tensor, k_docs: Tensor, k_index: Tensor) -> Tensor:
-    """Which keys each query may attend to: same document and not later in the row. Bool [Tq, Tk] from the
+def document_mask(q_docs: Tensor, q_index: Tensor, k_docs: Tensor, k_index: Tensor, window: int = 0
+                  ) -> Tensor:
+    """Which keys each query may attend to: same document, not later in the row and, with a sliding
+    `window` (tokens; 0: none), within it (`plait.models.llama.causal_mask`). Bool [Tq, Tk] from the
     document numbers and row places of the queries ([Tq]) and keys ([Tk])."""
-    return (q_docs[:, None] == k_docs[None, :]) & (q_index[:, None] >= k_index[None, :])
+    return (q_docs[:, None] == k_docs[None, :]) & causal_mask(q_index, k_index, window)
 
 
 def zigzag(length: int, ranks: int) -> list[Tensor]:

@@ -8,7 +8,6 @@ use different strategies gets each strategy on its own layers, with re-layouts i
 
 from __future__ import annotations
 
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -29,11 +28,12 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from plait.models.moe import MoE
+from plait.plan import Strategy
 from plait.runtime.experts import Sync, apply_ep, expert_params
 from plait.runtime.placement import Chunk
 from plait.runtime.relayout import Relayout
 from plait.runtime.ring import RingContext
-from plait.runtime.swap import apply_swap
+from plait.runtime.swap import apply_swap, cache_storage
 from plait.runtime.zero import shard_unit
 from plait.runtime.ulysses import Ulysses
 
@@ -112,13 +112,20 @@ def _keep_gemm_outputs(ctx: object, op: object, *args: object, **kwargs: object)
     return CheckpointPolicy.MUST_SAVE if op in _GEMM_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _selective_contexts() -> tuple:
+    """Selective checkpointing's forward and recompute modes, keeping the GEMM outputs in a cache that the
+    running block's token-wise swap cuts (`plait.runtime.swap.cache_storage`)."""
+    caching, cached = create_selective_checkpoint_contexts(_keep_gemm_outputs)
+    caching.storage = cached.storage = cache_storage()
+    return caching, cached
+
+
 def apply_ac(model: nn.Module, mode: str, layers: list[str]) -> None:
     """Recompute the named blocks' activations in backward (`full`) or only their attention core (`selective`)."""
     if mode == "none":
         return
     for name in layers:
-        context = {} if mode == "full" else {"context_fn": partial(create_selective_checkpoint_contexts,
-                                                                   _keep_gemm_outputs)}
+        context = {} if mode == "full" else {"context_fn": _selective_contexts}
         model.layers[name] = checkpoint_wrapper(model.layers[name], checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                 **context)
 
@@ -225,6 +232,13 @@ def set_whole_gradient(grad: torch.Tensor, whole: torch.Tensor) -> None:
     grad.copy_(whole)
 
 
+def swap_gathers(s: Strategy) -> tuple[int, ...]:
+    """The degrees that gather a block's sequence inside it, whose lengths a token-wise swap also cuts
+    along: sequence parallelism's tp (after its all-gather), Ulysses' cp (the attention core's whole
+    sequence); ring attention keeps the rank's chunk."""
+    return tuple(d for d, on in ((s.tp, s.sp), (s.cp, s.cp_mode == "ulysses")) if on and d > 1)
+
+
 def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str], mode: str = "ulysses",
              seq_len: int | None = None) -> None:
     """Context parallelism on the named blocks. Ulysses: each attention core swaps this rank's chunk of every
@@ -269,7 +283,7 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
         if s.tp > 1:
             apply_tp(model, seg.tp_mesh, s.sp, layers, embedding=k == 0, head=k == len(segments) - 1)
         apply_ac(model, s.recompute, layers)
-        apply_swap(model, s.swap, layers, s.tp if s.sp else 1)
+        apply_swap(model, s.swap, layers, swap_gathers(s))
     synced = expert_params(model)  # reduced by the syncs of apply_ep
     if len(segments) == 1:
         hand_sync = first.strategy.tp > 1 or first.strategy.cp > 1 or pipelined or bool(synced)

@@ -260,6 +260,7 @@ def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: 
     """Build pipeline `pi`'s groups (collectively); this rank's placement in it, or None."""
     pipe = plan.pipelines[pi]
     pp = len(pipe.stages) // plan.chunks
+    own = pipe.own_schedule(plan.chunks)
     chunks: list[Chunk] = []
     previous: Layout | None = None
     for j, stage in enumerate(pipe.stages):
@@ -275,7 +276,7 @@ def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: 
                 replica = groups.group(degrees.group(stage.ranks, "data", position))
                 segments.append(Segment(layers, strategy, position, mesh, replica, experts, hsdp))
         stage_group = groups.group(stage.ranks)
-        if not pipe.even_widths and previous is not None:  # the boundary hands over this stage's own layout
+        if own and previous is not None:  # the boundary hands over this stage's own layout
             previous = Layout.of(stage.strategy(stage.layers[0]))
         if rank in stage.ranks:
             chunks.append(Chunk(j, stage.ranks, stage.ranks.index(rank), tuple(segments), stage_group, previous))
@@ -283,7 +284,7 @@ def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: 
     pp_group = None
     position = chunks[0].position if chunks else -1
     norm_share = 1.0
-    if pp > 1 and not pipe.even_widths:  # stages of different widths: one group over the whole pipeline
+    if own:  # the runtime's own schedule: one group over the whole pipeline
         pp_group = dist.new_group(sorted({r for stage in pipe.stages for r in stage.ranks}))
         norm_share = 1 / len(chunks[0].ranks) if chunks else 1.0
     elif pp > 1:  # its own groups: pipeline sends must not queue behind a stage's collectives

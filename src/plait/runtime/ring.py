@@ -4,7 +4,9 @@ of every block by its log-sum-exp. Backward sends the keys and values around aga
 of each block travelling one hop behind and arriving home after a full turn.
 
 Shapes: q, k, v [B, heads, T_local, D] (k and v with as many heads as q). Every rank knows every rank's
-token places in the row and their document numbers (`layout`), so it builds each block's mask itself.
+token places in the row and their document numbers (`layout`), so it builds each block's mask itself;
+under a sliding window the mask keeps only the keys inside each query's window, and a block it leaves empty
+is skipped (its keys and values still travel on).
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ class RingLayout:
     def me(self) -> int:
         return self.ranks.index(dist.get_rank())
 
-    def mask(self, j: int) -> Tensor:
-        """Keys of member j this rank's queries may see: bool [T_local, T_local_j]."""
+    def mask(self, j: int, window: int = 0) -> Tensor:
+        """Keys of member j this rank's queries may see (within a sliding `window` of tokens; 0: all earlier
+        ones): bool [T_local, T_local_j]."""
         i = self.me
-        return document_mask(self.documents[i], self.index[i], self.documents[j], self.index[j])
+        return document_mask(self.documents[i], self.index[i], self.documents[j], self.index[j], window)
 
 
 def _exchange(send: Tensor, layout: RingLayout) -> Tensor:
@@ -58,15 +61,16 @@ def _block(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: RingLayout) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, window: int) -> Tensor:
         n, me = len(layout.ranks), layout.me
+        ctx.window = window
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         kv = torch.stack([k, v]).contiguous()
         for step in range(n):
             j = (me - step) % n
-            mask = layout.mask(j)
+            mask = layout.mask(j, ctx.window)
             nxt = _exchange(kv, layout) if step < n - 1 else None
             if mask.any():
                 s = _block(q, kv[0], mask, scale)
@@ -97,7 +101,7 @@ class _RingAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         for step in range(n):
             j = (me - step) % n
-            mask = layout.mask(j)
+            mask = layout.mask(j, ctx.window)
             nxt = _exchange(kv, layout) if step < n - 1 else None
             if mask.any():
                 kj, vj = kv[0].float(), kv[1].float()
@@ -109,13 +113,14 @@ class _RingAttention(torch.autograd.Function):
             dkv = _exchange(dkv, layout)  # one hop on; after n hops each block's gradients are home
             if nxt is not None:
                 kv = nxt
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout) -> Tensor:
-    """Document-masked causal attention of this rank's queries over the whole row's keys: [B, heads, T_local,
-    D] -> [B, heads, T_local, D]. Differentiable (ring backward)."""
-    return _RingAttention.apply(q, k, v, layout)
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, window: int = 0) -> Tensor:
+    """Document-masked causal attention of this rank's queries over the whole row's keys (those within a
+    sliding `window` of tokens; 0: all earlier ones): [B, heads, T_local, D] -> [B, heads, T_local, D].
+    Differentiable (ring backward)."""
+    return _RingAttention.apply(q, k, v, layout, window)
 
 
 @dataclass(frozen=True)
@@ -150,5 +155,5 @@ class RingContext:
         """The rotary angles of this rank's positions."""
         return freqs[self.start:]
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return ring_attention(q, k, v, self.layout)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int = 0) -> Tensor:
+        return ring_attention(q, k, v, self.layout, window)

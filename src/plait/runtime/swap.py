@@ -11,13 +11,23 @@ exactly the unswapped ones. A `SwapMeter` counts the resident (kept) and host by
 (saved tensors with a token dimension; weights and their autocast copies stay and are not counted); bytes.
 
 Under tensor parallelism a saved DTensor is cut as its local tensor and rebuilt with its placements; under
-sequence parallelism (`gather` = tp) the block's input holds 1/tp of the sequence and the tensors after the
-all-gather the whole of it: both lengths count as the token dimension.
+sequence parallelism (a `gather` of tp) the block's input holds 1/tp of the sequence and the tensors after the
+all-gather the whole of it, under Ulysses context parallelism (a `gather` of cp) the attention core holds the
+whole sequence: every such length counts as the token dimension. Under ring context parallelism the block
+holds its rank's chunk of the sequence throughout, and ring attention's saved queries, keys, values, output
+and log-sum-exp are cut along that chunk like any other saved tensor.
+
+Selective recomputation keeps its GEMM outputs in checkpoint's own cache, not through saved-tensor hooks:
+`cache_storage` gives that cache a storage that cuts each kept output with the running block's swap as it is
+stored and joins it again when recomputation reads it, so the swap moves `share` of every byte the layer
+keeps (its checkpointed input under the hooks, its GEMM outputs in the cache), as the cost model prices it.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
+from itertools import combinations
 import math
 from dataclasses import dataclass, field, replace
 
@@ -26,6 +36,7 @@ from torch import Tensor, nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_map
 
 
 @dataclass
@@ -37,14 +48,23 @@ class SwapMeter:
     host_peak: float = 0.0
     swapped: float = 0.0
     exclude: set[int] = field(default_factory=set)  # storages not to count (parameters)
+    owner: nn.Module | None = field(default=None, repr=False)  # whose parameters `exclude` holds
     _resident: dict[int, tuple[StorageWeakRef, int]] = field(default_factory=dict)
     _host: dict[int, tuple[StorageWeakRef, int]] = field(default_factory=dict)
 
     @staticmethod
     def of(model: nn.Module) -> SwapMeter:
         """A meter that leaves out (and a swap that keeps) the storages of `model`'s parameters and buffers."""
-        return SwapMeter(exclude={_local(t).untyped_storage().data_ptr()
-                                  for t in (*model.parameters(), *model.buffers()) if t is not None})
+        meter = SwapMeter(owner=model)
+        meter.reset()
+        return meter
+
+    def _parameter_storages(self) -> None:
+        """Take the owner's parameter and buffer storages afresh: sharding (FSDP) replaces them, and an
+        activation may later sit at a freed one's address."""
+        if self.owner is not None:
+            self.exclude = {_local(t).untyped_storage().data_ptr()
+                            for t in (*self.owner.parameters(), *self.owner.buffers()) if t is not None}
 
     def count(self, t: Tensor, host: bool) -> None:
         """Count `t`'s storage as alive (on the host when `host`) and update the peaks."""
@@ -66,7 +86,8 @@ class SwapMeter:
             self.resident_peak = max(self.resident_peak, alive)
 
     def reset(self) -> None:
-        """Start counting afresh (one step's peaks)."""
+        """Start counting afresh (one step's peaks), with the owner's parameter storages of now."""
+        self._parameter_storages()
         self.resident_peak = self.host_peak = self.swapped = 0.0
         self._resident.clear()
         self._host.clear()
@@ -120,8 +141,9 @@ def to_host(t: Tensor) -> Tensor:
 class _LayerSwap:
     """The saved-tensor hooks of one block: swap `share` of each saved activation's tokens."""
 
-    def __init__(self, share: float, meter: SwapMeter, gather: int = 1) -> None:
-        self.share, self.meter, self.gather = share, meter, gather
+    def __init__(self, share: float, meter: SwapMeter, gather: tuple[int, ...] = ()) -> None:
+        self.share, self.meter = share, meter
+        self.factors = sorted({math.prod(c) for n in range(len(gather) + 1) for c in combinations(gather, n)})
         self.tokens = self.rows = 0
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._seen: dict[tuple, tuple[Tensor, _Packed | None]] = {}  # one cut per saved storage in a forward
@@ -133,17 +155,20 @@ class _LayerSwap:
         self._seen = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
+        _RUNNING.append(self)
 
     def post(self, _module: nn.Module, _args: tuple, _out: object) -> None:
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
+            _RUNNING.remove(self)
         self._seen = {}
 
     @property
     def lengths(self) -> tuple[int, ...]:
-        """Lengths of a token dimension: the block input's tokens, their rows, and both gathered."""
-        return (self.tokens, self.rows, self.tokens * self.gather, self.rows * self.gather)
+        """Lengths of a token dimension: the block input's tokens and their rows, each gathered by every
+        product of the gathering degrees (sequence parallelism, Ulysses)."""
+        return tuple(n * f for f in self.factors for n in (self.tokens, self.rows))
 
     def pack(self, t: Tensor) -> object:
         if isinstance(t, DTensor):
@@ -203,10 +228,50 @@ class _LayerSwap:
         return whole if packed.view is None else whole.as_strided(*packed.view)
 
 
-def attach(block: nn.Module, share: float, meter: SwapMeter, gather: int = 1
+_RUNNING: list[_LayerSwap] = []
+"""The swaps whose block's forward is running, innermost last (what `cache_storage` cuts with)."""
+
+
+class _Joined:
+    """A kept GEMM output in selective checkpointing's cache, cut by a swap: joined again when read."""
+
+    def __init__(self, packed: object) -> None:
+        self.packed = packed
+
+    def get_val(self, _allow_mutation: bool) -> Tensor:
+        return _LayerSwap.unpack(self.packed)
+
+
+class _SwappedEntries(dict):
+    """One op's kept outputs (call index -> outputs of checkpoint's `_VersionWrapper`s), each tensor cut by
+    `swap` as it is stored."""
+
+    def __init__(self, swap: _LayerSwap) -> None:
+        super().__init__()
+        self.swap = swap
+
+    def __setitem__(self, idx: int, entry: object) -> None:
+        def cut(leaf: object) -> object:  # an output left whole keeps checkpoint's own mutation check
+            val = getattr(leaf, "val", None)
+            packed = self.swap.pack(val) if isinstance(val, Tensor) else val
+            return leaf if packed is val else _Joined(packed)
+        super().__setitem__(idx, tree_map(cut, entry))
+
+
+def cache_storage() -> dict:
+    """Storage for selective checkpointing's kept op outputs (`create_selective_checkpoint_contexts`'
+    modes): cut by the running block's swap (counted by its meter) when one runs, else a plain cache."""
+    if not _RUNNING:
+        return defaultdict(dict)
+    swap = _RUNNING[-1]
+    return defaultdict(lambda: _SwappedEntries(swap))
+
+
+def attach(block: nn.Module, share: float, meter: SwapMeter, gather: tuple[int, ...] = ()
            ) -> list[torch.utils.hooks.RemovableHandle]:
     """Swap `share` of the tokens of `block`'s saved activations while it runs forward (0: only count them in
-    `meter`; `gather`: the sequence-parallel degree); the hook handles."""
+    `meter`; `gather`: the degrees that gather the sequence inside the block: sequence parallelism's tp,
+    Ulysses' cp); the hook handles."""
     swap = _LayerSwap(share, meter, gather)
     return [block.register_forward_pre_hook(swap.pre), block.register_forward_hook(swap.post, always_call=True)]
 
@@ -224,9 +289,9 @@ def switchable(model: nn.Module) -> list[_LayerSwap]:
     return swaps
 
 
-def apply_swap(model: nn.Module, share: float, layers: list[str], gather: int = 1) -> None:
+def apply_swap(model: nn.Module, share: float, layers: list[str], gather: tuple[int, ...] = ()) -> None:
     """Swap `share` of the named blocks' saved activations token-wise, counted by `model.swap_meter` (made on
-    first use, leaving out the model's parameters and buffers; `gather`: the sequence-parallel degree)."""
+    first use, leaving out the model's parameters and buffers; `gather`: as `attach`)."""
     if share <= 0:
         return
     if getattr(model, "swap_meter", None) is None:

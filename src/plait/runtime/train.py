@@ -357,7 +357,7 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
     for optimizer, s in zip(optimizers, shards):
         attach(optimizer, s)
     schedule = None
-    if where.pp > 1 and not plan.pipelines[where.pipeline].even_widths:
+    if plan.pipelines[where.pipeline].own_schedule(plan.chunks):
         schedule = _uneven_schedule(plan, spec, chunks, where, loss, clock)
     elif where.pp > 1:
         schedule, stages = _schedule(plan, chunks, where, plan.pipelines[where.pipeline].micro_batches, loss)

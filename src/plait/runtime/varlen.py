@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 
 from plait.errors import PlaitError
 from plait.models import build_model
+from plait.models.llama import causal_mask
 from plait.runtime import checkpoint, memory, swap
 from plait.runtime.data import BYTE_VOCAB, TokenSource
 from plait.runtime.optim import make_optimizer
@@ -110,9 +112,14 @@ def layout_of(plan, lengths: list[int]) -> StepLayout:
     return StepLayout(mbs, plan.seconds, plan.solve_time_s)
 
 
-def masked(mask: Tensor) -> partial:
-    """An attention core (see `Attention.forward`) that allows exactly `mask` [Tq, Tk]."""
-    return partial(F.scaled_dot_product_attention, attn_mask=mask)
+def masked(mask: Tensor) -> Callable[..., Tensor]:
+    """An attention core (see `Attention.forward`) over whole packed rows that allows exactly `mask` [T, T],
+    and of those only the keys within a layer's sliding `window` (tokens; 0: all)."""
+    def attend(q: Tensor, k: Tensor, v: Tensor, window: int = 0) -> Tensor:
+        place = torch.arange(mask.shape[-1], device=mask.device)
+        allowed = mask & causal_mask(place, place, window) if window else mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    return attend
 
 
 class Groups:
