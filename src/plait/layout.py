@@ -62,11 +62,13 @@ class Layout:
 
     def piece(self, position: int, batch: int, tokens: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """([first, end) sequences, [first, end) tokens) of a [batch, tokens, ...] activation held by
-        `position`."""
+        `position`. A batch that dp does not divide splits in near-equal blocks, the first batch % dp
+        one sequence longer."""
         d, c, t = self.coords(position)
         part = c * self.tp + t if self.sp else c
-        b, n = batch // self.dp, tokens // self.token_parts
-        return (d * b, (d + 1) * b), (part * n, (part + 1) * n)
+        q, r = divmod(batch, self.dp)
+        first, n = d * q + min(d, r), tokens // self.token_parts
+        return (first, first + q + (d < r)), (part * n, (part + 1) * n)
 
 
 @dataclass(frozen=True)

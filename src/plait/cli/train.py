@@ -105,7 +105,8 @@ def train_cmd(
         _train_tasks(tasks, nproc, steps, seed, lr, metrics_out, timeout, {
             "--model": model, "--plan": plan, "--strategy": strategy, "--data": data, "--varlen": varlen,
             "--nnodes": nnodes > 1, "--slurm": slurm, "--adaptive": adaptive, "--hf-checkpoint": hf_checkpoint,
-            "--checkpoint-dir": checkpoint_dir, "--global-batch": global_batch, "--seq-len": seq_len})
+            "--global-batch": global_batch, "--seq-len": seq_len},
+            {"checkpoint_dir": checkpoint_dir, "checkpoint_every": checkpoint_every, "resume_from": resume_from})
     with one_line_errors():
         if not model:
             raise PlaitError("give --model (a preset, config.json or spec), or --tasks FILE to train a task file")
@@ -142,15 +143,15 @@ def train_cmd(
 
 
 def _train_tasks(tasks: Path, nproc: int | None, steps: int, seed: int, lr: float, metrics_out: Path | None,
-                 timeout: float, refused: dict) -> None:
+                 timeout: float, refused: dict, checkpoints: dict) -> None:
     """`plait train --tasks`: plan the task file's waves for the ranks and run them (`refused`: the options
-    that do not apply, by flag)."""
+    that do not apply, by flag; `checkpoints`: checkpoint_dir, checkpoint_every, resume_from)."""
     from plait.cli.train_tasks import run_tasks, tasks_config
 
     with one_line_errors():
         metrics_file = optional_output(metrics_out, "metrics.jsonl", "--metrics-out")
         inside, world = _torchrun_world(nproc)
-        cfg, world = tasks_config(tasks, world, steps, seed, lr, metrics_file, timeout, refused)
+        cfg, world = tasks_config(tasks, world, steps, seed, lr, metrics_file, timeout, refused, **checkpoints)
     raise typer.Exit(run_tasks(cfg, world, inside))
 
 

@@ -21,9 +21,11 @@ PLAN_GPU = "A100-80GB"
 
 
 def tasks_config(tasks: Path, nproc: int | None, steps: int, seed: int, lr: float, metrics_out: Path | None,
-                 timeout_s: float, others: dict[str, object]):
+                 timeout_s: float, others: dict[str, object], checkpoint_dir: Path | None = None,
+                 checkpoint_every: int = 0, resume_from: Path | None = None):
     """The MultitaskConfig of a `train --tasks` run on `nproc` ranks and its plan (PlaitError on bad input:
-    a bad task file, options that do not apply, more groups than ranks)."""
+    a bad task file, options that do not apply, more groups than ranks, checkpoints it cannot write or
+    read)."""
     from plait.planner.multitask.plan import plan_multitask
     from plait.runtime.multitask import MultitaskConfig, check_units, units_of
     from plait.spec.cluster import load_cluster
@@ -39,10 +41,35 @@ def tasks_config(tasks: Path, nproc: int | None, steps: int, seed: int, lr: floa
     plan = plan_multitask(ts, load_cluster(f"1x{world}x{PLAN_GPU}"), "fp32")
     units = units_of(plan)
     check_units(ts, units, world)
+    _check_checkpoints(ts, checkpoint_dir, checkpoint_every, resume_from)
     cfg = MultitaskConfig(tasks=str(Path(tasks).resolve()), units=[_unit_dict(u) for u in units], steps=steps,
                           seed=seed, lr=lr, metrics_out=str(metrics_out) if metrics_out else None,
-                          timeout_s=timeout_s)
+                          timeout_s=timeout_s, checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+                          checkpoint_every=checkpoint_every, resume_from=str(resume_from) if resume_from else None)
     return cfg, world
+
+
+def _check_checkpoints(tasks, directory: Path | None, every: int, resume_from: Path | None) -> None:
+    """Before launching: --checkpoint-every has a directory to save into, which can be written, and the
+    checkpoint to resume from is readable and holds this task file's model."""
+    from plait.io import check_writable_dir
+    from plait.runtime import checkpoint
+    from plait.runtime.multitask import TasksIdentity
+
+    if every < 0:
+        raise PlaitError("--checkpoint-every must be >= 0")
+    if every and directory is None:
+        raise PlaitError("--checkpoint-every saves into --checkpoint-dir; give --checkpoint-dir DIR or drop "
+                         "--checkpoint-every")
+    identity = TasksIdentity.of(tasks)
+    if resume_from is not None:
+        checkpoint.check_resume_from(resume_from, identity)  # type: ignore[arg-type]
+    if directory is not None:
+        if directory.exists() and not directory.is_dir():
+            raise PlaitError(f"--checkpoint-dir {str(directory)!r} is a file; give a directory")
+        check_writable_dir(directory, "--checkpoint-dir")
+        if resume_from is None:
+            checkpoint.resumable(directory, identity, lambda line: None)  # type: ignore[arg-type]
 
 
 def _unit_dict(unit) -> dict:

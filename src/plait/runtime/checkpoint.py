@@ -147,10 +147,22 @@ def step_of(path: Path) -> int:
     return int(read_meta(path)["step"])
 
 
+def select_params(state: dict, keep: Callable[[str], bool]) -> dict:
+    """`local_state`'s state less the entries of parameters `keep` refuses (by fully qualified name): the
+    model's own, and the optimizer's (flattened `state.NAME.x` and `param_groups.NAME.x`)."""
+    def name(top: str, key: str) -> str:
+        return key if top == "model" else key.split(".", 1)[1].rsplit(".", 1)[0]
+
+    return {top: {k: v for k, v in entries.items() if keep(name(top, k))} for top, entries in state.items()}
+
+
 def save(directory: str | Path, step: int, chunks: list[torch.nn.Module],
-         optimizers: list[torch.optim.Optimizer], model: ModelSpec | None = None) -> Path:
-    """Save after `step` optimizer steps (collective over every rank), recording `model`'s fingerprint.
-    A failed save removes its partial files and leaves every earlier checkpoint as it was (PlaitError)."""
+         optimizers: list[torch.optim.Optimizer], model: ModelSpec | None = None,
+         keep: Callable[[str], bool] | None = None) -> Path:
+    """Save after `step` optimizer steps (collective over every rank), recording `model`'s fingerprint;
+    with `keep`, this rank writes only the parameters it accepts (by fully qualified name; every parameter
+    must be kept by some rank). A failed save removes its partial files and leaves every earlier checkpoint
+    as it was (PlaitError)."""
     root = Path(directory)
     final = root / f"step-{step}"
     tmp = root / f".step-{step}.tmp"
@@ -158,6 +170,8 @@ def save(directory: str | Path, step: int, chunks: list[torch.nn.Module],
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     state, _ = local_state(chunks, optimizers)
+    if keep is not None:
+        state = select_params(state, keep)
     failure = None
     try:
         dcp.save(state, checkpoint_id=str(tmp))

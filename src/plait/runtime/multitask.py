@@ -1,37 +1,45 @@
 """`plait train --tasks`: one training step of Spindle's waves on gloo subgroups.
 
 The planner's schedule (`plait.planner.multitask`) becomes a list of units in stage order: layers lo..hi-1
-of one task's module on one device group. Every rank runs the same list and does its part of each unit:
+of one task's module on one device group, with the strategy the planner priced for that group (its
+degrees tp, sp, cp; the rest of the ranks split the rows). Every rank runs the same list and does its part:
 
-- forward, in order: the unit's input arrives from the group that produced it (each rank of the consuming
-  group receives its rows from the ranks of the producing group that hold them: send/recv over the union of
-  the two groups; nothing moves when the groups are the same), then the group runs the layers. Inside a
-  group the runtime is plain data parallelism: the task's batch is split in row blocks over the group's
-  ranks (simple and correct; the planner's tensor/context-parallel choice inside a group is not run);
+- forward, in order: the unit's input arrives from the group that produced it: each rank of the consuming
+  group receives its piece (rows and, under cp or sp, tokens: `plait.layout.Layout.piece`) from the ranks of
+  the producing group that hold it (`plait.layout.transfer`'s blocks, one send/recv per pair of ranks; a
+  rank in both groups keeps what it has). The group then runs the layers: data parallel on the master
+  weights, or with tensor/context parallelism as a parallel copy (`plait.runtime.multitask_groups`);
 - backward, in reverse: each unit's output gradient (summed over every unit that read it) runs back through
   its layers, and the input gradients go back to the producing ranks the way the activations came;
 - gradients: every parameter is summed (all_reduce) over the ranks that ran it, so a shared module's
-  gradient is summed across the groups of every task that used it; then one AdamW step.
+  gradient is summed across the groups of every task that used it; clipped to the global norm `clip` (each
+  parameter counted once, after its sum); then one AdamW step.
 
 Units of different groups in the same stage involve disjoint ranks and run at the same time. Every rank
 builds the whole model from the seed and updates the parameters it runs; losses equal one process running
-the tasks (`plait.runtime.multitask_model.reference_losses`) up to fp32 rounding. Not done: the planner's
-strategies inside a group, overlapping the handoffs with compute, gradient clipping, checkpoints.
+the tasks (`plait.runtime.multitask_model.reference_steps`) up to fp32 rounding. Checkpoints (DCP) hold the
+whole model by name, each parameter written by the ranks that run it, so a run resumes under any plan.
+ZeRO, recomputation and offloading in the planner's strategies change memory only and are not run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from plait.errors import PlaitError
+from plait.layout import Block, Layout, transfer
+from plait.plan import Strategy, strategy_problem
+from plait.runtime import checkpoint
 from plait.runtime.loop import lr_at, step_optimizers, train_loop
+from plait.runtime.multitask_groups import GroupLayers, group_mesh
 from plait.runtime.multitask_model import TaskModel, batch, check_runnable, sink, stack_key
 from plait.runtime.optim import make_optimizer
 from plait.spec.tasks import TaskSet, load_tasks
@@ -48,6 +56,15 @@ class Unit:
     hi: int
     ranks: tuple[int, ...]
     stage: int
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    cp_mode: str = "ulysses"
+
+    @property
+    def layout(self) -> Layout:
+        """How the group holds the unit's activations: tp x cp ranks per row block, the rest data parallel."""
+        return Layout(len(self.ranks) // (self.tp * self.cp), self.cp, self.tp, self.sp and self.tp > 1)
 
 
 @dataclass(frozen=True)
@@ -62,8 +79,10 @@ class MultitaskConfig:
     warmup: int = 2
     metrics_out: str | None = None
     timeout_s: float = 300.0
-    checkpoint_dir: str | None = None  # not supported; train_loop reads it
-    checkpoint_every: int = 0
+    clip: float = 1.0  # global gradient-norm clip, as `plait train` (0: none)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = only after the last step
+    resume_from: str | None = None  # a checkpoint directory (step-N) to start from, instead of the newest
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -91,16 +110,17 @@ def units_of(plan) -> list[Unit]:
             op = ops[p.op]
             lo = start[p.op] + done[p.op]
             done[p.op] += p.layers
-            units.append(Unit(op.name, index[op.task], op.module, lo, lo + p.layers, p.ranks, s))
+            units.append(Unit(op.name, index[op.task], op.module, lo, lo + p.layers, p.ranks, s,
+                              **_degrees(plan.curves[p.op].strategy(p.devices), p.devices)))
     return units
 
 
-def rows(total: int, parts: int, i: int) -> tuple[int, int]:
-    """Rows [start, stop) of part i when `total` rows split in `parts` near-equal blocks (the first
-    total % parts blocks one row longer)."""
-    q, r = divmod(total, parts)
-    first = i * q + min(i, r)
-    return first, first + q + (i < r)
+def _degrees(s: Strategy | None, devices: int) -> dict:
+    """A unit's tp, sp, cp and cp_mode from the planner's strategy for its group (plain data parallelism
+    when there is none, or when its degrees do not divide the group: a count the curve does not list)."""
+    if s is None or devices % (s.tp * s.cp):
+        return {}
+    return {"tp": s.tp, "sp": s.sp and s.tp > 1, "cp": s.cp, "cp_mode": s.cp_mode}
 
 
 @dataclass
@@ -123,9 +143,7 @@ def check_units(tasks: TaskSet, units: list[Unit], world: int) -> Graph:
         if not u.ranks or max(u.ranks) >= world or min(u.ranks) < 0:
             raise PlaitError(f"op {u.op} runs on ranks {u.ranks[0]}-{u.ranks[-1]}, more than the {world} ranks "
                              f"launched; plan for {world} ranks or launch more (--nproc)")
-        if len(u.ranks) > t.batch:
-            raise PlaitError(f"op {u.op} runs on {len(u.ranks)} ranks but task {t.name!r} has batch {t.batch}; a "
-                             "group needs a sample per rank: raise the batch or use fewer ranks")
+        _check_strategy(u, t.batch, t.seq_len, tasks.module(u.module).stack[u.lo:u.hi])
         ends[u.task, u.module, u.hi] = k
     sources, last = [], []
     for k, u in enumerate(units):
@@ -143,44 +161,92 @@ def check_units(tasks: TaskSet, units: list[Unit], world: int) -> Graph:
     return Graph(units, sources, last)
 
 
+def _check_strategy(u: Unit, rows: int, seq_len: int, blocks) -> None:
+    """PlaitError unless the unit's group can run its layers with its degrees on the task's batch."""
+    n = len(u.ranks)
+    if n % (u.tp * u.cp):
+        raise PlaitError(f"op {u.op} has tp={u.tp} x cp={u.cp} on {n} ranks; the degrees must divide the "
+                         "group's ranks")
+    layout = u.layout
+    if layout.dp > rows:
+        raise PlaitError(f"op {u.op} splits {rows} rows over {layout.dp} data-parallel ranks; a group needs a "
+                         "sample per row block: raise the batch or use fewer ranks")
+    if u.tp * u.cp == 1:
+        return
+    s = Strategy(dp=layout.dp, tp=u.tp, sp=layout.sp, cp=u.cp, cp_mode=u.cp_mode)  # type: ignore[arg-type]
+    for block in set(blocks):
+        why = strategy_problem(s, block, n, rows, seq_len)
+        if why:
+            raise PlaitError(f"op {u.op}: {why}")
+
+
 class Handoff:
-    """Rows of one unit's output moved to the ranks of a consuming unit, and its gradient moved back."""
+    """One unit's output moved to the ranks of a consuming unit, each receiving its piece in the consumer's
+    layout, and its gradient moved back: `plait.layout.transfer`'s blocks between the two groups' positions
+    (a piece that tp ranks hold as copies is sent by one of them; in backward each copy gets it whole)."""
 
-    def __init__(self, batch_rows: int, source: tuple[int, ...], target: tuple[int, ...]) -> None:
-        self.pieces = []  # (sending rank, receiving rank, start, stop) in the batch's rows
-        for i, p in enumerate(source):
-            a = rows(batch_rows, len(source), i)
-            for j, c in enumerate(target):
-                b = rows(batch_rows, len(target), j)
-                lo, hi = max(a[0], b[0]), min(a[1], b[1])
-                if lo < hi:
-                    self.pieces.append((p, c, lo, hi))
-        self.source, self.target, self.batch = source, target, batch_rows
+    def __init__(self, batch_rows: int, tokens: int, source: Unit, target: Unit) -> None:
+        self.batch, self.tokens = batch_rows, tokens
+        self.sides = ((source.ranks, source.layout), (target.ranks, target.layout))
 
-    def _offset(self, ranks: tuple[int, ...], rank: int) -> int:
-        return rows(self.batch, len(ranks), ranks.index(rank))[0]
+    def pieces(self, forward: bool) -> list[tuple[int, int, Block]]:
+        """(sending rank, receiving rank, block) of one direction (forward: source to target)."""
+        (have_ranks, have), (want_ranks, want) = self.sides if forward else self.sides[::-1]
+        return [(have_ranks[b.sender], want_ranks[b.receiver], b)
+                for b in transfer(have, want, self.batch, self.tokens)]
 
-    def move(self, rank: int, held: Tensor | None, shape: tuple[int, ...], from_source: bool) -> Tensor | None:
-        """Forward (`from_source`): `held` is this rank's rows of the source; returns its rows for the target
-        (None when not a target rank). Backward: the same from target to source."""
-        send_ranks, recv_ranks = (self.source, self.target) if from_source else (self.target, self.source)
-        works, received = [], []
-        for p, c, lo, hi in self.pieces:
-            s, r = (p, c) if from_source else (c, p)
+    def move(self, rank: int, held: Tensor | None, hidden: int, forward: bool) -> Tensor | None:
+        """Forward: `held` is this rank's piece of the source's output; returns its piece for the target
+        (None when not a target rank). Backward: the same from target to source. One message per pair of
+        ranks and direction."""
+        (have_ranks, have), (want_ranks, want) = self.sides if forward else self.sides[::-1]
+        sends: dict[int, list[Tensor]] = defaultdict(list)
+        incoming: dict[int, list[Block]] = defaultdict(list)
+        if rank in have_ranks:
+            (b0, _), (t0, _) = have.piece(have_ranks.index(rank), self.batch, self.tokens)
+        for s, r, b in self.pieces(forward):
             if s == rank:
-                off = self._offset(send_ranks, rank)
-                piece = held[lo - off:hi - off]
-                if r == rank:
-                    received.append(piece.detach().clone())
-                else:
-                    works.append(dist.isend(piece.detach().contiguous(), r))
-            elif r == rank:
-                buf = torch.empty((hi - lo, *shape))
-                works.append(dist.irecv(buf, s))
-                received.append(buf)
+                sends[r].append(held[b.batch[0] - b0:b.batch[1] - b0, b.tokens[0] - t0:b.tokens[1] - t0])
+            if r == rank:
+                incoming[s].append(b)
+        works, buffers = [], {}
+        for r, parts in sorted(sends.items()):
+            flat = torch.cat([p.detach().reshape(-1) for p in parts])
+            if r == rank:
+                buffers[r] = flat
+            else:
+                works.append(dist.isend(flat, r))
+        for s, blocks in sorted(incoming.items()):
+            if s != rank:
+                buffers[s] = torch.empty(sum(b.cells for b in blocks) * hidden)
+                works.append(dist.irecv(buffers[s], s))
         for w in works:
             w.wait()
-        return torch.cat(received) if rank in recv_ranks else None
+        if rank not in want_ranks:
+            return None
+        (b0, b1), (t0, t1) = want.piece(want_ranks.index(rank), self.batch, self.tokens)
+        out = torch.empty((b1 - b0, t1 - t0, hidden))
+        for s, blocks in incoming.items():
+            offset = 0
+            for b in blocks:
+                size = b.cells * hidden
+                out[b.batch[0] - b0:b.batch[1] - b0, b.tokens[0] - t0:b.tokens[1] - t0] = buffers[s][
+                    offset:offset + size].view(b.batch[1] - b.batch[0], b.tokens[1] - b.tokens[0], hidden)
+                offset += size
+        return out
+
+
+@dataclass(frozen=True)
+class TasksIdentity:
+    """What a checkpoint records of the task file it holds (`plait.runtime.checkpoint.save`'s model)."""
+
+    name: str
+    fingerprint: str
+
+    @staticmethod
+    def of(tasks: TaskSet) -> TasksIdentity:
+        shape = repr(tuple((f.name, getattr(tasks, f.name)) for f in fields(tasks) if f.name != "name"))
+        return TasksIdentity(f"task file {tasks.name}", hashlib.sha256(shape.encode()).hexdigest()[:16])
 
 
 class MultitaskStepper:
@@ -191,12 +257,35 @@ class MultitaskStepper:
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.graph = check_units(tasks, cfg.plan_units(), world)
         self.model = TaskModel(tasks, cfg.seed)
+        self.hidden = tasks.modules[0].stack[0].hidden
+        g = self.graph
+        self.handoffs = {(k, src): Handoff(tasks.tasks[u.task].batch, tasks.tasks[u.task].seq_len, g.units[src], u)
+                         for k, u in enumerate(g.units) for src in g.sources[k]}
+        self.parallel = self._group_layers()
         self.syncs = self._gradient_groups()
         self._optimizers = [make_optimizer(self.model.parameters(), cfg.lr)]
+        self.identity = TasksIdentity.of(tasks)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return self._optimizers
+
+    def _group_layers(self) -> dict[int, GroupLayers]:
+        """This rank's tensor/context-parallel copies of its units' layers, by unit index (every rank builds
+        every such unit's mesh, in order)."""
+        out = {}
+        meshes: dict[tuple, object] = {}
+        for k, u in enumerate(self.graph.units):
+            if u.tp * u.cp == 1:
+                continue
+            if (u.ranks, u.layout) not in meshes:
+                meshes[u.ranks, u.layout] = group_mesh(u.ranks, u.layout)
+            mesh = meshes[u.ranks, u.layout]
+            if self.rank in u.ranks:
+                stack = self.model.stacks[stack_key(self.tasks, self.tasks.tasks[u.task], u.module)]
+                out[k] = GroupLayers(list(stack[u.lo:u.hi]), u.layout, mesh, u.cp_mode,
+                                     self.tasks.tasks[u.task].seq_len)
+        return out
 
     def _owners(self) -> dict[int, set[int]]:
         """Parameter id -> the ranks that run it."""
@@ -233,14 +322,25 @@ class MultitaskStepper:
         pass
 
     def save(self, done: int) -> None:
-        pass
+        """A DCP checkpoint of the whole model and optimizer: each parameter written by the ranks that run it
+        (the others' copies are stale)."""
+        mine = {id(p) for ranks, params, _ in self.syncs if self.rank in ranks for p in params}
+        names = {name for name, p in self.model.named_parameters() if id(p) in mine}
+        every = {name for name, _ in self.model.named_parameters()}
+        checkpoint.save(self.cfg.checkpoint_dir, done, [self.model], self._optimizers, self.identity,  # type: ignore[arg-type]
+                        keep=lambda name: name in names or name not in every)
+
+    def resume(self) -> int:
+        """Load the checkpoint to start from (as `plait train`); the steps it was saved after (0: none)."""
+        from plait.runtime.train import resume
+
+        return resume(self.cfg, self.identity, [self.model], self._optimizers, self.rank)  # type: ignore[arg-type]
 
     def close(self) -> None:
         pass
 
     def _forward(self, step: int, log: list) -> tuple[dict, dict, Tensor]:
         g, m, r = self.graph, self.model, self.rank
-        hidden = self.tasks.modules[0].stack[0].hidden
         tokens = [batch(self.tasks, i, step, self.cfg.seed) for i in range(len(self.tasks.tasks))]
         outs: dict[int, Tensor] = {}
         leaves: dict[tuple[int, int], Tensor] = {}
@@ -248,29 +348,30 @@ class MultitaskStepper:
         for k, u in enumerate(g.units):
             t = self.tasks.tasks[u.task]
             for src in g.sources[k]:
-                moved = Handoff(t.batch, g.units[src].ranks, u.ranks).move(r, outs.get(src), (t.seq_len, hidden), True)
+                moved = self.handoffs[k, src].move(r, outs.get(src), self.hidden, True)
                 if moved is not None:
                     leaves[k, src] = moved.requires_grad_()
             if r not in u.ranks:
                 continue
             t0 = time.time()
-            a, b = rows(t.batch, len(u.ranks), u.ranks.index(r))
+            (a, b), span = u.layout.piece(u.ranks.index(r), t.batch, t.seq_len)
             mine = tokens[u.task][a:b]
-            x = sum(leaves[k, s] for s in g.sources[k]) if g.sources[k] else m.embed_tokens(u.task, mine)
-            y = m.layers(u.task, u.module, u.lo, u.hi, x)
-            if g.last[k]:
-                y = m.loss(u.task, y, mine) * ((b - a) / t.batch)  # the group's parts add up to the batch mean
-                losses[u.task] += y.item()
+            weight = 1.0 / u.layout.copies  # tp ranks holding copies share the embedding's and head's gradient
+            x = sum(leaves[k, s] for s in g.sources[k]) if g.sources[k] else m.embed_tokens(u.task, mine, span,
+                                                                                              weight)
+            y = self.parallel[k](x) if k in self.parallel else m.layers(u.task, u.module, u.lo, u.hi, x)
+            if g.last[k]:  # the group's pieces add up to the batch mean
+                y = m.loss(u.task, y, mine, span, weight) * ((b - a) * (span[1] - span[0]) / (t.batch * t.seq_len))
+                losses[u.task] += y.item() * weight
             outs[k] = y
             log.append((k, "forward", t0, time.time()))
         return outs, leaves, losses
 
     def _backward(self, outs: dict, leaves: dict, log: list) -> None:
         g, r = self.graph, self.rank
-        hidden = self.tasks.modules[0].stack[0].hidden
         grads: dict[int, Tensor] = {}
         for k in reversed(range(len(g.units))):
-            u, t = g.units[k], self.tasks.tasks[g.units[k].task]
+            u = g.units[k]
             if r in u.ranks:
                 t0 = time.time()
                 if g.last[k]:
@@ -280,10 +381,11 @@ class MultitaskStepper:
                 log.append((k, "backward", t0, time.time()))
             for src in reversed(g.sources[k]):
                 leaf = leaves.get((k, src))
-                back = Handoff(t.batch, g.units[src].ranks, u.ranks).move(
-                    r, leaf.grad if leaf is not None else None, (t.seq_len, hidden), False)
+                back = self.handoffs[k, src].move(r, leaf.grad if leaf is not None else None, self.hidden, False)
                 if back is not None:
                     grads[src] = grads[src] + back if src in grads else back
+        for k in sorted(self.parallel):  # every rank of a group in the same order
+            self.parallel[k].fold_gradients()
 
     def _sync_gradients(self) -> None:
         """Sum every parameter's gradient over the ranks that ran it; drop the others'."""
@@ -303,13 +405,30 @@ class MultitaskStepper:
                     p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
 
+    def _clip(self) -> float:
+        """Clip every gradient to the global norm `cfg.clip` (as `torch.nn.utils.clip_grad_norm_` in one
+        process): each parameter counted once, by the first rank that runs it; returns the norm before."""
+        square = torch.zeros((), dtype=torch.float64)
+        for ranks, params, _ in self.syncs:
+            if ranks[0] == self.rank:
+                square += torch.nn.utils.get_total_norm([p.grad for p in params]).double() ** 2
+        dist.all_reduce(square)
+        norm = square.sqrt().float()
+        if self.cfg.clip > 0:
+            torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
+                                                 self.cfg.clip, norm)
+        return float(norm)
+
     def train_step(self, step: int, t0: float) -> dict:
         log: list = []
+        for layers in self.parallel.values():
+            layers.refresh()
         dist.barrier()
         start = time.time()
         outs, leaves, losses = self._forward(step, log)
         self._backward(outs, leaves, log)
         self._sync_gradients()
+        grad_norm = self._clip()
         step_optimizers(self._optimizers)
         dist.all_reduce(losses)
         logs: list = [None] * dist.get_world_size()
@@ -318,8 +437,8 @@ class MultitaskStepper:
         tokens = sum(t.batch * t.seq_len for t in self.tasks.tasks)
         return {"step": step, "loss": float(losses.sum()),
                 "losses": {t.name: float(v) for t, v in zip(self.tasks.tasks, losses, strict=True)},
-                "step_time_s": seconds, "tokens_per_s": tokens / seconds, "lr": lr_at(step, self.cfg),
-                "timeline": timeline(self.graph.units, logs)}
+                "grad_norm": grad_norm, "step_time_s": seconds, "tokens_per_s": tokens / seconds,
+                "lr": lr_at(step, self.cfg), "timeline": timeline(self.graph.units, logs)}
 
 
 def timeline(units: list[Unit], logs: list) -> list[dict]:
@@ -341,4 +460,4 @@ def run(cfg: MultitaskConfig, report=None) -> list[dict]:
     """Train `cfg.steps` steps of the plan on this rank; rank 0 returns one metrics record per step."""
     torch.set_num_threads(1)
     stepper = MultitaskStepper(cfg, load_tasks(cfg.tasks))
-    return train_loop(cfg, stepper, report=report)
+    return train_loop(cfg, stepper, start=stepper.resume(), report=report)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from plait.errors import PlaitError
 from plait.models.parts import norm, pre_norm_layer
+from plait.runtime.multitask_groups import weighted_call
 from plait.runtime.optim import make_optimizer
 from plait.spec.tasks import Task, TaskSet
 
@@ -82,14 +83,20 @@ class TaskModel(nn.Module):
             x = layer(x)
         return x
 
-    def embed_tokens(self, task: int, tokens: Tensor) -> Tensor:
-        """The task's input tokens [B, T+1] embedded: [B, T, H] (the last token is only a target)."""
-        return self.embed[str(task)](tokens[:, :-1])
+    def embed_tokens(self, task: int, tokens: Tensor, span: tuple[int, int] | None = None, weight: float = 1.0
+                     ) -> Tensor:
+        """The task's input tokens [B, T+1] embedded: [B, T, H] (the last token is only a target); with
+        `span`, positions [start, stop) only. `weight` scales the embedding's gradient from this call."""
+        start, stop = span or (0, tokens.shape[1] - 1)
+        return weighted_call(self.embed[str(task)], weight, tokens[:, start:stop])
 
-    def loss(self, task: int, x: Tensor, tokens: Tensor) -> Tensor:
-        """Next-token cross entropy (mean over the rows given) of the task's head on x [B, T, H]."""
-        logits = self.head[str(task)](x)
-        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    def loss(self, task: int, x: Tensor, tokens: Tensor, span: tuple[int, int] | None = None, weight: float = 1.0
+             ) -> Tensor:
+        """Next-token cross entropy (mean over the rows and positions given) of the task's head on x [B, T, H]
+        (positions `span` of the tokens [B, T+1]; default all). `weight` scales the head's gradient."""
+        start, stop = span or (0, tokens.shape[1] - 1)
+        logits = weighted_call(self.head[str(task)], weight, x)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, start + 1:stop + 1].reshape(-1))
 
 
 def batch(tasks: TaskSet, task: int, step: int, seed: int) -> Tensor:
@@ -110,9 +117,11 @@ def task_loss(model: TaskModel, task: int, tokens: Tensor) -> Tensor:
     return model.loss(task, out[sink(t)], tokens)
 
 
-def reference_losses(tasks: TaskSet, steps: int, seed: int, lr_of) -> list[list[float]]:
-    """Per step, every task's loss in one process: the sum of the tasks' losses is the step's loss, one
-    optimizer step after each (`lr_of(step)`: its learning rate). What the runtime's plans must reproduce."""
+def reference_steps(tasks: TaskSet, steps: int, seed: int, lr_of, clip: float = 0.0
+                    ) -> list[tuple[list[float], float]]:
+    """Per step, every task's loss in one process and the gradient norm before clipping: the sum of the
+    tasks' losses is the step's loss, its gradients clipped to global norm `clip` (0: not clipped), then
+    one optimizer step (`lr_of(step)`: its learning rate). What the runtime's plans must reproduce."""
     model = TaskModel(tasks, seed)
     optimizer = make_optimizer(model.parameters(), lr_of(0))
     out = []
@@ -121,7 +130,16 @@ def reference_losses(tasks: TaskSet, steps: int, seed: int, lr_of) -> list[list[
             group["lr"] = lr_of(step)
         losses = [task_loss(model, i, batch(tasks, i, step, seed)) for i in range(len(tasks.tasks))]
         sum(losses).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip, norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        out.append([loss.item() for loss in losses])
+        out.append(([loss.item() for loss in losses], float(norm)))
     return out
+
+
+def reference_losses(tasks: TaskSet, steps: int, seed: int, lr_of, clip: float = 0.0) -> list[list[float]]:
+    """Per step, every task's loss in one process (`reference_steps`)."""
+    return [losses for losses, _ in reference_steps(tasks, steps, seed, lr_of, clip)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from plait.cost.calibration import Calibration, calibration_for
@@ -34,6 +34,8 @@ class Curve:
 
     counts: tuple[int, ...]
     layer_s: tuple[float, ...]
+    strategies: tuple[Strategy, ...] = field(default=(), compare=False)
+    """The strategy of each count (empty for curves not priced from strategies, e.g. `amdahl`)."""
 
     @staticmethod
     def of(points: Iterable[tuple[int, float]]) -> Curve:
@@ -67,6 +69,12 @@ class Curve:
         """The largest valid count up to `devices` (0 if none)."""
         i = bisect_right(self.counts, devices)
         return self.counts[i - 1] if i else 0
+
+    def strategy(self, devices: int) -> Strategy | None:
+        """The strategy the op runs with on `devices` devices (that of the largest valid count up to it;
+        None when the curve has no strategies or no count fits)."""
+        n = self.usable(devices)
+        return self.strategies[self.counts.index(n)] if n and self.strategies else None
 
     def seconds(self, devices: int, layers: float) -> float:
         """Seconds of `layers` layers on `devices` devices (the largest valid count up to it); inf if none."""
@@ -152,7 +160,9 @@ def layer_seconds(op: MetaOp, devices: int, p: Pricing) -> tuple[float, Strategy
 
 def op_curve(op: MetaOp, counts: Sequence[int], p: Pricing) -> Curve:
     """The op's scalability curve over `counts`."""
-    curve = Curve.of((n, layer_seconds(op, n, p)[0]) for n in counts)
+    priced = {n: layer_seconds(op, n, p) for n in counts}
+    curve = Curve.of((n, t) for n, (t, _) in priced.items())
+    curve = replace(curve, strategies=tuple(priced[n][1] for n in curve.counts))
     if curve.empty:
         raise PlaitError(f"{op.name} ({op.layers} {op.block.kind} layers, batch {op.batch}) fits on no group of "
                          f"{', '.join(map(str, counts))} {p.cluster.gpu.name} devices; lower the task's batch")
