@@ -155,7 +155,7 @@ def test_every_planner_and_model_family_is_swept(sweep) -> None:
         [("straggler", m) for m in MODELS[2:]] + [("varlen", "tiny-t5"), ("varlen", "tiny-llava")])
     features = {p for e in outputs for p in e.parts[1:]}
     for wanted in ("vpp2", "2 pipelines", "mixed", "tied apart", "zero", "tp", "sp", "cp", "ep", "etp",
-                   "swap", "offload=params"):
+                   "swap", "offload=params", "uneven widths"):
         assert wanted in features, wanted
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from plait.errors import PlaitError
 from plait.executable import tied_ends_alike, unsupported
-from plait.plan import Plan
+from plait.plan import Plan, uniform_plan
 from plait.planner.baselines import run_baseline
 from plait.planner.engine import DEFAULT_LIMITS, search
 from plait.planner.multitask.plan import plan_multitask
@@ -71,6 +71,9 @@ SLOWDOWNS: tuple[dict[int, float], ...] = (
     {2: 2.0, 3: 2.0}, {0: 1.6, 2: 1.6}, {0: 1.3, 1: 1.3, 2: 3.0, 3: 3.0})  # mixed GPU types: half the ranks
 """Speed factors (rank -> time relative to a healthy device): stragglers, then mixed GPU types (an older
 GPU 2x slower on one half or on alternate ranks; three generations)."""
+CURRENT_STRATEGIES = ("tp=2,pp=2", "dp=2,pp=2", "tp=2,dp=2", "pp=4", "dp=2,zero=1,pp=2")
+"""Plans running when devices slow down (`--strategy` text), which the live re-planner re-plans: pipelines
+of tensor-parallel units (shrunk around a straggler), several pipelines, short pipelines."""
 LSH_MODELS = ("tiny-moe",)
 """Models the search also plans with LSH-MoE (`plait plan --lsh`)."""
 VARLEN_METHODS = (("flexsp", "ulysses"), ("bytescale", "ring"), ("static", "ulysses"), ("static", "ring"))
@@ -198,23 +201,28 @@ def _search_outputs(model: str) -> Iterator[tuple[Plan, str]]:
 
 
 def _straggler_outputs(model: str, declined: list[Declined]) -> Iterator[tuple[Plan, str]]:
-    """The straggler planner's picks for every slowdown: from scratch (`plait plan --slow`), and from the
-    healthy search's plan as the live re-planner calls it (the current plan a candidate; also keeping its
-    degrees)."""
+    """The straggler planner's picks for every slowdown: from scratch (`plait plan --slow`), from the healthy
+    search's plan (`plait plan --slow` re-plans it), and as the live re-planner calls it from a running plan
+    (`CURRENT_STRATEGIES`; its degrees kept, `--replan-degrees keep`, or free). The running plan itself,
+    when the planner keeps it, is the caller's, not an output."""
+    m = spec(model)
+    try:  # the planner splits stacks of one layer kind only
+        plan_around_stragglers(m, _cluster(slow=SLOWDOWNS[0]), SEQ_LEN, STRAGGLER_BATCHES[0],
+                               precision=PRECISION)
+    except PlaitError as exc:
+        declined.append(Declined("straggler", model, str(exc)))
+        return
     for gbs in STRAGGLER_BATCHES:
-        _, healthy = _searched(model, gbs, ROOMY_GIB) if gbs in GLOBAL_BATCHES else ([], None)
+        currents = [uniform_plan(f"{text},gbs={gbs}", m, _cluster(), SEQ_LEN) for text in CURRENT_STRATEGIES]
+        calls: list[dict] = [{}] + [{"current": c, "keep_degrees": keep}
+                                    for c in currents for keep in (True, False)]
+        if gbs in GLOBAL_BATCHES and (healthy := _searched(model, gbs, ROOMY_GIB)[1]) is not None:
+            calls.append({"current": healthy})
         for slow in SLOWDOWNS:
-            calls: list[dict] = [{}]
-            if healthy is not None:
-                calls += [{"current": healthy}, {"current": healthy, "keep_degrees": True}]
             for kw in calls:
-                try:
-                    result = plan_around_stragglers(spec(model), _cluster(slow=slow), SEQ_LEN, gbs,
-                                                    precision=PRECISION, **kw)
-                except PlaitError as exc:
-                    declined.append(Declined("straggler", model, str(exc)))
-                    return
-                if result.plan is not None:
+                result = plan_around_stragglers(m, _cluster(slow=slow), SEQ_LEN, gbs, precision=PRECISION,
+                                                **kw)
+                if result.plan is not None and result.label not in ("current plan", "given plan"):
                     yield result.plan, "straggler"
 
 
