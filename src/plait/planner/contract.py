@@ -361,7 +361,8 @@ def emitted(judges: dict[type, Judge] | None = None) -> tuple[list[Emitted], lis
 
 
 def emitted_plans() -> list[Emitted]:
-    """The plans alone (search, baselines, straggler), judged by `plait.executable.unsupported`."""
+    """The plans alone (search, baselines, straggler), judged by `plait.executable.unsupported` (no judge of
+    the runtime needed)."""
     return [e for e in emitted()[0] if isinstance(e.output, Plan)]
 
 
@@ -373,11 +374,6 @@ def reason_class(refusal: str) -> str:
     text = re.sub(r"\([^()]*\d[^()]*\)", "(#)", text)  # "(4 decoder)", "(tiny-moe)": counts, names
     text = re.sub(r"^(dp|tp|cp)\d\S*( \S+)*?: ", "#: ", text)  # "dp2 zero1 swap0.5: ...": the strategy
     return re.sub(r"\b(pipeline|layer|rank)s? \d+\b|\b\S*\d\S*\b", "#", text)
-
-
-def refusal_table(plans: list[Emitted]) -> Counter[str | None]:
-    """How many outputs each class of refusal refuses (None: how many run)."""
-    return Counter(reason_class(e.refusal) if e.refusal else None for e in plans)
 
 
 def refused_classes(outputs: list[Emitted]) -> Counter[tuple[str, str]]:
@@ -427,4 +423,4 @@ def summary(outputs: list[Emitted], declined: list[Declined]) -> str:
 
 
 __all__ = ["Declined", "Emitted", "TaskRun", "VarlenRun", "atoms", "emitted", "emitted_plans", "reason_class",
-           "refusal_table", "refused_classes", "sample", "shape_class", "shape_parts", "spec", "summary"]
+           "refused_classes", "sample", "shape_class", "shape_parts", "spec", "summary"]
