@@ -10,7 +10,10 @@ its layout may give the expert degrees `ep` and `etp` and the plan's `expert_loa
 (group "offload") may give `swap` (share of saved activations swapped to host memory) and `offload` ("optim") in
 their layout, and `host_memory_gb` (the node's host memory in GB, when the run used fewer GPUs than the node has).
 A ZeRO-3 row's layout may name its FSDP runtime, `fsdp_runtime` "torch" (PyTorch FSDP, the default) or "megatron"
-(Megatron-FSDP, priced with `plait.cost.calibration.megatron_fsdp`).
+(Megatron-FSDP, priced with `plait.cost.calibration.megatron_fsdp`). A row whose model TFLOP/s or MFU was printed
+by Megatron-LM from MR !2789 (2025-03-06, megatron/training/training.py num_floating_point_operations: "Only half
+of the attention matrix is non-zero") gives `"model_flops": "causal"`: its figure is compared with plait's
+counted with causal attention cores at half (`causal_mfu`); plait's own count takes them whole.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class PublishedRun:
     # "moe" (mixture-of-experts runs with expert parallelism, whatever their software)
     held_out: bool = False  # set aside before any constant was chosen; graded separately
     cal: Calibration | None = None  # the runtime's calibration where it is not the GPU type's default
+    causal_flops: bool = False  # the reported model FLOPs count causal attention cores at half (`causal_mfu`)
 
     def report(self) -> Report:
         """The run's layout simulated with its calibration."""
@@ -76,7 +80,7 @@ def _strategy(layout: dict) -> str:
         "grad_reduce": layout.get("reduce_dtype", "auto"),
     }
     # MoE rows: expert parallel and expert tensor parallel degrees, and the busiest expert rank's load.
-    keys.update({k: layout[k] for k in ("ep", "etp", "expert_load", "swap", "offload") if k in layout})
+    keys.update({k: layout[k] for k in ("ep", "etp", "expert_load", "dispatcher", "routing", "swap", "offload") if k in layout})
     return ",".join(f"{k}={v}" for k, v in keys.items())
 
 
@@ -108,7 +112,7 @@ def load_runs(path: str | Path) -> tuple[list[PublishedRun], list[tuple[str, str
         cal = megatron_fsdp(calibration_for(cluster.gpu.name), cluster.gpu) if runtime == "megatron" else None
         runs.append(PublishedRun(row["source"], model, cluster, plan, strategy, reported,
                                  bool(row.get("layout_fully_published", True)), _group(row),
-                                 bool(row.get("held_out", False)), cal))
+                                 bool(row.get("held_out", False)), cal, row.get("model_flops") == "causal"))
     return runs, skipped
 
 
@@ -129,14 +133,24 @@ def _group(row: dict) -> str:
     return row.get("group") or ("deepspeed" if "DeepSpeed" in row["source"] else "megatron")
 
 
-def predicted(report: Report, key: str) -> float:
-    """The report's value of a reported key."""
-    return float(getattr(report, key))
+MODEL_FLOPS_KEYS = ("model_tflops_per_gpu", "mfu")  # figures that count model FLOPs
+
+
+def predicted(report: Report, key: str, run: PublishedRun | None = None) -> float:
+    """The report's value of a reported key, its model FLOPs counted as `run` counts them."""
+    value = float(getattr(report, key))
+    if run is not None and run.causal_flops and key in MODEL_FLOPS_KEYS and report.mfu > 0:
+        value *= causal_mfu(report, run.model, run.plan.seq_len) / report.mfu
+    return value
 
 
 def relative_errors(run: PublishedRun, report: Report) -> dict[str, tuple[float, float, float]]:
     """{key: (published, predicted, relative error)} for every figure the run reports."""
-    return {k: (v, predicted(report, k), predicted(report, k) / v - 1) for k, v in run.reported.items()}
+    out = {}
+    for k, v in run.reported.items():
+        ours = predicted(report, k, run)
+        out[k] = (v, ours, ours / v - 1)
+    return out
 
 
 def causal_mfu(report: Report, model: ModelSpec, seq_len: int) -> float:
