@@ -6,8 +6,8 @@ MFU/HFU, iteration time, tokens/s). GPT-style rows are Megatron GPT (LayerNorm, 
 positions) with the unfused attention of their time unless a row names its kernel (`"attention": "flash"`, or
 `"triton"` for the Triton FlashAttention that llm-foundry's MPT benchmarks ran). A row whose
 model gives a `"preset"` (the MoE rows) is that preset of `plait.spec.model` at the row's sequence length, and
-its layout may give the expert degrees `ep` and `etp` and the plan's `expert_load`. Offload and long-context rows
-(group "offload") may give `swap` (share of saved activations swapped to host memory) and `offload` ("optim") in
+its layout may give the expert degrees `ep` and `etp` and the plan's `expert_load`, `dispatcher` and `routing`.
+Offload and long-context rows (group "offload") may give `swap` (share of saved activations swapped to host memory) and `offload` ("optim") in
 their layout, and `host_memory_gb` (the node's host memory in GB, when the run used fewer GPUs than the node has).
 A ZeRO-3 row's layout may name its FSDP runtime, `fsdp_runtime` "torch" (PyTorch FSDP, the default) or "megatron"
 (Megatron-FSDP, priced with `plait.cost.calibration.megatron_fsdp`). A row whose model TFLOP/s or MFU was printed
@@ -79,8 +79,9 @@ def _strategy(layout: dict) -> str:
         "cp_mode": layout.get("cp_mode", "ulysses"), "shard": layout.get("shard", 0),
         "grad_reduce": layout.get("reduce_dtype", "auto"),
     }
-    # MoE rows: expert parallel and expert tensor parallel degrees, and the busiest expert rank's load.
-    keys.update({k: layout[k] for k in ("ep", "etp", "expert_load", "dispatcher", "routing", "swap", "offload") if k in layout})
+    # MoE rows: expert degrees, busiest expert rank's load, token dispatcher, routing; offload rows: swap, offload.
+    layout_keys = ("ep", "etp", "expert_load", "dispatcher", "routing", "swap", "offload")
+    keys.update({k: layout[k] for k in layout_keys if k in layout})
     return ",".join(f"{k}={v}" for k, v in keys.items())
 
 
