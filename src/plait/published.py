@@ -8,7 +8,8 @@ positions) with the unfused attention of their time unless a row names its kerne
 model gives a `"preset"` (the MoE rows) is that preset of `plait.spec.model` at the row's sequence length, and
 its layout may give the expert degrees `ep` and `etp` and the plan's `expert_load`, `dispatcher` and `routing`.
 Offload and long-context rows (group "offload") may give `swap` (share of saved activations swapped to host
-memory) and `offload` ("optim") in their layout, and `host_memory_gb` (the node's host memory in GB, when the run used fewer GPUs than the node has).
+memory) and `offload` ("optim") in their layout, and `host_memory_gb` (the node's host memory in GB, when the run
+used fewer GPUs than the node has).
 A ZeRO-3 row's layout may name its FSDP runtime, `fsdp_runtime` "torch" (PyTorch FSDP, the default) or "megatron"
 (Megatron-FSDP, priced with `plait.cost.calibration.megatron_fsdp`). A row whose model TFLOP/s or MFU was printed
 by Megatron-LM from MR !2789 (2025-03-06, megatron/training/training.py num_floating_point_operations: "Only half
