@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from plait.cost.offload import PAGED
 from plait.plan import Pipeline, Plan, Stage, expert_problem, kind_problem
 from plait.spec.model import ModelSpec
 
@@ -101,22 +102,20 @@ def _unsupported_sharding(plan: Plan, model: ModelSpec) -> str | None:
 def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
     """Token-wise swapping runs on layers without recomputation or with full recomputation (checkpoint saves
     the block's input under the swap's hooks; selective recomputation keeps its GEMM outputs outside them),
-    with tensor and sequence parallelism (DTensors cut as their local tensors), not with context parallelism. Offload runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
-    optimizer states in host memory and steps on the CPU: exactly offload=params; offload=optim, whose cost
-    keeps the 16-bit shard on the device, runs the same way (the same numerics, fewer device bytes). It
-    needs ZeRO over more than one data-parallel rank in every stage, no context parallelism, every layer
-    offloaded alike, no MoE layers (their experts are sharded apart)."""
+    with tensor and sequence parallelism (DTensors cut as their local tensors), not with context parallelism.
+    Offload runs per layer (`plait.runtime.offload`): "optim" and "nvme" step AdamW on the CPU over this
+    rank's shard (its states in host memory, or in files), with any ZeRO stage, on one replica, with context
+    parallelism and in MoE layers; "params" and "nvme" page the parameter shard with FSDP2's CPUOffloadPolicy,
+    which needs ZeRO where the weights have several replicas and is not applied to MoE layers' experts."""
     strategies = [s for p in plan.pipelines for st in p.stages for s in st.strategies]
-    offloads = {s.offload for s in strategies}
-    if "nvme" in offloads:
-        return ("offload=nvme is priced but not executed: FSDP2 offloads to host memory only and this "
-                "runtime has no NVMe path; use offload=params")
-    if offloads != {"none"} and "moe" in model.kind_counts():
-        return f"{model.name} has MoE layers, whose optimizer the runtime does not offload yet; use offload=none"
+    moe = "moe" in model.kind_counts()
     for s in strategies:
-        if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.cp > 1 or len(offloads) > 1):
-            return (f"{s.short()}: the runtime offloads model states with FSDP2 (zero >= 1 over dp > 1 in "
-                    "every stage, no context parallelism, every layer alike); use offload=none")
+        if s.offload in PAGED and s.zero == 0 and s.dp * s.cp > 1:
+            return (f"{s.short()}: offload={s.offload} pages the parameter shard with FSDP2, which needs ZeRO "
+                    "over replicated weights; use zero >= 1 or offload=optim")
+        if s.offload in PAGED and moe:
+            return (f"{model.name} has MoE layers, whose experts' parameters the runtime does not page yet; use "
+                    "offload=optim or none")
         if s.swap and (s.recompute == "selective" or s.cp > 1):
             return (f"{s.short()}: the runtime swaps activations of layers without selective recompute or context "
                     "parallelism; use swap=0 there")

@@ -1,0 +1,158 @@
+"""Optimizer offload as the runtime executes it (`plait.runtime.offload`): AdamW on the CPU over master copies
+(offload=optim), its states in files (offload=nvme), parameter paging (offload=params) on one replica, with
+any ZeRO stage, context parallelism, a per-layer mix and MoE layers; every plan trains to the single-process
+losses (gloo, fp32, one torchrun job per width)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_runtime import SEQ, STEPS, assert_same, text, train_together  # noqa: F401
+
+from plait.executable import unsupported
+from plait.plan import Pipeline, Plan, Stage, Strategy, uniform_plan
+from plait.runtime.offload import HostAdamW, step_metrics
+from plait.runtime.optim import ADAM_BETAS, WEIGHT_DECAY
+from plait.spec.cluster import local_ranks
+from plait.spec.model import PRESETS
+
+GBS = 4
+FP32 = 4  # bytes per fp32 element
+
+
+def _plan(text_: str, nproc: int, model: str = "tiny-llama") -> Plan:
+    return uniform_plan(f"{text_},gbs={GBS},precision=fp32", PRESETS[model], local_ranks(nproc), SEQ)
+
+
+def _mix() -> Plan:
+    """Two ranks, ZeRO-1 over both, each layer offloaded differently: optim, none, params, nvme."""
+    stage = Stage(layers=(0, 4), ranks=(0, 1), strategies=tuple(
+        Strategy(dp=2, zero=1, offload=o) for o in ("optim", "none", "params", "nvme")))  # type: ignore[arg-type]
+    return Plan(model="tiny-llama", seq_len=SEQ, global_batch=GBS, precision="fp32",
+                pipelines=(Pipeline(stages=(stage,), micro_batches=1, micro_batch_sequences=GBS),))
+
+
+ONE_RANK = {"dp1 offload=optim": _plan("dp=1,offload=optim", 1), "dp1 offload=params": _plan("dp=1,offload=params", 1),
+            "dp1 offload=nvme": _plan("dp=1,offload=nvme", 1)}
+TWO_RANKS = {
+    "dp2 zero0 optim": _plan("dp=2,offload=optim", 2),
+    "dp2 zero1 optim": _plan("dp=2,zero=1,offload=optim", 2),
+    "dp2 zero2 optim": _plan("dp=2,zero=2,mbs=1,offload=optim", 2),
+    "dp2 zero3 optim": _plan("dp=2,zero=3,offload=optim", 2),
+    "dp2 zero3 nvme": _plan("dp=2,zero=3,offload=nvme", 2),
+    "cp2 zero1 optim": _plan("cp=2,zero=1,offload=optim", 2),
+    "cp2 zero3 params": _plan("cp=2,zero=3,offload=params", 2),
+    "per-layer mix": _mix(),
+    "tiny-moe dp2 ep2 zero1 optim": _plan("dp=2,ep=2,zero=1,offload=optim", 2, "tiny-moe"),
+    "tiny-moe dp2 zero0 optim": _plan("dp=2,offload=optim", 2, "tiny-moe"),
+}
+NVME = ("dp1 offload=nvme", "dp2 zero3 nvme")
+
+
+def test_host_adamw_steps_exactly_like_adamw_and_counts_its_bytes(tmp_path: Path) -> None:
+    """The CPU step over master copies (host memory or files) gives AdamW's parameters bit for bit; the
+    meter counts the hosted shard's bytes: its gradient out and its update back, and under nvme the four
+    fp32 rows (master, gradient, two moments) read and written around each step, the gradient written once
+    more after backward."""
+    results = {}
+    for mode in (None, "optim", "nvme"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        hosted = {} if mode is None else {id(p): mode for p in model[0].parameters()}
+        opt = HostAdamW(model.parameters(), hosted, tmp_path / str(mode), lr=1e-2, betas=ADAM_BETAS,
+                        weight_decay=WEIGHT_DECAY)
+        x = torch.randn(5, 8)
+        for step in range(3):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            metrics = step_metrics([opt])
+        results[mode] = [p.detach().clone() for p in model.parameters()], metrics
+    n = 8 * 16 + 16  # the hosted layer's parameters
+    assert results[None][1] is None
+    assert results["optim"][1] == {"to_host": n * FP32, "to_device": n * FP32, "nvme_read": 0.0, "nvme_written": 0.0}
+    assert results["nvme"][1] == {"to_host": n * FP32, "to_device": n * FP32, "nvme_read": 4 * n * FP32,
+                                  "nvme_written": 5 * n * FP32}
+    assert sorted(f.name for f in (tmp_path / "nvme").iterdir()) == ["state-0.npy", "state-1.npy"]
+    for mode in ("optim", "nvme"):
+        assert all(torch.equal(a, b) for a, b in zip(results[None][0], results[mode][0])), mode
+
+
+def test_host_adamw_state_round_trips_through_a_state_dict(tmp_path: Path) -> None:
+    """A checkpoint saves the hosted moments by parameter (as AdamW's) and loading them puts them back in
+    the state files; the next steps equal an uninterrupted run."""
+    def make(where: str):  # noqa: ANN202
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 3)
+        return model, HostAdamW(model.parameters(), {id(model.weight): "nvme"}, tmp_path / where, lr=1e-2)
+
+    x = torch.randn(4, 6)
+    model, opt = make("a")
+    for _ in range(4):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    other, resumed = make("b")
+    for _ in range(2):
+        other(x).sum().backward()
+        resumed.step()
+        resumed.zero_grad()
+    half, half_opt = make("c")
+    for _ in range(2):
+        half(x).sum().backward()
+        half_opt.step()
+        half_opt.zero_grad()
+    other.load_state_dict(half.state_dict())
+    resumed.load_state_dict(half_opt.state_dict())
+    for _ in range(2):
+        other(x).sum().backward()
+        resumed.step()
+        resumed.zero_grad()
+    assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)
+
+
+def test_the_runtime_accepts_every_offload_the_planner_emits() -> None:
+    for name, plan in (ONE_RANK | TWO_RANKS).items():
+        assert unsupported(plan, PRESETS[plan.model]) is None, name
+    for text_, model, needle in (("dp=2,offload=params", "tiny-llama", "use zero >= 1 or offload=optim"),
+                                 ("dp=2,zero=1,offload=nvme", "tiny-moe", "does not page yet")):
+        reason = unsupported(_plan(text_, 2, model), PRESETS[model])
+        assert reason is not None and needle in reason and "\n" not in reason, reason
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, text) -> dict:  # noqa: F811
+    """The single-process references and the one-rank cases in one job, the two-rank cases in another."""
+    nvme = tmp_path_factory.mktemp("nvme")
+    options = {k: {"nvme_dir": str(nvme / k.replace(" ", "-").replace("=", "-"))} for k in NVME}
+    ones = {"tiny-llama": ("tiny-llama", f"dp=1,gbs={GBS}"), "tiny-moe": ("tiny-moe", f"dp=1,gbs={GBS}")} | \
+        {k: (p.model, p) for k, p in ONE_RANK.items()}
+    one = train_together(tmp_path_factory.mktemp("one"), text, 1, ones, options)
+    two = train_together(tmp_path_factory.mktemp("two"), text, 2, {k: (p.model, p) for k, p in TWO_RANKS.items()},
+                         options)
+    return {"one": one, "two": two, "nvme": nvme}
+
+
+@pytest.mark.parametrize("name", list(ONE_RANK) + list(TWO_RANKS))
+def test_offloaded_plans_match_single_process(runs, name) -> None:
+    job = runs["one" if name in ONE_RANK else "two"]
+    proc, losses = job
+    assert name in losses and len(losses[name]) == STEPS, proc.stderr[-3000:]
+    model = (ONE_RANK | TWO_RANKS)[name].model
+    assert_same(losses[name], runs["one"][1][model])
+
+
+@pytest.mark.parametrize("name", NVME)
+def test_nvme_states_go_through_files(runs, name) -> None:
+    """Each step reads and writes this rank's hosted state files (four fp32 rows per parameter shard), which
+    lie under --nvme-dir/rank-R/chunk-C."""
+    proc, _ = runs["one" if name in ONE_RANK else "two"]
+    moved = proc.first_records[name]["offload"]
+    folder = runs["nvme"] / name.replace(" ", "-").replace("=", "-") / "rank-0" / "chunk-0"
+    files = sum(f.stat().st_size for f in folder.iterdir())
+    header = 128 * len(list(folder.iterdir()))  # each .npy file's header
+    assert moved["nvme_read"] == files - header
+    assert moved["nvme_written"] == pytest.approx(moved["nvme_read"] * 5 / 4)
+    assert moved["to_host"] == moved["to_device"] == moved["nvme_read"] / 4
