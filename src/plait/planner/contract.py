@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plait.executable import tied_ends_alike, unsupported
 from plait.plan import Plan
-from plait.planner.engine import search
+from plait.planner.engine import DEFAULT_LIMITS, search
+from plait.planner.space import HIERARCHY
 from plait.planner.straggler import plan_around_stragglers
 from plait.spec.cluster import Cluster, local_ranks
 from plait.spec.model import PRESETS
@@ -29,6 +30,9 @@ MEMORY_GIB = (80.0, 0.809, 0.811, 0.817)
 """Device memory the search plans for (GiB): roomy (uniform layouts win), and just above the tiny models'
 priced peak (about 0.81 GiB, mostly the fixed runtime reserve), where per-layer mixes of ZeRO, recompute and
 tensor parallelism fit a stage (found by sweeping the budget)."""
+OFFLOAD_LIMITS = replace(DEFAULT_LIMITS, offload=HIERARCHY["offload"])
+"""The search space with optimizer offload and parameter paging (what `plait plan --host-memory` adds
+besides swapping), searched again at the tight budgets, where they pay."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +44,9 @@ class Emitted:
     refusal: str | None
 
 
-def _search_plans(model: str, cluster: Cluster, global_batch: int) -> list[Plan]:
+def _search_plans(model: str, cluster: Cluster, global_batch: int, limits=DEFAULT_LIMITS) -> list[Plan]:
     seen: list[Plan] = []
-    search(PRESETS[model], cluster, SEQ_LEN, global_batch, precision="fp32", record=seen.append)
+    search(PRESETS[model], cluster, SEQ_LEN, global_batch, precision="fp32", limits=limits, record=seen.append)
     return seen
 
 
@@ -52,8 +56,9 @@ def emitted_plans() -> list[Emitted]:
     found: dict[str, tuple[Plan, str]] = {}
     for model in MODELS:
         for gbs in GLOBAL_BATCHES:
-            for gib in MEMORY_GIB:
-                for plan in _search_plans(model, local_ranks(RANKS).with_memory(gib), gbs):
+            for gib, limits in [(gib, DEFAULT_LIMITS) for gib in MEMORY_GIB] + \
+                    [(gib, OFFLOAD_LIMITS) for gib in MEMORY_GIB[1:]]:
+                for plan in _search_plans(model, local_ranks(RANKS).with_memory(gib), gbs, limits):
                     found.setdefault(plan.model_dump_json(), (plan, "search"))
             for slow in SLOWDOWNS:
                 result = plan_around_stragglers(PRESETS[model], local_ranks(RANKS).with_slow(slow), SEQ_LEN, gbs,
@@ -78,7 +83,8 @@ def refusal_table(plans: list[Emitted]) -> Counter[str | None]:
 def shape_class(plan: Plan) -> tuple:
     """The runtime paths a plan takes: several pipelines or one (and its stages), interleaved chunks,
     whether a stage mixes layer strategies, whether a tied embedding and head are laid out differently at the
-    two ends of a pipeline, and the ZeRO, tensor-, context- and sequence-parallel features any layer uses
+    two ends of a pipeline, the offload choices its layers make, and the ZeRO, tensor-, context- and
+    sequence-parallel features any layer uses
     (not their degrees, recompute, micro-batch sizes or layer cuts: recompute changes no gradient path, and
     the class count bounds the contract test's time)."""
     strategies = [s for p in plan.pipelines for st in p.stages for s in st.strategies]
@@ -86,7 +92,8 @@ def shape_class(plan: Plan) -> tuple:
                 for p in plan.pipelines for st in p.stages)
     pipes = "several" if len(plan.pipelines) > 1 else len(plan.pipelines[0].stages) // plan.chunks
     tied_apart = PRESETS[plan.model].tied_embeddings and not all(tied_ends_alike(p) for p in plan.pipelines)
-    return (pipes, plan.chunks, mixed, tied_apart, max(s.zero for s in strategies) > 0,
+    offloads = tuple(sorted({s.offload for s in strategies} - {"none"}))
+    return (pipes, plan.chunks, mixed, tied_apart, offloads, max(s.zero for s in strategies) > 0,
             max(s.tp for s in strategies) > 1, max(s.cp for s in strategies) > 1, any(s.sp for s in strategies))
 
 
