@@ -84,18 +84,9 @@ def _uneven_problem(plan: Plan, model: ModelSpec, pi: int) -> str | None:
 
 def _unsupported_sharding(plan: Plan, model: ModelSpec) -> str | None:
     """HSDP (a ZeRO shard group smaller than the data-parallel ranks) runs on FSDP2's 2-D mesh
-    (`plait.runtime.placement.Segment.hsdp`), not in MoE layers, whose experts ZeRO shards over their own
-    expert data-parallel groups. Every `grad_reduce` runs (`plait.runtime.zero.REDUCE_DTYPES`)."""
-    kinds = model.kind_counts()
-    if "moe" not in kinds:
-        return None
-    for pipe in plan.pipelines:
-        for stage in pipe.stages:
-            for layer in range(*stage.layers):
-                s = stage.strategy(layer)
-                if s.shard and layer < model.layers and model.stack[layer].kind == "moe":
-                    return (f"layer {layer} (moe, {s.short()}): HSDP (shard > 0) is not executed in MoE "
-                            "layers, whose experts shard over their expert data-parallel group; use shard=0")
+    (`plait.runtime.placement.Segment.hsdp`), in MoE layers too: their dense weights shard over the shard
+    group, their routed experts over the whole expert data-parallel group, as `plait.cost.experts.held_params`
+    prices them. Every `grad_reduce` runs (`plait.runtime.zero.REDUCE_DTYPES`)."""
     return None
 
 
