@@ -1,6 +1,6 @@
 """Optimizer offload as the runtime executes it (`plait.runtime.offload`): AdamW on the CPU over master copies
 (offload=optim), its states in files (offload=nvme), parameter paging (offload=params) on one replica, with
-any ZeRO stage, context parallelism, a per-layer mix and MoE layers; every plan trains to the single-process
+any ZeRO stage, context parallelism, a per-layer mix and MoE layers (paged too); every plan trains to the single-process
 losses (gloo, fp32, one torchrun job per width)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runtime import SEQ, STEPS, assert_same, text, train_together  # noqa: F401
+from test_runtime import SEQ, assert_same, text, train_together  # noqa: F401
 
 from plait.executable import unsupported
 from plait.plan import Pipeline, Plan, Stage, Strategy, uniform_plan
@@ -19,6 +19,7 @@ from plait.spec.cluster import local_ranks
 from plait.spec.model import PRESETS
 
 GBS = 4
+STEPS = 3
 FP32 = 4  # bytes per fp32 element
 
 
@@ -35,10 +36,10 @@ def _mix() -> Plan:
 
 
 ONE_RANK = {"dp1 offload=optim": _plan("dp=1,offload=optim", 1), "dp1 offload=params": _plan("dp=1,offload=params", 1),
-            "dp1 offload=nvme": _plan("dp=1,offload=nvme", 1)}
+            "dp1 offload=nvme": _plan("dp=1,offload=nvme", 1),
+            "tiny-moe dp1 offload=params": _plan("dp=1,offload=params", 1, "tiny-moe")}
 TWO_RANKS = {
     "dp2 zero0 optim": _plan("dp=2,offload=optim", 2),
-    "dp2 zero1 optim": _plan("dp=2,zero=1,offload=optim", 2),
     "dp2 zero2 optim": _plan("dp=2,zero=2,mbs=1,offload=optim", 2),
     "dp2 zero3 optim": _plan("dp=2,zero=3,offload=optim", 2),
     "dp2 zero3 nvme": _plan("dp=2,zero=3,offload=nvme", 2),
@@ -47,6 +48,9 @@ TWO_RANKS = {
     "per-layer mix": _mix(),
     "tiny-moe dp2 ep2 zero1 optim": _plan("dp=2,ep=2,zero=1,offload=optim", 2, "tiny-moe"),
     "tiny-moe dp2 zero0 optim": _plan("dp=2,offload=optim", 2, "tiny-moe"),
+    "tiny-moe dp2 ep2 zero1 params": _plan("dp=2,ep=2,zero=1,offload=params", 2, "tiny-moe"),
+    "tiny-moe dp2 zero3 nvme": _plan("dp=2,zero=3,offload=nvme", 2, "tiny-moe"),
+    "tiny-moe tp2+sp ep2 etp1 zero0 params": _plan("tp=2,sp=1,ep=2,etp=1,offload=params", 2, "tiny-moe"),
 }
 NVME = ("dp1 offload=nvme", "dp2 zero3 nvme")
 
@@ -117,7 +121,7 @@ def test_the_runtime_accepts_every_offload_the_planner_emits() -> None:
     for name, plan in (ONE_RANK | TWO_RANKS).items():
         assert unsupported(plan, PRESETS[plan.model]) is None, name
     for text_, model, needle in (("dp=2,offload=params", "tiny-llama", "use zero >= 1 or offload=optim"),
-                                 ("dp=2,zero=1,offload=nvme", "tiny-moe", "does not page yet")):
+                                 ("dp=2,ep=2,offload=nvme", "tiny-moe", "use zero >= 1 or offload=optim")):
         reason = unsupported(_plan(text_, 2, model), PRESETS[model])
         assert reason is not None and needle in reason and "\n" not in reason, reason
 
@@ -126,7 +130,9 @@ def test_the_runtime_accepts_every_offload_the_planner_emits() -> None:
 def runs(tmp_path_factory, text) -> dict:  # noqa: F811
     """The single-process references and the one-rank cases in one job, the two-rank cases in another."""
     nvme = tmp_path_factory.mktemp("nvme")
-    options = {k: {"nvme_dir": str(nvme / k.replace(" ", "-").replace("=", "-"))} for k in NVME}
+    options = {k: {"steps": STEPS} for k in ("tiny-llama", "tiny-moe", *ONE_RANK, *TWO_RANKS)}
+    for k in NVME:
+        options[k]["nvme_dir"] = str(nvme / k.replace(" ", "-").replace("=", "-"))
     ones = {"tiny-llama": ("tiny-llama", f"dp=1,gbs={GBS}"), "tiny-moe": ("tiny-moe", f"dp=1,gbs={GBS}")} | \
         {k: (p.model, p) for k, p in ONE_RANK.items()}
     one = train_together(tmp_path_factory.mktemp("one"), text, 1, ones, options)

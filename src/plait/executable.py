@@ -96,17 +96,14 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
     with tensor and sequence parallelism (DTensors cut as their local tensors), not with context parallelism.
     Offload runs per layer (`plait.runtime.offload`): "optim" and "nvme" step AdamW on the CPU over this
     rank's shard (its states in host memory, or in files), with any ZeRO stage, on one replica, with context
-    parallelism and in MoE layers; "params" and "nvme" page the parameter shard with FSDP2's CPUOffloadPolicy,
-    which needs ZeRO where the weights have several replicas and is not applied to MoE layers' experts."""
+    parallelism and in MoE layers; "params" and "nvme" page the parameter shard with FSDP2's CPUOffloadPolicy
+    (its units over one replica too, and over MoE layers' expert groups), which needs ZeRO where the weights
+    have several replicas."""
     strategies = [s for p in plan.pipelines for st in p.stages for s in st.strategies]
-    moe = "moe" in model.kind_counts()
     for s in strategies:
         if s.offload in PAGED and s.zero == 0 and s.dp * s.cp > 1:
             return (f"{s.short()}: offload={s.offload} pages the parameter shard with FSDP2, which needs ZeRO "
                     "over replicated weights; use zero >= 1 or offload=optim")
-        if s.offload in PAGED and moe:
-            return (f"{model.name} has MoE layers, whose experts' parameters the runtime does not page yet; use "
-                    "offload=optim or none")
         if s.swap and (s.recompute == "selective" or s.cp > 1):
             return (f"{s.short()}: the runtime swaps activations of layers without selective recompute or context "
                     "parallelism; use swap=0 there")

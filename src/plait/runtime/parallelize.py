@@ -17,7 +17,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -35,7 +34,7 @@ from plait.runtime.placement import Chunk
 from plait.runtime.relayout import Relayout
 from plait.runtime.ring import RingContext
 from plait.runtime.swap import apply_swap
-from plait.runtime.zero import shard_unit
+from plait.runtime.zero import paging, shard_unit
 from plait.runtime.ulysses import Ulysses
 
 
@@ -125,14 +124,10 @@ def apply_ac(model: nn.Module, mode: str, layers: list[str]) -> None:
 
 
 def _fsdp_policy(offload: str, reduce_dtype: torch.dtype | None) -> dict:
-    """shard_unit's keywords for a strategy's `offload` (paged parameters: FSDP2 keeps the sharded parameters
-    and gradients in host memory, pinned only with an accelerator, and copies each unit's to the device for
-    its passes; the optimizer states of "params" stay with them, those of "optim" and "nvme" go to
+    """shard_unit's keywords for a strategy's `offload` (`plait.runtime.zero.paging`; the optimizer states
+    of "params" stay with the paged parameters, those of "optim" and "nvme" go to
     `plait.runtime.offload.HostAdamW`) and the plan's gradient reduce dtype."""
-    policy: dict = {"reduce_dtype": reduce_dtype}
-    if offload in PAGED:
-        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    return policy
+    return {"reduce_dtype": reduce_dtype, **paging(offload)}
 
 
 def _sharded(dp_mesh: DeviceMesh, zero: int, offload: str) -> int:
