@@ -53,6 +53,9 @@ TWO_RANKS = {
     "tiny-moe tp2+sp ep2 etp1 zero0 params": _plan("tp=2,sp=1,ep=2,etp=1,offload=params", 2, "tiny-moe"),
 }
 NVME = ("dp1 offload=nvme", "dp2 zero3 nvme")
+SAVE, RESUME = "saved under dp2 zero3 nvme", "resumed under dp2 zero1 optim"
+SAVED_STEPS = 1  # the last resumed loss follows a step on the loaded moments
+CHECKPOINTED = {SAVE: TWO_RANKS["dp2 zero3 nvme"], RESUME: _plan("dp=2,zero=1,offload=optim", 2)}
 
 
 def test_host_adamw_steps_exactly_like_adamw_and_counts_its_bytes(tmp_path: Path) -> None:
@@ -135,9 +138,11 @@ def runs(tmp_path_factory, text) -> dict:  # noqa: F811
         options[k]["nvme_dir"] = str(nvme / k.replace(" ", "-").replace("=", "-"))
     ones = {"tiny-llama": ("tiny-llama", f"dp=1,gbs={GBS}"), "tiny-moe": ("tiny-moe", f"dp=1,gbs={GBS}")} | \
         {k: (p.model, p) for k, p in ONE_RANK.items()}
+    ckpt = str(tmp_path_factory.mktemp("checkpoint"))
+    options |= {SAVE: {"steps": SAVED_STEPS, "checkpoint_dir": ckpt}, RESUME: {"steps": STEPS, "checkpoint_dir": ckpt}}
     one = train_together(tmp_path_factory.mktemp("one"), text, 1, ones, options)
-    two = train_together(tmp_path_factory.mktemp("two"), text, 2, {k: (p.model, p) for k, p in TWO_RANKS.items()},
-                         options)
+    two = train_together(tmp_path_factory.mktemp("two"), text, 2,
+                         {k: (p.model, p) for k, p in (TWO_RANKS | CHECKPOINTED).items()}, options)
     return {"one": one, "two": two, "nvme": nvme}
 
 
@@ -162,3 +167,13 @@ def test_nvme_states_go_through_files(runs, name) -> None:
     assert moved["nvme_read"] == files - header
     assert moved["nvme_written"] == pytest.approx(moved["nvme_read"] * 5 / 4)
     assert moved["to_host"] == moved["to_device"] == moved["nvme_read"] / 4
+
+
+def test_checkpoint_of_offloaded_states_resumes_under_another_offload(runs) -> None:
+    """Hosted optimizer states are saved by parameter name and shard (as AdamW's): a run saved under ZeRO-3
+    with NVMe state files resumes under ZeRO-1 with host-memory states to the single-process losses."""
+    proc, losses = runs["two"]
+    saved, resumed = losses.get(SAVE), losses.get(RESUME)
+    assert saved is not None and len(saved) == SAVED_STEPS, proc.stderr[-3000:]
+    assert resumed is not None and len(resumed) == STEPS - SAVED_STEPS, proc.stderr[-3000:]
+    assert_same(saved + resumed, runs["one"][1]["tiny-llama"])

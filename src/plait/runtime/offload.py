@@ -84,6 +84,14 @@ def local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def like(p: Tensor, host: Tensor) -> Tensor:
+    """`host` (this rank's part of a state of `p`, in host memory or a file) laid out as `p` is: a DTensor
+    with `p`'s mesh and placements, so checkpoints save and reshard it as they do AdamW's states."""
+    if not isinstance(p, DTensor):
+        return host
+    return DTensor.from_local(host, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
 class HostAdamW(torch.optim.AdamW):
     """AdamW whose `hosted` parameters (id -> "optim" or "nvme") step on the CPU (see the module)."""
 
@@ -169,9 +177,9 @@ class HostAdamW(torch.optim.AdamW):
         else:
             master, grad = self._master(p), self._grads[id(p)]
             if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(local(p), device="cpu")
-                state["exp_avg_sq"] = torch.zeros_like(local(p), device="cpu")
-            exp_avg, exp_avg_sq = state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1)
+                state["exp_avg"] = like(p, torch.zeros_like(local(p), device="cpu"))
+                state["exp_avg_sq"] = like(p, torch.zeros_like(local(p), device="cpu"))
+            exp_avg, exp_avg_sq = (local(state[name]).view(-1) for name in ("exp_avg", "exp_avg_sq"))
         beta1, beta2 = group["betas"]
         adamw([master], [grad], [exp_avg], [exp_avg_sq], [], [state["step"]], foreach=False, amsgrad=False,
               beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
@@ -186,21 +194,27 @@ class HostAdamW(torch.optim.AdamW):
     def _point_at(self, p: Tensor, f: StateFile) -> None:
         """Make `p`'s moments in `state` the file's rows (what checkpoints save between steps)."""
         shape = local(p).shape
-        self.state[p]["exp_avg"] = f.row("exp_avg").view(shape)
-        self.state[p]["exp_avg_sq"] = f.row("exp_avg_sq").view(shape)
+        for name in ("exp_avg", "exp_avg_sq"):
+            self.state[p][name] = like(p, f.row(name).view(shape))
 
     def _after_load(self) -> None:
-        """After a checkpoint's state was loaded: masters again from the (loaded) parameters, moments into
-        the state files."""
+        """After a checkpoint's state was loaded (`load_state_dict` puts it where the parameters are): masters
+        again from the loaded parameters, the moments back in host memory or in the state files."""
         self._masters.clear()
         for p in self._hosted_params():
-            if self._nvme(p) and self.state.get(p):
+            state = self.state.get(p)
+            if not state or "exp_avg" not in state:
+                continue
+            if self._nvme(p):
                 f = self._file(p)
                 f.row("master").copy_(local(p).detach().reshape(-1))
                 for name in ("exp_avg", "exp_avg_sq"):
-                    f.row(name).copy_(local(self.state[p][name]).reshape(-1))
+                    f.row(name).copy_(local(state[name]).reshape(-1))
                 f.map.flush()
                 self._point_at(p, f)
+            else:
+                for name in ("exp_avg", "exp_avg_sq"):
+                    state[name] = like(p, local(state[name]).to("cpu", torch.float32, copy=True))
 
     def take_meter(self) -> OffloadMeter:
         """This step's bytes, and a fresh meter for the next."""
