@@ -177,3 +177,35 @@ def test_checkpoint_of_offloaded_states_resumes_under_another_offload(runs) -> N
     assert saved is not None and len(saved) == SAVED_STEPS, proc.stderr[-3000:]
     assert resumed is not None and len(resumed) == STEPS - SAVED_STEPS, proc.stderr[-3000:]
     assert_same(saved + resumed, runs["one"][1]["tiny-llama"])
+
+
+def test_train_cli_keeps_nvme_states_under_nvme_dir(tmp_path: Path) -> None:
+    """`plait train --nvme-dir D` puts rank 0's state files under D/rank-0/chunk-0 and reports the bytes per
+    step; a --nvme-dir that is a file is refused in one line (exit 2) before anything runs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out, nvme = tmp_path / "m.jsonl", tmp_path / "nvme"
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", "tiny-llama", "--strategy", "dp=1,gbs=2,offload=nvme",
+           "--nproc", "1", "--steps", "2", "--seq-len", "32", "--metrics-out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*cmd, "--nvme-dir", str(nvme)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    files = list((nvme / "rank-0" / "chunk-0").iterdir())
+    params = sum(p.numel() for p in _tiny_llama().parameters())
+    assert len(files) == len(list(_tiny_llama().parameters()))
+    assert [r["offload"]["nvme_read"] for r in records] == [4 * params * FP32] * 2  # every parameter hosted
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    bad = subprocess.run([*cmd, "--nvme-dir", str(blocker / "d")], capture_output=True, text=True, timeout=600, env=env)
+    assert bad.returncode == 2 and "--nvme-dir" in bad.stderr and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def _tiny_llama() -> torch.nn.Module:
+    from plait.models import build_model
+
+    return build_model(PRESETS["tiny-llama"])

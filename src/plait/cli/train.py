@@ -15,6 +15,7 @@ from plait.cli.common import (ModelOpt, PlanOpt, SeqLenOpt, StrategyOpt, app, on
 from plait.cli.multinode import (NnodesOpt, NodeRankOpt, PartitionOpt, RdzvEndpointOpt, SlurmOpt, TimeLimitOpt,
                                  write_sbatch)
 from plait.errors import PlaitError
+from plait.io import check_writable_dir
 from plait.plan import Plan, uniform_plan, validate_plan
 from plait.runtime.nodes import Nodes, check_world, node_notes, parse_nodes, torchrun_args
 from plait.spec.model import ModelSpec, load_model
@@ -31,6 +32,8 @@ DataCacheOpt = Annotated[Path | None, typer.Option(
     "--data-cache", help="where tokenized datasets are cached (default ~/.cache/plait/tokens)")]
 CheckpointDirOpt = Annotated[Path | None, typer.Option(
     "--checkpoint-dir", help="save (DCP) here and resume from the newest readable checkpoint in it")]
+NvmeDirOpt = Annotated[Path | None, typer.Option(
+    "--nvme-dir", help="offload=nvme: where each rank keeps its optimizer state files (default: a temp dir)")]
 ResumeFromOpt = Annotated[Path | None, typer.Option(
     "--resume-from", help="start from this checkpoint (a step-N directory) instead of the newest")]
 TimeoutOpt = Annotated[float, typer.Option(
@@ -91,7 +94,7 @@ def train_cmd(
     varlen: VarlenOpt = None, lengths: LengthsOpt = None, capacity: CapacityOpt = 1024, sp: VarlenSpOpt = None,
     cp_mode: CpModeOpt = "ulysses", varlen_states: VarlenStatesOpt = "sharded",
     offload_above: OffloadAboveOpt = 0, tokenizer: TokenizerOpt = None, text_field: TextFieldOpt = "text",
-    data_dtype: DataDtypeOpt = None, data_cache: DataCacheOpt = None,
+    data_dtype: DataDtypeOpt = None, data_cache: DataCacheOpt = None, nvme_dir: NvmeDirOpt = None,
 ) -> None:
     """Train with a plan on this machine's ranks (launches torchrun), or inside an existing torchrun job.
     With --varlen, train on variable-length documents whose parallel layout is planned every step."""
@@ -134,7 +137,9 @@ def train_cmd(
                             timeout=timeout, resume_from=resume_from, hf_checkpoint=hf_checkpoint, adaptive=adaptive,
                             inject_slow=inject_slow, profile=profile, switch_via=switch_via,
                             replan_degrees=replan_degrees)
-        cfg = replace(cfg, data_dtype=data_dtype)
+        if nvme_dir is not None:
+            check_writable_dir(nvme_dir, "--nvme-dir")
+        cfg = replace(cfg, data_dtype=data_dtype, nvme_dir=str(nvme_dir) if nvme_dir else None)
     _launch(cfg, world, inside, max_restarts, m, nodes)
 
 
