@@ -35,6 +35,14 @@ def _mix() -> Plan:
                 pipelines=(Pipeline(stages=(stage,), micro_batches=1, micro_batch_sequences=GBS),))
 
 
+def _two_pipelines() -> Plan:
+    """Two one-rank pipelines whose ZeRO-1 splits each layer's optimizer state between them
+    (`plait.runtime.replica_zero`), every layer offloaded: each rank steps its slice on the host."""
+    pipes = tuple(Pipeline(stages=(Stage(layers=(0, 4), ranks=(r,), strategies=(Strategy(zero=1, offload="optim"),)),),
+                           micro_batches=1, micro_batch_sequences=GBS // 2) for r in (0, 1))
+    return Plan(model="tiny-llama", seq_len=SEQ, global_batch=GBS, precision="fp32", pipelines=pipes)
+
+
 ONE_RANK = {"dp1 offload=optim": _plan("dp=1,offload=optim", 1), "dp1 offload=params": _plan("dp=1,offload=params", 1),
             "dp1 offload=nvme": _plan("dp=1,offload=nvme", 1),
             "tiny-moe dp1 offload=params": _plan("dp=1,offload=params", 1, "tiny-moe")}
@@ -46,6 +54,7 @@ TWO_RANKS = {
     "cp2 zero1 optim": _plan("cp=2,zero=1,offload=optim", 2),
     "cp2 zero3 params": _plan("cp=2,zero=3,offload=params", 2),
     "per-layer mix": _mix(),
+    "two pipelines, zero1 across them, optim": _two_pipelines(),
     "tiny-moe dp2 ep2 zero1 optim": _plan("dp=2,ep=2,zero=1,offload=optim", 2, "tiny-moe"),
     "tiny-moe dp2 zero0 optim": _plan("dp=2,offload=optim", 2, "tiny-moe"),
     "tiny-moe dp2 ep2 zero1 params": _plan("dp=2,ep=2,zero=1,offload=params", 2, "tiny-moe"),
@@ -209,3 +218,17 @@ def _tiny_llama() -> torch.nn.Module:
     from plait.models import build_model
 
     return build_model(PRESETS["tiny-llama"])
+
+
+def test_step_hooks_run_once_per_step() -> None:
+    """Step hooks (ZeRO across pipelines loads and gathers its slices in them) run once around the hosted
+    step, not again around AdamW's resident one."""
+    model = torch.nn.Linear(3, 2)
+    torch.optim.AdamW(model.parameters())  # torch has wrapped AdamW.step with the hooks
+    calls: list[str] = []
+    opt = HostAdamW(model.parameters(), {id(model.weight): "optim"}, lr=0.1)
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    assert calls == ["pre", "post"]

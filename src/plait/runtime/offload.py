@@ -154,7 +154,8 @@ class HostAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         self.offload_gradients()  # the device's AdamW below skips them (no gradient)
-        loss = super().step(closure)
+        resident = torch.optim.AdamW.step  # torch wraps it with the step hooks, which already ran around this
+        loss = (resident.__wrapped__ if getattr(resident, "hooked", False) else resident)(self, closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if id(p) in self._grads:

@@ -42,8 +42,8 @@ from plait.runtime.parallelize import (
     whole_gradient,
 )
 from plait.runtime.pipeline_uneven import UnevenSchedule
-from plait.runtime.replica_zero import attach, optimizer_params, replica_shards
-from plait.runtime.placement import Placement, Replicas, check_executable, place
+from plait.runtime.replica_zero import ReplicaShards, attach, optimizer_params, replica_shards
+from plait.runtime.placement import Chunk, Placement, Replicas, check_executable, place
 from plait.runtime.stragglers import Adaptive, ComputeClock
 from plait.runtime.zero import REDUCE_DTYPES, follow_zero_stages, micro_batch_flags
 from plait.spec.model import ModelSpec, load_model
@@ -347,8 +347,8 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
     # Checkpoints and plan switches save and move optimizer state by parameter name, which a slice has not.
     sliced = not (hand_sync or cfg.checkpoint_dir or cfg.resume_from) and bool(where.replicas)
     shards = replica_shards(chunks, where, plan, spec.layers) if sliced else [[] for _ in chunks]
-    optimizers = [make_optimizer(optimizer_params(m, s), cfg.lr, offload.hosted_params(m, c),
-                                 nvme_dir(cfg, where.rank, c.index)) for m, s, c in zip(chunks, shards, where.chunks)]
+    optimizers = [make_optimizer(optimizer_params(m, s), cfg.lr, _hosted(m, c, s), nvme_dir(cfg, where.rank, c.index))
+                  for m, s, c in zip(chunks, shards, where.chunks)]
     for optimizer, s in zip(optimizers, shards):
         attach(optimizer, s)
     schedule = None
@@ -361,6 +361,13 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
                 clock.wrap_stage(stage)
     tied = _tied_weights(chunks, where, plan)
     return Placed(plan, where, chunks, optimizers, manual_sync, schedule, tied, loss)
+
+
+def _hosted(model: torch.nn.Module, chunk: Chunk, shards: list[ReplicaShards]) -> dict[int, str]:
+    """id -> offload choice of what a chunk's optimizer steps on the host (`plait.runtime.offload`): its
+    offloaded layers' parameters, or this rank's slices of them where pipelines split their states."""
+    hosted = offload.hosted_params(model, chunk)
+    return hosted | {id(view): hosted[id(p)] for s in shards for p, view in s.owned if id(p) in hosted}
 
 
 def nvme_dir(cfg: TrainConfig, rank: int, chunk: int) -> Path | None:
