@@ -14,7 +14,7 @@ Under "nvme" each hosted shard's master copy, fp32 gradient and two moments are 
 (`StateFile`, a numpy memmap under a per-rank directory): the gradient is written there after backward, and
 around the CPU step the four rows are read into memory and written back (flushed), so the bytes really go
 through the file system; `OffloadMeter` counts them. The parameter shard itself is paged as under
-offload="params" (FSDP2's CPUOffloadPolicy, `plait.runtime.parallelize`).
+offload="params" (FSDP2's CPUOffloadPolicy, `plait.runtime.zero.paging`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class StateFile:
 
     def __init__(self, path: Path, numel: int) -> None:
         self.path, self.numel = path, numel
-        self.map = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(len(STATE_ROWS), numel))
+        self.map = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32,
+                                             shape=(len(STATE_ROWS), numel))
 
     @property
     def nbytes(self) -> int:
@@ -89,7 +90,8 @@ def like(p: Tensor, host: Tensor) -> Tensor:
     with `p`'s mesh and placements, so checkpoints save and reshard it as they do AdamW's states."""
     if not isinstance(p, DTensor):
         return host
-    return DTensor.from_local(host, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return DTensor.from_local(host, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride())
 
 
 class HostAdamW(torch.optim.AdamW):
