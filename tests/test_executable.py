@@ -1,4 +1,4 @@
-"""What the runtime refuses (and the planner's --runnable search avoids): one line naming the cause."""
+"""What the runtime refuses (hand-written plans only: no planner emits these): one line naming the cause."""
 
 from __future__ import annotations
 

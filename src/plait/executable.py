@@ -1,5 +1,5 @@
 """What the runtime executes today: one rule set shared by the runtime (which refuses the rest at load
-time) and the planner (whose `--runnable` search emits nothing else)."""
+time) and the contract test (`tests/test_contract.py`: no planner's output is refused)."""
 
 from __future__ import annotations
 
