@@ -3,6 +3,9 @@ optimizer offload (cost model, plans, search, runtime)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -223,7 +226,10 @@ def test_search_swaps_where_it_pays_and_keeps_to_the_host_budget() -> None:
 TINY_LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=97,max_seq_len=48"
 
 
-def _swapped_run(share: float, dtype: str = "fp32", recompute: str = "none"):  # noqa: ANN202
+def _swapped_run(share: float, dtype: str = "fp32", recompute: str = "none",  # noqa: ANN202
+                 around: Callable[[], ContextManager] = nullcontext):
+    """One forward and backward of a tiny Llama with `share` of its saved activations swapped, inside
+    `around()`: its gradients and the swap meter's bytes."""
     import torch
 
     from plait.models import build_model
@@ -240,9 +246,10 @@ def _swapped_run(share: float, dtype: str = "fp32", recompute: str = "none"):  #
         for block in model.layers.values():
             swap.attach(block, 0.0, meter)
     tokens = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-        loss = model(tokens).float().logsumexp(-1).mean()
-    loss.backward()
+    with around():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = model(tokens).float().logsumexp(-1).mean()
+        loss.backward()
     grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in model.named_parameters()}
     return grads, meter.as_dict()
 
