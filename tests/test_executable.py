@@ -105,7 +105,8 @@ def test_hsdp_and_a_chosen_reduce_precision_run_but_not_hsdp_in_moe_layers() -> 
 
 
 def test_megatron_p2p_runs() -> None:
-    """p2p=megatron runs on the runtime's own schedule with blocking exchanges (`plait.plan.Plan.own_schedule`)."""
+    """p2p=megatron runs on the runtime's own schedule with blocking exchanges
+    (`plait.plan.Plan.own_schedule`)."""
     llama = PRESETS["tiny-llama"]
     p = plan("tiny-llama", [Stage(layers=(0, 1), ranks=(0, 1), strategies=(S(dp=2),)),
                             Stage(layers=(1, llama.layers), ranks=(2, 3), strategies=(S(dp=2),))])

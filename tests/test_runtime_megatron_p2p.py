@@ -1,7 +1,8 @@
-"""p2p=megatron plans run on the runtime's own schedule with blocking exchanges (`plait.runtime.pipeline_uneven`)
-and, between tensor-parallel stages without sequence parallelism, Megatron-LM's scatter/gather
-(`plait.runtime.boundary.Boundary.split`). Each trains to the single-process losses (gloo, 4 ranks, one
-torchrun launch, fp32, 3 steps); each sender's bytes are what the cost model prices."""
+"""p2p=megatron plans run on the runtime's own schedule with blocking exchanges
+(`plait.runtime.pipeline_uneven`) and, between tensor-parallel stages without sequence parallelism,
+Megatron-LM's scatter/gather (`plait.runtime.boundary.Boundary.split`). Each trains to the single-process
+losses (gloo, 4 ranks, one torchrun launch, fp32, 3 steps); each sender's bytes are what the cost model
+prices."""
 
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ def test_matches_single_process(runs, name) -> None:
 
 
 def test_scatter_sends_the_priced_bytes(monkeypatch) -> None:
-    """pp2 x tp2 without sp: each of the 2 senders sends half its [2, 64, 128] fp32 piece, 32768 bytes, which is
-    `send_piece_bytes` / tp, the point-to-point term `send_time` prices with split = tp."""
+    """pp2 x tp2 without sp: each of the 2 senders sends half its [2, 64, 128] fp32 piece, 32768 bytes,
+    which is `send_piece_bytes` / tp, the point-to-point term `send_time` prices with split = tp."""
     import torch
     from test_runtime_widths import _Mailbox
 

@@ -252,7 +252,8 @@ class Plan(BaseModel):
 
     def own_schedule(self, pipeline: int) -> bool:
         """Whether the runtime runs pipeline `pipeline` with its own schedule (`Pipeline.own_schedule`); every
-        pipeline of several stages does under p2p=megatron, whose blocking exchanges torch's schedules lack."""
+        pipeline of several stages does under p2p=megatron, whose blocking exchanges torch's schedules
+        lack."""
         pipe = self.pipelines[pipeline]
         return pipe.own_schedule(self.chunks) or (self.p2p == "megatron" and len(pipe.stages) > 1)
 

@@ -80,7 +80,8 @@ class Boundary:
         if not forward and self.src.data_degree != self.dst.data_degree:
             x = x * (self.src.data_degree / self.dst.data_degree)
         if self.split > 1:
-            part = x.reshape(-1).split(self.scatter_sizes(position, forward))[position % self.split].contiguous()
+            sizes = self.scatter_sizes(position, forward)
+            part = x.reshape(-1).split(sizes)[position % self.split].contiguous()
             return [(dist.isend(part, peers[position], group=self.group, tag=self._tag(forward)), part)]
         (b0, _), (t0, _) = have.piece(position, self.batch, self.tokens)
         out: dict[int, list[Tensor]] = {}
@@ -130,8 +131,9 @@ class Boundary:
         tag = self._tag(forward)
         dist.irecv(parts[mine_at], peers[position], group=self.group, tag=tag).wait()
         others = [i for i in range(self.split) if i != mine_at]
-        works = [dist.isend(parts[mine_at], mine[first + i], group=self.group, tag=tag + GATHER_TAG) for i in others]
-        works += [dist.irecv(parts[i], mine[first + i], group=self.group, tag=tag + GATHER_TAG) for i in others]
+        gather = tag + GATHER_TAG
+        works = [dist.isend(parts[mine_at], mine[first + i], group=self.group, tag=gather) for i in others]
+        works += [dist.irecv(parts[i], mine[first + i], group=self.group, tag=gather) for i in others]
         for work in works:
             work.wait()
         return out.flatten(1) if self.flat else out
