@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from plait.layout import Block, Layout, transfer
+from plait.layout import Block, Layout, scatter_split, transfer
 from plait.plan import Plan
 from plait.spec.model import ModelSpec
 
@@ -161,17 +161,10 @@ def boundaries(plan: Plan, pipeline: int, index: int, spec: ModelSpec, group: di
         tokens, width, flat = carried_shape(spec, b.layers[0], plan.seq_len)
         src, dst = Layout.of(a.strategy(a.layers[1] - 1)), Layout.of(b.strategy(b.layers[0]))
         return Boundary(src, dst, a.ranks, b.ranks, pipe.micro_batch_sequences, tokens, width, group, j, flat,
-                        scatter_split(plan, src, dst))
+                        scatter_split(src, dst) if plan.p2p == "megatron" else 1)
 
     return (between(index - 1) if index > 0 else None,
             between(index) if index < len(stages) - 1 else None)
-
-
-def scatter_split(plan: Plan, src: Layout, dst: Layout) -> int:
-    """Ranks that each send 1/split of a piece at a boundary from layout `src` to `dst`: tp under
-    p2p=megatron between stages of one layout without sequence parallelism (Megatron's scatter/gather),
-    else 1."""
-    return src.copies if plan.p2p == "megatron" and src == dst else 1
 
 
 def carried_shape(spec: ModelSpec, layer: int, seq_len: int) -> tuple[int, int, bool]:
