@@ -103,11 +103,12 @@ def test_hsdp_and_a_chosen_reduce_precision_run_also_in_moe_layers() -> None:
 
 
 
-def test_megatron_p2p_is_priced_not_run() -> None:
+def test_megatron_p2p_runs() -> None:
+    """p2p=megatron runs on the runtime's own schedule with blocking exchanges
+    (`plait.plan.Plan.own_schedule`)."""
     llama = PRESETS["tiny-llama"]
     p = plan("tiny-llama", [Stage(layers=(0, 1), ranks=(0, 1), strategies=(S(dp=2),)),
                             Stage(layers=(1, llama.layers), ranks=(2, 3), strategies=(S(dp=2),))])
-    assert unsupported(p, llama) is None
-    assert unsupported(p.model_copy(update={"p2p": "megatron"}), llama) == (
-        "p2p=megatron prices Megatron-LM's synchronous pipeline exchanges, which the runtime does not run (its "
-        "sends are asynchronous); set p2p to async")
+    megatron = p.model_copy(update={"p2p": "megatron"})
+    assert unsupported(megatron, llama) is None
+    assert (p.own_schedule(0), megatron.own_schedule(0)) == (p.pipelines[0].own_schedule(1), True)

@@ -12,9 +12,6 @@ from plait.spec.model import ModelSpec
 
 def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     """Why `plan` cannot run on this version's runtime (one line), or None if it can."""
-    if plan.p2p == "megatron":
-        return ("p2p=megatron prices Megatron-LM's synchronous pipeline exchanges, which the runtime does not run "
-                "(its sends are asynchronous); set p2p to async")
     if (reason := unbuildable(model)) is not None or (reason := _kind_problem(plan, model)) is not None or \
             (reason := _expert_problem(plan, model)) is not None:
         return reason

@@ -85,6 +85,14 @@ class Block:
         return (self.batch[1] - self.batch[0]) * (self.tokens[1] - self.tokens[0])
 
 
+def scatter_split(src: Layout, dst: Layout) -> int:
+    """Ranks that each send 1/split of a piece at a pipeline boundary from layout `src` to `dst` under
+    Megatron-LM's scatter/gather (p2p=megatron; Narayanan et al., SC21, Sec. 4.1): the tp ranks holding the
+    same piece (no sequence parallelism) between stages of one layout; else 1. The runtime sends these
+    parts (`plait.runtime.boundary`) and the cost model prices them (`plait.cost.price.send_time`)."""
+    return src.copies if src == dst else 1
+
+
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     lo, hi = max(a[0], b[0]), min(a[1], b[1])
     return (lo, hi) if lo < hi else None

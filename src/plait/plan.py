@@ -259,6 +259,13 @@ class Plan(BaseModel):
                      "without sequence parallelism sends 1/tp of its activation per rank, all-gathered on arrival)")
     pipelines: tuple[Pipeline, ...] = Field(min_length=1)
 
+    def own_schedule(self, pipeline: int) -> bool:
+        """Whether the runtime runs pipeline `pipeline` with its own schedule (`Pipeline.own_schedule`); every
+        pipeline of several stages does under p2p=megatron, whose blocking exchanges torch's schedules
+        lack."""
+        pipe = self.pipelines[pipeline]
+        return pipe.own_schedule(self.chunks) or (self.p2p == "megatron" and len(pipe.stages) > 1)
+
     @cached_property
     def pp(self) -> int:
         """Devices groups per pipeline of the first pipeline (stages // chunks)."""

@@ -38,7 +38,7 @@ from plait.cost.price import (
     tied_embedding_sync,
 )
 from plait.executable import holders, shard_shape, tied_copies
-from plait.layout import Layout
+from plait.layout import Layout, scatter_split
 from plait.plan import Plan, Stage, Strategy, validate_plan
 from plait.spec.cluster import GIB, Cluster
 from plait.spec.layers import Block
@@ -290,7 +290,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         ctx = context(last_s, stage.layers[1] - 1)
         cross = comm.nodes_of(stage.ranks, cluster.gpus_per_node) != comm.nodes_of(nxt.ranks, cluster.gpus_per_node)
         receiver = nxt.strategy(nxt.layers[0])
-        split = last_s.tp if plan.p2p == "megatron" and not last_s.sp and receiver.devices == last_s.devices else 1
+        split = scatter_split(Layout.of(last_s), Layout.of(receiver)) if plan.p2p == "megatron" else 1
         send = send_time(stage.layers[1], last_s, pipe.micro_batch_sequences, ctx, cross, receiver, split)
         buffers += 2 * send_piece_bytes(stage.layers[1], last_s, pipe.micro_batch_sequences, ctx, receiver)
     speed = _slowest(stage.ranks, cluster)

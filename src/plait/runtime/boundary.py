@@ -9,6 +9,11 @@ micro-batch and direction: sends are non-blocking, receives wait for every sende
 pipeline tags its messages apart, so that interleaved chunks, whose ranks meet at several boundaries, match
 every receive with its own send.
 
+Under p2p=megatron, between two stages of one layout that holds each piece on `split` = tp ranks (no
+sequence parallelism), each sender sends only its 1/split of the piece to its own position and the receivers
+all-gather the pieces among their tp ranks (Megatron-LM's scatter/gather, SC21 Sec. 4.1; the bytes
+`plait.cost.price.send_time` prices with `split`).
+
 The state is what the family carries (`plait.spec.model.ModelSpec.carried_elements`): [B, T, H] hidden
 states; T5's encoder and decoder states side by side, [B, T, 2H]; LLaVA's flat image and text, [B, F], up
 to its projector, whose layers split no tokens, so it crosses as [B, 1, F].
@@ -22,13 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from plait.layout import Block, Layout, transfer
+from plait.layout import Block, Layout, scatter_split, transfer
 from plait.plan import Plan
 from plait.spec.model import ModelSpec
 
 FORWARD_TAG, BACKWARD_TAG = 1, 2
 """Message tags of activations (forward) and their gradients (backward) at a pipeline's first boundary; the
 boundary after stage j adds 2 j (`Boundary.index`)."""
+GATHER_TAG = 1 << 20
+"""Added to a boundary's tag for the receivers' all-gather of scattered pieces (`Boundary.split`)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,16 @@ class Boundary:
     group: dist.ProcessGroup | None
     index: int = 0
     flat: bool = False
+    split: int = 1
+
+    def scatter_sizes(self, position: int, forward: bool) -> list[int]:
+        """Elements of the `split` parts of position `position`'s flattened piece (Megatron's scatter: the
+        position sends the part at its tp index)."""
+        have = self.src if forward else self.dst
+        (b0, b1), (t0, t1) = have.piece(position, self.batch, self.tokens)
+        whole = (b1 - b0) * (t1 - t0) * self.hidden
+        q, r = divmod(whole, self.split)
+        return [q + (i < r) for i in range(self.split)]
 
     def _tag(self, forward: bool) -> int:
         return (FORWARD_TAG if forward else BACKWARD_TAG) + 2 * self.index
@@ -62,6 +79,10 @@ class Boundary:
             x = x.unsqueeze(1)
         if not forward and self.src.data_degree != self.dst.data_degree:
             x = x * (self.src.data_degree / self.dst.data_degree)
+        if self.split > 1:
+            sizes = self.scatter_sizes(position, forward)
+            part = x.reshape(-1).split(sizes)[position % self.split].contiguous()
+            return [(dist.isend(part, peers[position], group=self.group, tag=self._tag(forward)), part)]
         (b0, _), (t0, _) = have.piece(position, self.batch, self.tokens)
         out: dict[int, list[Tensor]] = {}
         for block in self._blocks(have, want):
@@ -78,6 +99,8 @@ class Boundary:
         position = mine.index(dist.get_rank())
         (b0, b1), (t0, t1) = want.piece(position, self.batch, self.tokens)
         out = torch.empty((b1 - b0, t1 - t0, self.hidden), dtype=dtype, device=device)
+        if self.split > 1:
+            return self._gather(out, position, forward, mine, peers)
         by_sender: dict[int, list[Block]] = {}
         for block in self._blocks(have, want):
             if block.receiver == position:
@@ -96,6 +119,23 @@ class Boundary:
                 out[block.batch[0] - b0: block.batch[1] - b0, block.tokens[0] - t0: block.tokens[1] - t0] = \
                     buffers[s][start: start + size].view(shape)
                 start += size
+        return out.flatten(1) if self.flat else out
+
+    def _gather(self, out: Tensor, position: int, forward: bool, mine: tuple[int, ...], peers: tuple[int, ...]
+                ) -> Tensor:
+        """Receive this position's 1/split part from the same position of the other stage, then all-gather
+        the parts among the `split` positions that hold the same piece (point to point, each part once to
+        every other holder)."""
+        parts = list(out.view(-1).split(self.scatter_sizes(position, forward)))
+        mine_at, first = position % self.split, position - position % self.split
+        tag = self._tag(forward)
+        dist.irecv(parts[mine_at], peers[position], group=self.group, tag=tag).wait()
+        others = [i for i in range(self.split) if i != mine_at]
+        gather = tag + GATHER_TAG
+        works = [dist.isend(parts[mine_at], mine[first + i], group=self.group, tag=gather) for i in others]
+        works += [dist.irecv(parts[i], mine[first + i], group=self.group, tag=gather) for i in others]
+        for work in works:
+            work.wait()
         return out.flatten(1) if self.flat else out
 
     def _sides(self, forward: bool) -> tuple[Layout, Layout, tuple[int, ...], tuple[int, ...]]:
@@ -119,8 +159,9 @@ def boundaries(plan: Plan, pipeline: int, index: int, spec: ModelSpec, group: di
     def between(j: int) -> Boundary:
         a, b = stages[j], stages[j + 1]
         tokens, width, flat = carried_shape(spec, b.layers[0], plan.seq_len)
-        return Boundary(Layout.of(a.strategy(a.layers[1] - 1)), Layout.of(b.strategy(b.layers[0])), a.ranks,
-                        b.ranks, pipe.micro_batch_sequences, tokens, width, group, j, flat)
+        src, dst = Layout.of(a.strategy(a.layers[1] - 1)), Layout.of(b.strategy(b.layers[0]))
+        return Boundary(src, dst, a.ranks, b.ranks, pipe.micro_batch_sequences, tokens, width, group, j, flat,
+                        scatter_split(src, dst) if plan.p2p == "megatron" else 1)
 
     return (between(index - 1) if index > 0 else None,
             between(index) if index < len(stages) - 1 else None)

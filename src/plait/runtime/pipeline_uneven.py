@@ -6,7 +6,9 @@ then every B; 1F1B does `stages - 1 - index` forwards first, then alternates, th
 Activations and gradients cross stages through `plait.runtime.boundary` (non-blocking sends, blocking
 receives, so any order that respects the data dependencies runs). The last stage's loss of each
 micro-batch is divided by the micro-batch count before its backward (torch's schedules scale the
-gradients by the same count).
+gradients by the same count). With `blocking` (p2p=megatron) each forward and backward first completes the
+stage's sends in flight together with its own receive, as Megatron-LM's p2p_communication posts a send with
+the next receive and waits on both, so no stage computes ahead of its last exchange.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ class UnevenSchedule:
 
     def __init__(self, chunk: nn.Module, index: int, stages: int, before: Boundary | None, after: Boundary | None,
                  micro_batches: int, loss_fn: Callable[[Tensor, Tensor], Tensor], kind: str,
-                 timed: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+                 timed: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 blocking: bool = False) -> None:
+        self.blocking = blocking
         self.chunk, self.before, self.after, self.loss_fn, self.timed = chunk, before, after, loss_fn, timed
         self.micro_batches = micro_batches
         self.steps = order(kind, stages, index, micro_batches)
@@ -68,6 +72,7 @@ class UnevenSchedule:
         """One micro-batch's forward: (the input received from the previous stage, the output or loss)."""
         if self.before is not None:
             x = self.before.receive(True, self.dtype, self.device).requires_grad_()
+        self._settle(pending)
         with self.timed():
             out = self.chunk(x)
             if self.after is None:
@@ -82,6 +87,7 @@ class UnevenSchedule:
         """One micro-batch's backward (`last`: the step's last, after which ZeRO-1 reduces), from its loss or
         the gradient the next stage sends; sends the input's gradient to the previous stage."""
         grad = None if self.after is None else self.after.receive(False, self.dtype, self.device).to(out.dtype)
+        self._settle(pending)
         micro_batch_flags(self.chunk, last=last)
         with self.timed():
             if grad is None:
@@ -90,3 +96,10 @@ class UnevenSchedule:
                 torch.autograd.backward(out, grad)
         if x is not None and self.before is not None:
             pending += self.before.send(x.grad, forward=False)
+
+    def _settle(self, pending: list[tuple[dist.Work, Tensor]]) -> None:
+        """With `blocking`, wait for every send in flight (after this op's receive, before its compute)."""
+        if self.blocking:
+            for work, _ in pending:
+                work.wait()
+            pending.clear()

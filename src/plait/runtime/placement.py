@@ -260,7 +260,7 @@ def _place_in(plan: Plan, pi: int, rank: int, groups: _Groups, tied_embeddings: 
     """Build pipeline `pi`'s groups (collectively); this rank's placement in it, or None."""
     pipe = plan.pipelines[pi]
     pp = len(pipe.stages) // plan.chunks
-    own = pipe.own_schedule(plan.chunks)
+    own = plan.own_schedule(pi)
     chunks: list[Chunk] = []
     previous: Layout | None = None
     for j, stage in enumerate(pipe.stages):

@@ -307,7 +307,8 @@ def _uneven_schedule(plan: Plan, spec: ModelSpec, chunks: list[torch.nn.Module],
     for model, chunk in zip(chunks, where.chunks):
         before, after = boundaries(plan, where.pipeline, chunk.index, spec, where.pp_group)
         parts[chunk.index] = UnevenSchedule(model, chunk.index, len(pipe.stages), before, after,
-                                            pipe.micro_batches, loss_fn, plan.schedule, timed)
+                                            pipe.micro_batches, loss_fn, plan.schedule, timed,
+                                            blocking=plan.p2p == "megatron")
     if plan.chunks == 1:
         return parts[where.chunks[0].index]
     return ChunkedSchedule(parts, where.group, where.pp, pipe.micro_batches, plan.chunks)
@@ -359,7 +360,7 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
     for optimizer, s in zip(optimizers, shards):
         attach(optimizer, s)
     schedule = None
-    if plan.pipelines[where.pipeline].own_schedule(plan.chunks):
+    if plan.own_schedule(where.pipeline):
         schedule = _uneven_schedule(plan, spec, chunks, where, loss, clock)
     elif where.pp > 1:
         schedule, stages = _schedule(plan, chunks, where, plan.pipelines[where.pipeline].micro_batches, loss)
