@@ -18,8 +18,7 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
             (reason := _expert_problem(plan, model)) is not None:
         return reason
     if (reason := _unsupported_sharding(plan, model)) is not None or \
-            (reason := _unsupported_hierarchy(plan, model)) is not None or \
-            (reason := _unsupported_attn_kept(plan)) is not None:
+            (reason := _unsupported_hierarchy(plan, model)) is not None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
@@ -105,16 +104,6 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
         if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.cp > 1 or len(offloads) > 1):
             return (f"{s.short()}: the runtime offloads model states with FSDP2 (zero >= 1 over dp > 1 in "
                     "every stage, no context parallelism, every layer alike); use offload=none")
-    return None
-
-
-def _unsupported_attn_kept(plan: Plan) -> str | None:
-    """recompute=attn_kept keeps the outputs of PyTorch's fused attention kernels (plait.runtime.recompute);
-    ring attention is plait's own autograd function, whose output it cannot keep."""
-    for s in (s for p in plan.pipelines for st in p.stages for s in st.strategies):
-        if s.recompute == "attn_kept" and s.cp > 1 and s.cp_mode == "ring":
-            return (f"{s.short()}: recompute=attn_kept keeps fused attention outputs, and ring attention "
-                    "is not one; use cp_mode=ulysses or recompute=full")
     return None
 
 
