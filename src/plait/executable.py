@@ -16,8 +16,7 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
             (reason := _expert_problem(plan, model)) is not None:
         return reason
     if (reason := _unsupported_sharding(plan, model)) is not None or \
-            (reason := _unsupported_hierarchy(plan, model)) is not None or \
-            (reason := _unsupported_attn_kept(plan)) is not None:
+            (reason := _unsupported_hierarchy(plan, model)) is not None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
@@ -87,16 +86,6 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
         if s.offload in PAGED and s.zero == 0 and s.dp * s.cp > 1:
             return (f"{s.short()}: offload={s.offload} pages the parameter shard with FSDP2, which needs ZeRO "
                     "over replicated weights; use zero >= 1 or offload=optim")
-    return None
-
-
-def _unsupported_attn_kept(plan: Plan) -> str | None:
-    """recompute=attn_kept keeps the outputs of PyTorch's fused attention kernels (plait.runtime.recompute);
-    ring attention is plait's own autograd function, whose output it cannot keep."""
-    for s in (s for p in plan.pipelines for st in p.stages for s in st.strategies):
-        if s.recompute == "attn_kept" and s.cp > 1 and s.cp_mode == "ring":
-            return (f"{s.short()}: recompute=attn_kept keeps fused attention outputs, and ring attention "
-                    "is not one; use cp_mode=ulysses or recompute=full")
     return None
 
 

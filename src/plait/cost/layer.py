@@ -366,10 +366,10 @@ def block_activation_bytes(block: Block, s: Strategy, ctx: BlockContext, recompu
         if ctx.cal.memory is not None and not s.sp and block.kind != "moe" else None
     if on_gpu is not None:  # Galvatron's memory profile (cost/measured_memory.py)
         return tokens * on_gpu
-    a = block.activation_bytes(recompute or s.recompute)  # type: ignore[arg-type]
+    a = block.activation_bytes(recompute or s.recompute, ring=s.cp > 1 and s.cp_mode == "ring")  # type: ignore[arg-type]
     replicated_div = s.tp if s.sp else 1
     scale = eb / 2  # the formulas count 16-bit activations
     per_token = ((a.replicated * scale + a.replicated_masks) / replicated_div
-                 + a.sharded * scale / s.tp
+                 + (a.sharded * scale + a.sharded_fp32) / s.tp
                  + (a.quadratic_per_seq_token * scale + a.sharded_quadratic_masks) * block.keys(ctx.seq_len) / s.tp)
     return tokens * per_token + experts.routed_activation_bytes(block, s, tokens, ctx, recompute or s.recompute)

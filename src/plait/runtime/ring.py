@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from plait.runtime.packing import document_mask
+from plait.runtime.recompute import ring_keep
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,11 @@ class _RingAttention(torch.autograd.Function):
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, window: int = 0) -> Tensor:
     """Document-masked causal attention of this rank's queries over the whole row's keys (those within a
     sliding `window` of tokens; 0: all earlier ones): [B, heads, T_local, D] -> [B, heads, T_local, D].
-    Differentiable (ring backward)."""
-    return _RingAttention.apply(q, k, v, layout, window)
+    Differentiable (ring backward). Under recompute=attn_kept it runs outside the recomputed region
+    (plait.runtime.recompute.RingKeep)."""
+    if (keep := ring_keep()) is None:
+        return _RingAttention.apply(q, k, v, layout, window)
+    return keep.run(lambda: _RingAttention.apply(q, k, v, layout, window), q.dtype)
 
 
 @dataclass(frozen=True)

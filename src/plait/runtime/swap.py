@@ -267,6 +267,19 @@ def cache_storage() -> dict:
     return defaultdict(lambda: _SwappedEntries(swap))
 
 
+def running_hooks() -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks of the running block's swap (cut and counted as any saved tensor), or hooks that
+    keep tensors as they are when none runs: for an autograd function that saves its tensors inside a
+    checkpointed block but outside its recomputation (attn_kept's ring attention)."""
+    if _RUNNING:
+        return torch.autograd.graph.saved_tensors_hooks(_RUNNING[-1].pack, _LayerSwap.unpack)
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
 def attach(block: nn.Module, share: float, meter: SwapMeter, gather: tuple[int, ...] = ()
            ) -> list[torch.utils.hooks.RemovableHandle]:
     """Swap `share` of the tokens of `block`'s saved activations while it runs forward (0: only count them in

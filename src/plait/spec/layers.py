@@ -42,6 +42,8 @@ MASK_BYTES = 1
 """Bytes per element of a dropout mask (Megatron stores uint8 masks; Korthikanti Table 2)."""
 LSE_BYTES = 4
 """Bytes per (token, head) of the fp32 log-sum-exp a flash-attention kernel saves for backward."""
+RING_KEPT_FP32 = 4
+"""Bytes per element of ring attention's saved output, accumulated and kept in fp32 (runtime/ring.py)."""
 ROUTER_BYTES = 4
 """Bytes per (token, expert) of the fp32 router logits and probabilities an MoE layer keeps for backward."""
 GATED_MLP_SAVED = 4
@@ -100,6 +102,9 @@ class ActivationBytes:
     quadratic_per_seq_token: float
     replicated_masks: float
     sharded_quadratic_masks: float
+    sharded_fp32: float = 0.0
+    """Bytes divided by the tensor-parallel degree that are fp32 whatever the activation dtype (ring
+    attention's kept output and log-sum-exp under attn_kept)."""
 
 
 @dataclass(frozen=True)
@@ -315,8 +320,9 @@ class Block:
         return self.gemm_flops_per_token(seq_len) + self.attention_flops_per_token(seq_len)
 
     # ---- activations ----------------------------------------------------------------------
-    def activation_bytes(self, recompute: Recompute) -> ActivationBytes:
-        """Bytes saved for backward per token of the layer, 16-bit activations (see ActivationBytes).
+    def activation_bytes(self, recompute: Recompute, ring: bool = False) -> ActivationBytes:
+        """Bytes saved for backward per token of the layer, 16-bit activations (see ActivationBytes); `ring`:
+        under ring context parallelism (only attn_kept saves differently there).
 
         With eager attention, dropout, LayerNorm and a 4h GeLU MLP a decoder layer reproduces Korthikanti
         et al. 2022, Table 2: s*b*h*(34 + 5*a*s/h) with no parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t))
@@ -327,7 +333,7 @@ class Block:
             # only the layer input survives (sharded by sequence parallelism)
             return ActivationBytes(2 * (self.in_dim if self.kind == "projector" else h), 0, 0, 0, 0)
         if recompute == "attn_kept":
-            return self._attention_kept_bytes()
+            return self._ring_kept_bytes() if ring else self._attention_kept_bytes()
         if self.kind == "patch_embed":  # the patch pixels into the projection
             return ActivationBytes(2 * self.in_dim, 0, 0, 0, 0)
         if self.kind == "projector":  # input, hidden pre- and post-activation
@@ -376,6 +382,16 @@ class Block:
             quadratic = cores * (2 + (2 if self.dropout else 0)) * self.heads
             quad_masks = cores * self.heads * MASK_BYTES if self.dropout else 0.0
         return ActivationBytes(2 * self.hidden, sharded, quadratic, 0, quad_masks)
+
+    def _ring_kept_bytes(self) -> ActivationBytes:
+        """Bytes per token under `attn_kept` with ring context parallelism: ring attention runs outside the
+        recomputed region as its own autograd function (plait.runtime.ring, plait.runtime.recompute), which
+        keeps its local queries and its keys and values (every query head's, GQA's repeated ones; 16-bit)
+        and its fp32 output and log-sum-exp (RING_KEPT_FP32, LSE_BYTES per head), with the layer input."""
+        cores = 2 if self.kind == "cross_decoder" else 1
+        wide = self.heads * self.head_dim  # k and v as ring attention gets them: one per query head
+        return ActivationBytes(2 * self.hidden, cores * 3 * 2 * wide, 0, 0, 0,
+                               sharded_fp32=cores * (RING_KEPT_FP32 * wide + LSE_BYTES * self.heads))
 
     def routed_activation_bytes(self) -> tuple[int, int]:
         """(input, hidden) bytes a routed expert keeps for backward per (token, expert) pair, 16-bit: the
