@@ -41,7 +41,7 @@ from plait.plan import Strategy, strategy_problem
 from plait.runtime import checkpoint
 from plait.runtime.loop import lr_at, step_optimizers, train_loop
 from plait.runtime.multitask_groups import GroupLayers, group_mesh
-from plait.runtime.multitask_model import TaskModel, batch, check_runnable, sink, stack_key, width
+from plait.runtime.multitask_model import TaskModel, batch, check_runnable, sink, stack_key
 from plait.runtime.optim import make_optimizer
 from plait.spec.tasks import TaskSet, load_tasks
 
@@ -350,7 +350,7 @@ class MultitaskStepper:
         for k, u in enumerate(g.units):
             t = self.tasks.tasks[u.task]
             for src in g.sources[k]:
-                produced = width(self.tasks, g.units[src].module)  # hands over the producer's width
+                produced = self.tasks.width(g.units[src].module)  # hands over the producer's width
                 moved = self.handoffs[k, src].move(r, outs.get(src), produced, True)
                 if moved is not None:
                     leaves[k, src] = moved.requires_grad_()
@@ -386,7 +386,7 @@ class MultitaskStepper:
             for src in reversed(g.sources[k]):
                 leaf = leaves.get((k, src))
                 back = self.handoffs[k, src].move(r, leaf.grad if leaf is not None else None,
-                                                  width(self.tasks, g.units[src].module), False)
+                                                  self.tasks.width(g.units[src].module), False)
                 if back is not None:
                     grads[src] = grads[src] + back if src in grads else back
         for k in sorted(self.parallel):  # every rank of a group in the same order

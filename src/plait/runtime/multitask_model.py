@@ -30,17 +30,6 @@ RUNNABLE_KINDS = ("decoder", "encoder", "vision")
 """Layer kinds the runtime builds for a task file: self-attention + MLP layers of one width per module."""
 
 
-def width(tasks: TaskSet, module: str) -> int:
-    """The hidden width of `module`'s layers (one per module: `check_runnable`)."""
-    return tasks.module(module).stack[0].hidden
-
-
-def input_widths(tasks: TaskSet, task: Task, module: str) -> list[int]:
-    """Widths of what `module` reads in `task`: its sources' outputs, or the task's embedding."""
-    sources = task.inputs_of(module)
-    return [width(tasks, s) for s in sources] if sources else [width(tasks, task.modules[0])]
-
-
 def sink(task: Task) -> str:
     """The task's last module: the one no other module of the task reads."""
     read = {s for sources in task.inputs for s in sources}
@@ -91,7 +80,7 @@ class TaskModel(nn.Module):
             keys = [m.name] if m.shared else [stack_key(tasks, t, m.name) for t in tasks.tasks if m.name in t.modules]
             for key in keys:
                 self.stacks[key] = nn.ModuleList(pre_norm_layer(b) for b in m.stack)
-        self.embed = nn.ModuleDict({str(i): nn.Embedding(VOCAB, width(tasks, t.modules[0]))
+        self.embed = nn.ModuleDict({str(i): nn.Embedding(VOCAB, tasks.width(t.modules[0]))
                                     for i, t in enumerate(tasks.tasks)})
         last = [tasks.module(sink(t)).stack[-1] for t in tasks.tasks]
         self.head = nn.ModuleDict({str(i): nn.Sequential(norm(b), nn.Linear(b.hidden, VOCAB))
@@ -99,21 +88,21 @@ class TaskModel(nn.Module):
         self.project = nn.ModuleDict()  # after the rest: a task file of one width initialises as before
         for t in tasks.tasks:
             for m in t.modules:
-                for w in input_widths(tasks, t, m):
+                for w in tasks.input_widths(t, m):
                     key = projection_key(tasks, t, m, w)
-                    if w != width(tasks, m) and key not in self.project:
-                        self.project[key] = nn.Linear(w, width(tasks, m))
+                    if w != tasks.width(m) and key not in self.project:
+                        self.project[key] = nn.Linear(w, tasks.width(m))
 
     def projections(self, task: int, module: str) -> list[nn.Module]:
         """The projections into `module` as task `task` runs it (none when its inputs have its width)."""
         t = self.tasks.tasks[task]
-        keys = {projection_key(self.tasks, t, module, w) for w in input_widths(self.tasks, t, module)}
+        keys = {projection_key(self.tasks, t, module, w) for w in self.tasks.input_widths(t, module)}
         return [self.project[k] for k in sorted(keys) if k in self.project]
 
     def enter(self, task: int, module: str, inputs: list[Tensor], weight: float = 1.0) -> Tensor:
         """`module`'s input [B, T, H] from what it reads ([B, T, H_in] each): their sum, each input of
         another width first projected to H. `weight` scales the projections' gradients from this call."""
-        t, h = self.tasks.tasks[task], width(self.tasks, module)
+        t, h = self.tasks.tasks[task], self.tasks.width(module)
         return sum(x if x.shape[-1] == h else
                    weighted_call(self.project[projection_key(self.tasks, t, module, x.shape[-1])], weight, x)
                    for x in inputs)
