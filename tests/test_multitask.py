@@ -113,7 +113,8 @@ def test_graph_contracts_chains_and_follows_module_inputs() -> None:
 def test_a_module_of_another_width_prices_its_input_projection() -> None:
     tasks = load_tasks(Path(__file__).resolve().parent / "data/widths-tasks.yaml")
     ops = {op.name: op for op in build_graph(tasks).ops}
-    assert [(name, op.project_from) for name, op in ops.items() if op.project_from] == [("caption/trunk", (32,))]
+    projected = [(name, op.project_from) for name, op in ops.items() if op.project_from]
+    assert projected == [("caption/trunk", (32,))]
     cap, chat = ops["caption/trunk"], ops["chat/trunk"]  # the same trunk layers, on 8 x 32 tokens each
     assert cap.flops - chat.flops == 2 * 8 * 32 * 32 * 64
     p = Pricing.for_cluster(load_cluster("1x4xA100-80GB"), "fp32")

@@ -53,8 +53,9 @@ def test_two_groups_run_at_once_and_train_like_one_process(tmp_path: Path) -> No
     units = units_of(plan_multitask(tasks, load_cluster("1x4xA100-80GB"), "fp32"))
     widths = load_tasks(WIDTHS)
     wide_units = units_of(plan_multitask(widths, load_cluster("1x4xA100-80GB"), "fp32"))
-    swapped = [replace(u, ranks=(2, 3), tp=2) if u.op == "caption/trunk" else  # 32 wide from (0, 1), tp copies
-               replace(u, ranks=(0, 1)) if u.op == "chat/trunk" else u for u in wide_units]  # 64 from (2, 3)
+    swapped = [replace(u, ranks=(2, 3), tp=2) if u.op == "caption/trunk"  # 32 wide from (0, 1), tp copies
+               else replace(u, ranks=(0, 1)) if u.op == "chat/trunk"  # 64 wide from (2, 3)
+               else u for u in wide_units]
     assert [u.ranks for u in wide_units if u.module == "trunk"] == [(0, 1), (2, 3)]
     check_units(widths, swapped, 4)
     stages = {u.stage for u in units}

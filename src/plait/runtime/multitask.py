@@ -359,7 +359,7 @@ class MultitaskStepper:
             t0 = time.time()
             (a, b), span = u.layout.piece(u.ranks.index(r), t.batch, t.seq_len)
             mine = tokens[u.task][a:b]
-            weight = 1.0 / u.layout.copies  # tp ranks holding copies share the edges' and projections' gradient
+            weight = 1.0 / u.layout.copies  # tp ranks holding copies share edges' and projections' gradients
             inputs = ([leaves[k, s] for s in g.sources[k]] if g.sources[k]
                       else [m.embed_tokens(u.task, mine, span, weight)])
             x = m.enter(u.task, u.module, inputs, weight)  # the producers' widths, projected to the module's

@@ -25,7 +25,7 @@ class MetaOp:
 
     @property
     def flops(self) -> float:
-        """Forward FLOPs of one step (multiply-add = 2), the input projections' 2 tokens h_in h_out included."""
+        """Forward FLOPs of one step (multiply-add = 2), input projections (2 tokens h_in h_out) included."""
         tokens = self.batch * self.block.seq(self.seq_len)
         project = sum(2 * tokens * w * self.block.hidden for w in self.project_from)
         return self.layers * tokens * self.block.flops_per_token(self.seq_len) + project

@@ -143,7 +143,8 @@ def projection_cost(op: MetaOp, s: Strategy, sequences: int, p: Pricing) -> tupl
     gpu, eb, h = p.cluster.gpu, p.prec.activation, op.block.hidden
     peak = p.prec.peak_flops(gpu)
     tokens = sequences * op.block.seq(op.seq_len) // (s.cp * (s.tp if s.sp else 1))
-    seconds = sum(gemm_time(tokens, h, w, gpu, p.cal, peak, eb) + gemm_time(tokens, w, h, gpu, p.cal, peak, eb)
+    seconds = sum(gemm_time(tokens, h, w, gpu, p.cal, peak, eb)  # forward; backward: input and weight grads
+                  + gemm_time(tokens, w, h, gpu, p.cal, peak, eb)
                   + gemm_time(w, h, tokens, gpu, p.cal, peak, eb) for w in op.project_from)
     params = sum(w * h + h for w in set(op.project_from))
     return seconds, sum(model_state_bytes(params, 1, 0, p.prec))
