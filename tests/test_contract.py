@@ -45,8 +45,8 @@ REFUSED_BY_REASON: dict[str, tuple[str, ...]] = {
     "--varlen does not train MoE layers yet (tiny-moe); drop --varlen": (
         "llama+moe VarlenRun: every output",  # 16
     ),
-    "the modules have hidden widths [#, #, #, #, #]; `plait train --tasks` hands activations between "
-    "modules unchanged: give every module the same hidden": (
+    "task 'image-text' ends in # modules (vision, text); the runtime puts one head after one last "
+    "module: let one of them read the others": (
         "multitask imagebind-tasks groups of 1/2/4 ranks",  # 2
     ),
 }

@@ -15,7 +15,9 @@ from plait.planner.multitask.allocator import Amdahl, allocate, optimus, split
 from plait.planner.multitask.graph import build_graph
 from plait.planner.multitask.placement import Slot, map_devices, move_score
 from plait.planner.multitask.plan import plan_multitask, proportional_counts
-from plait.planner.multitask.scalability import Curve
+from plait.cost.memory import model_state_bytes
+from plait.plan import Strategy
+from plait.planner.multitask.scalability import Curve, Pricing, layer_seconds, projection_cost
 from plait.planner.multitask.schedule import wavefront
 from plait.planner.space import divisors
 from plait.spec.cluster import load_cluster
@@ -106,6 +108,21 @@ def test_graph_contracts_chains_and_follows_module_inputs() -> None:
     assert [(op.block.kind, op.layers) for op in g.ops] == [("patch_embed", 1), ("vision", 2), ("projector", 1),
                                                             ("decoder", 4)]
     assert g.predecessors(3) == (2,) and g.predecessors(1) == (0,)
+
+
+def test_a_module_of_another_width_prices_its_input_projection() -> None:
+    tasks = load_tasks(Path(__file__).resolve().parent / "data/widths-tasks.yaml")
+    ops = {op.name: op for op in build_graph(tasks).ops}
+    projected = [(name, op.project_from) for name, op in ops.items() if op.project_from]
+    assert projected == [("caption/trunk", (32,))]
+    cap, chat = ops["caption/trunk"], ops["chat/trunk"]  # the same trunk layers, on 8 x 32 tokens each
+    assert cap.flops - chat.flops == 2 * 8 * 32 * 32 * 64
+    p = Pricing.for_cluster(load_cluster("1x4xA100-80GB"), "fp32")
+    s = Strategy(dp=2)
+    seconds, states = projection_cost(cap, s, 4, p)
+    assert projection_cost(chat, s, 4, p) == (0.0, 0.0) and seconds > 0
+    assert states == sum(model_state_bytes(32 * 64 + 64, 1, 0, p.prec))  # Linear(32, 64)'s weights and bias
+    assert layer_seconds(cap, 2, p)[0] > layer_seconds(chat, 2, p)[0]
 
 
 @pytest.mark.parametrize("data,words", [

@@ -5,7 +5,8 @@ of one task's module on one device group, with the strategy the planner priced f
 degrees tp, sp, cp; the rest of the ranks split the rows). Every rank runs the same list and does its part:
 
 - forward, in order: the unit's input arrives from the group that produced it: each rank of the consuming
-  group receives its piece (rows and, under cp or sp, tokens: `plait.layout.Layout.piece`) from the ranks of
+  group receives its piece (rows and, under cp or sp, tokens: `plait.layout.Layout.piece`; the producer's
+  hidden width: a module of another width projects it on its own ranks, as its first op) from the ranks of
   the producing group that hold it (`plait.layout.transfer`'s blocks, one send/recv per pair of ranks; a
   rank in both groups keeps what it has). The group then runs the layers: data parallel on the master
   weights, or with tensor/context parallelism as a parallel copy (`plait.runtime.multitask_groups`);
@@ -257,7 +258,6 @@ class MultitaskStepper:
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.graph = check_units(tasks, cfg.plan_units(), world)
         self.model = TaskModel(tasks, cfg.seed)
-        self.hidden = tasks.modules[0].stack[0].hidden
         g = self.graph
         self.handoffs = {(k, src): Handoff(tasks.tasks[u.task].batch, tasks.tasks[u.task].seq_len, g.units[src], u)
                          for k, u in enumerate(g.units) for src in g.sources[k]}
@@ -296,6 +296,8 @@ class MultitaskStepper:
             params = [p for layer in stack[u.lo:u.hi] for p in layer.parameters()]
             if not g.sources[k]:
                 params += list(m.embed[str(u.task)].parameters())
+            if u.lo == 0:
+                params += [p for proj in m.projections(u.task, u.module) for p in proj.parameters()]
             if g.last[k]:
                 params += list(m.head[str(u.task)].parameters())
             for p in params:
@@ -348,7 +350,8 @@ class MultitaskStepper:
         for k, u in enumerate(g.units):
             t = self.tasks.tasks[u.task]
             for src in g.sources[k]:
-                moved = self.handoffs[k, src].move(r, outs.get(src), self.hidden, True)
+                produced = self.tasks.width(g.units[src].module)  # hands over the producer's width
+                moved = self.handoffs[k, src].move(r, outs.get(src), produced, True)
                 if moved is not None:
                     leaves[k, src] = moved.requires_grad_()
             if r not in u.ranks:
@@ -356,9 +359,10 @@ class MultitaskStepper:
             t0 = time.time()
             (a, b), span = u.layout.piece(u.ranks.index(r), t.batch, t.seq_len)
             mine = tokens[u.task][a:b]
-            weight = 1.0 / u.layout.copies  # tp ranks holding copies share the embedding's and head's gradient
-            x = sum(leaves[k, s] for s in g.sources[k]) if g.sources[k] else m.embed_tokens(u.task, mine, span,
-                                                                                              weight)
+            weight = 1.0 / u.layout.copies  # tp ranks holding copies share edges' and projections' gradients
+            inputs = ([leaves[k, s] for s in g.sources[k]] if g.sources[k]
+                      else [m.embed_tokens(u.task, mine, span, weight)])
+            x = m.enter(u.task, u.module, inputs, weight)  # the producers' widths, projected to the module's
             y = self.parallel[k](x) if k in self.parallel else m.layers(u.task, u.module, u.lo, u.hi, x)
             if g.last[k]:  # the group's pieces add up to the batch mean
                 y = m.loss(u.task, y, mine, span, weight) * ((b - a) * (span[1] - span[0]) / (t.batch * t.seq_len))
@@ -381,7 +385,8 @@ class MultitaskStepper:
                 log.append((k, "backward", t0, time.time()))
             for src in reversed(g.sources[k]):
                 leaf = leaves.get((k, src))
-                back = self.handoffs[k, src].move(r, leaf.grad if leaf is not None else None, self.hidden, False)
+                back = self.handoffs[k, src].move(r, leaf.grad if leaf is not None else None,
+                                                  self.tasks.width(g.units[src].module), False)
                 if back is not None:
                     grads[src] = grads[src] + back if src in grads else back
         for k in sorted(self.parallel):  # every rank of a group in the same order

@@ -6,7 +6,10 @@ used by several tasks is one set of weights unless it says `shared: false` (then
 has its own token embedding (read by the modules that read no other module) and its own head (a norm and a
 linear layer to the vocabulary after its last module), trained on next-token cross entropy over synthetic
 tokens. A module that reads several modules adds their outputs. Every module runs on the task's `seq_len`
-tokens (`tokens` of a layer is the planner's business), so all modules share one hidden width.
+tokens (`tokens` of a layer is the planner's business). Modules may differ in hidden width: a module that
+reads an input of another width first projects it (a learned Linear(input width, its width), owned by the
+consumer, one per input width; as ImageBind's and LLaVA's projectors). The task's embedding has the width of
+its first module; its head, that of its last.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from plait.spec.tasks import Task, TaskSet
 VOCAB = 256
 """Tokens of the synthetic data (a byte-sized vocabulary, as train's text data)."""
 RUNNABLE_KINDS = ("decoder", "encoder", "vision")
-"""Layer kinds the runtime builds for a task file: self-attention + MLP layers of one width."""
+"""Layer kinds the runtime builds for a task file: self-attention + MLP layers of one width per module."""
 
 
 def sink(task: Task) -> str:
@@ -34,17 +37,17 @@ def sink(task: Task) -> str:
 
 
 def check_runnable(tasks: TaskSet) -> None:
-    """PlaitError unless the runtime can build the task file: attention layers of one hidden width, one last
-    module per task."""
-    widths = {b.hidden for m in tasks.modules for b in m.stack}
+    """PlaitError unless the runtime can build the task file: attention layers of one hidden width within
+    each module, one last module per task."""
     for m in tasks.modules:
         kinds = sorted({b.kind for b in m.stack} - set(RUNNABLE_KINDS))
         if kinds:
             raise PlaitError(f"module {m.name!r} has {', '.join(kinds)} layers; `plait train --tasks` runs "
                              f"{', '.join(RUNNABLE_KINDS)} layers: use kind: decoder/encoder/vision")
-    if len(widths) != 1:
-        raise PlaitError(f"the modules have hidden widths {sorted(widths)}; `plait train --tasks` hands "
-                         "activations between modules unchanged: give every module the same hidden")
+        widths = sorted({b.hidden for b in m.stack})
+        if len(widths) != 1:
+            raise PlaitError(f"module {m.name!r} has layers of hidden widths {widths}; `plait train --tasks` "
+                             "projects between modules only: split it into modules of one width each")
     for t in tasks.tasks:
         read = {s for sources in t.inputs for s in sources}
         last = [m for m in t.modules if m not in read]
@@ -58,8 +61,14 @@ def stack_key(tasks: TaskSet, task: Task, module: str) -> str:
     return module if tasks.module(module).shared else f"{module}@{tasks.tasks.index(task)}"
 
 
+def projection_key(tasks: TaskSet, task: Task, module: str, width_in: int) -> str:
+    """The name of the projection into `module` (as `task` runs it) from inputs of width `width_in`."""
+    return f"{stack_key(tasks, task, module)}:{width_in}"
+
+
 class TaskModel(nn.Module):
-    """Every module's layers (`stacks`), and each task's embedding and head (keyed by task index)."""
+    """Every module's layers (`stacks`), each task's embedding and head (keyed by task index), and the
+    projections into modules that read another width (`project`, keyed by `projection_key`)."""
 
     def __init__(self, tasks: TaskSet, seed: int) -> None:
         super().__init__()
@@ -71,10 +80,32 @@ class TaskModel(nn.Module):
             keys = [m.name] if m.shared else [stack_key(tasks, t, m.name) for t in tasks.tasks if m.name in t.modules]
             for key in keys:
                 self.stacks[key] = nn.ModuleList(pre_norm_layer(b) for b in m.stack)
-        block = tasks.modules[0].stack[0]
-        self.embed = nn.ModuleDict({str(i): nn.Embedding(VOCAB, block.hidden) for i in range(len(tasks.tasks))})
-        self.head = nn.ModuleDict({str(i): nn.Sequential(norm(block), nn.Linear(block.hidden, VOCAB))
-                                   for i in range(len(tasks.tasks))})
+        self.embed = nn.ModuleDict({str(i): nn.Embedding(VOCAB, tasks.width(t.modules[0]))
+                                    for i, t in enumerate(tasks.tasks)})
+        last = [tasks.module(sink(t)).stack[-1] for t in tasks.tasks]
+        self.head = nn.ModuleDict({str(i): nn.Sequential(norm(b), nn.Linear(b.hidden, VOCAB))
+                                   for i, b in enumerate(last)})
+        self.project = nn.ModuleDict()  # after the rest: a task file of one width initialises as before
+        for t in tasks.tasks:
+            for m in t.modules:
+                for w in tasks.input_widths(t, m):
+                    key = projection_key(tasks, t, m, w)
+                    if w != tasks.width(m) and key not in self.project:
+                        self.project[key] = nn.Linear(w, tasks.width(m))
+
+    def projections(self, task: int, module: str) -> list[nn.Module]:
+        """The projections into `module` as task `task` runs it (none when its inputs have its width)."""
+        t = self.tasks.tasks[task]
+        keys = {projection_key(self.tasks, t, module, w) for w in self.tasks.input_widths(t, module)}
+        return [self.project[k] for k in sorted(keys) if k in self.project]
+
+    def enter(self, task: int, module: str, inputs: list[Tensor], weight: float = 1.0) -> Tensor:
+        """`module`'s input [B, T, H] from what it reads ([B, T, H_in] each): their sum, each input of
+        another width first projected to H. `weight` scales the projections' gradients from this call."""
+        t, h = self.tasks.tasks[task], self.tasks.width(module)
+        return sum(x if x.shape[-1] == h else
+                   weighted_call(self.project[projection_key(self.tasks, t, module, x.shape[-1])], weight, x)
+                   for x in inputs)
 
     def layers(self, task: int, module: str, lo: int, hi: int, x: Tensor) -> Tensor:
         """Layers lo..hi-1 of `module` as task `task` runs it: [B, T, H] -> [B, T, H]."""
@@ -112,7 +143,7 @@ def task_loss(model: TaskModel, task: int, tokens: Tensor) -> Tensor:
     out: dict[str, Tensor] = {}
     for m in t.modules:
         sources = t.inputs_of(m)
-        x = sum(out[s] for s in sources) if sources else model.embed_tokens(task, tokens)
+        x = model.enter(task, m, [out[s] for s in sources] if sources else [model.embed_tokens(task, tokens)])
         out[m] = model.layers(task, m, 0, len(model.tasks.module(m).stack), x)
     return model.loss(task, out[sink(t)], tokens)
 

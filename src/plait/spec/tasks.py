@@ -97,6 +97,23 @@ class TaskSet:
     def module(self, name: str) -> Module:
         return next(m for m in self.modules if m.name == name)
 
+    def width(self, module: str) -> int:
+        """The hidden width of `module`'s first layer (what it reads in, after any projection)."""
+        return self.module(module).stack[0].hidden
+
+    def input_widths(self, task: Task, module: str) -> tuple[int, ...]:
+        """Widths of what `module` reads in `task`, one per input: its sources' outputs, or (a module that
+        reads none) the task's token embedding, which has the width of the task's first module."""
+        sources = task.inputs_of(module)
+        if not sources:
+            return (self.width(task.modules[0]),)
+        return tuple(self.module(s).stack[-1].hidden for s in sources)
+
+    def projected(self, task: Task, module: str) -> tuple[int, ...]:
+        """The input widths `module` projects to its own width in `task` (a learned Linear(w, width) per
+        input of another width w, its first op; ImageBind's and LLaVA's modality projectors)."""
+        return tuple(w for w in self.input_widths(task, module) if w != self.width(module))
+
     def users(self, module: str) -> tuple[str, ...]:
         """Names of the tasks that run `module`."""
         return tuple(t.name for t in self.tasks if module in t.modules)

@@ -11,7 +11,8 @@ from plait.spec.tasks import TaskSet
 @dataclass(frozen=True)
 class MetaOp:
     """`layers` consecutive identical layers of one module run by one task on `batch` samples per step of
-    `seq_len` tokens (layers with a fixed width, `block.tokens`, ignore it)."""
+    `seq_len` tokens (layers with a fixed width, `block.tokens`, ignore it). A module's first op also runs
+    the projections of its inputs of other widths (`project_from`: their widths, one per input)."""
 
     name: str
     task: str
@@ -20,11 +21,14 @@ class MetaOp:
     layers: int
     batch: int
     seq_len: int
+    project_from: tuple[int, ...] = ()
 
     @property
     def flops(self) -> float:
-        """Forward FLOPs of one step (multiply-add = 2)."""
-        return self.layers * self.batch * self.block.seq(self.seq_len) * self.block.flops_per_token(self.seq_len)
+        """Forward FLOPs of one step (multiply-add = 2), input projections (2 tokens h_in h_out) included."""
+        tokens = self.batch * self.block.seq(self.seq_len)
+        project = sum(2 * tokens * w * self.block.hidden for w in self.project_from)
+        return self.layers * tokens * self.block.flops_per_token(self.seq_len) + project
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ def build_graph(tasks: TaskSet) -> Graph:
             for k, (block, count) in enumerate(runs):
                 suffix = f"#{k}" if len(runs) > 1 else ""
                 ops.append(MetaOp(f"{task.name}/{module}{suffix}", task.name, module, block, count, task.batch,
-                                  task.seq_len))
+                                  task.seq_len, tasks.projected(task, module) if k == 0 else ()))
                 if k:
                     edges.append((len(ops) - 2, len(ops) - 1))
             ends[module] = (first, len(ops) - 1)

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from plait.cost.calibration import Calibration, calibration_for
+from plait.cost.compute import gemm_time
 from plait.cost.layer import BlockContext
+from plait.cost.memory import model_state_bytes
 from plait.cost.precision import PRECISIONS, PrecisionBytes
 from plait.cost.price import price, usable_memory
 from plait.errors import PlaitError
@@ -131,9 +133,27 @@ def op_model(op: MetaOp) -> ModelSpec:
                      head_dim=b.head_dim or 0, vocab=1, mixed=(b,) * op.layers)
 
 
+def projection_cost(op: MetaOp, s: Strategy, sequences: int, p: Pricing) -> tuple[float, float]:
+    """(seconds, bytes) on one device of the projections into `op`'s width (`MetaOp.project_from`) for one
+    micro-batch of `sequences` samples under `s`: each a Linear(h_in, h_out) the runtime runs whole on every
+    rank of the group on its piece of the tokens (2 tokens h_in h_out FLOPs forward, twice that backward);
+    its weights, gradients and optimizer state unsharded."""
+    if not op.project_from:
+        return 0.0, 0.0
+    gpu, eb, h = p.cluster.gpu, p.prec.activation, op.block.hidden
+    peak = p.prec.peak_flops(gpu)
+    tokens = sequences * op.block.seq(op.seq_len) // (s.cp * (s.tp if s.sp else 1))
+    seconds = sum(gemm_time(tokens, h, w, gpu, p.cal, peak, eb)  # forward; backward: input and weight grads
+                  + gemm_time(tokens, w, h, gpu, p.cal, peak, eb)
+                  + gemm_time(w, h, tokens, gpu, p.cal, peak, eb) for w in op.project_from)
+    params = sum(w * h + h for w in set(op.project_from))
+    return seconds, sum(model_state_bytes(params, 1, 0, p.prec))
+
+
 def _strategy_seconds(op: MetaOp, model: ModelSpec, s: Strategy, devices: int, p: Pricing) -> float:
     """Seconds per layer of `op` under `s` on `devices` ranks, accumulating gradients over the fewest
-    micro-batches whose activations fit in memory; inf if none fits."""
+    micro-batches whose activations fit in memory; inf if none fits. The op's input projections
+    (`projection_cost`) are spread over its layers."""
     ranks = tuple(range(devices))
     per_replica = op.batch // s.dp
     capacity = usable_memory(p.cluster.gpu.memory_bytes, p.cal)
@@ -141,8 +161,9 @@ def _strategy_seconds(op: MetaOp, model: ModelSpec, s: Strategy, devices: int, p
         ctx = BlockContext.for_ranks(model, p.cluster, p.cal, p.prec, op.seq_len, per_replica // m, s, ranks,
                                      s.degrees.group(ranks, "data"))
         c = price(op.block, s, ctx)
-        if op.layers * (c.states + c.activation) + c.working + c.buffers <= capacity:
-            return m * c.micro_batch_s + c.exposed_sync(p.cal.overlap_efficiency)
+        project_s, project_bytes = projection_cost(op, s, per_replica // m, p)
+        if op.layers * (c.states + c.activation) + c.working + c.buffers + project_bytes <= capacity:
+            return m * (c.micro_batch_s + project_s / op.layers) + c.exposed_sync(p.cal.overlap_efficiency)
     return math.inf
 
 
