@@ -227,7 +227,7 @@ def _straggler_outputs(model: str, declined: list[Declined]) -> Iterator[tuple[P
                 if result.plan is not None and result.label not in ("current plan", "given plan"):
                     yield result.plan, "straggler"
                 current = kw.get("current")
-                yield from ((p, "straggler priced") for p in priced if current is None or p != current)
+                yield from ((p, "straggler") for p in priced if current is None or p != current)
 
 
 def _varlen_outputs(model: str, declined: list[Declined]) -> Iterator[VarlenRun]:
