@@ -152,6 +152,28 @@ def test_pipeline_stages_run_sequence_parallel_groups_like_one_process(tmp_path,
     assert held[0] + held[1] != held[2] + held[3]  # the stages hold different layers (embedding, head)
 
 
+MOE = "tiny-moe"
+"""Llama with MoE layers (8 experts, top-2, a shared expert) after a dense first layer."""
+
+
+@pytest.fixture(scope="module")
+def single_moe(tmp_path_factory) -> list[dict]:
+    return _train(tmp_path_factory.mktemp("varlen_moe"), "single", 1, "--varlen", "flexsp", "--capacity", "256",
+                  model=MOE)
+
+
+@pytest.mark.parametrize("method", ["flexsp", "bytescale"])
+def test_moe_layers_train_like_one_process(tmp_path, single_moe, method) -> None:
+    """Experts sharded with the states, every rank routing its own packed tokens, the balancing loss taken
+    per document (counts summed over a group's ranks): 4 ranks' losses equal one process's over 3 steps."""
+    runs = _train(tmp_path, method, 4, "--varlen", method, "--capacity", "64", model=MOE)
+    assert len(runs) == 3
+    assert any(not part.startswith("1x") for r in runs for part in r["layout"].split(" | ")), runs
+    for a, b in zip(single_moe, runs):
+        assert a["tokens"] == b["tokens"]
+        assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5, (a["step"], a["loss"], b["loss"])
+
+
 STATES_MODEL = "llama:layers=4,hidden=512,heads=8,kv_heads=4,ffn=1376,vocab=512,seq=256"
 """Big enough that model states (12.1M parameters: 46 MiB of weights, 185 MiB with gradients and Adam)
 outweigh one step's activations on 4 ranks."""
