@@ -76,9 +76,6 @@ REFUSED_BY_REASON: dict[str, tuple[str, ...]] = {
         "t5 pp2 vpp2 tied apart zero swap offload=params",  # 2
         "t5 pp4 swap offload=params",  # 2
     ),
-    "--varlen does not train MoE layers yet (tiny-moe); drop --varlen": (
-        "llama+moe VarlenRun: every output",  # 16
-    ),
     "the modules have hidden widths [#, #, #, #, #]; `plait train --tasks` hands activations between "
     "modules unchanged: give every module the same hidden": (
         "multitask imagebind-tasks groups of 1/2/4 ranks",  # 2

@@ -156,6 +156,26 @@ MOE = "tiny-moe"
 """Llama with MoE layers (8 experts, top-2, a shared expert) after a dense first layer."""
 
 
+def test_moe_balancing_loss_takes_each_packed_document_as_a_sequence() -> None:
+    """A packed row's balancing loss is the sum of its documents' losses, each as if alone; padding counts in
+    none of them, and the row taken as one sequence gives another value."""
+    from plait.models.moe import Documents, MoE
+
+    block = next(b for b in load_model(MOE).stack if b.kind == "moe")
+    torch.manual_seed(0)
+    moe = MoE(block)
+    lengths = (5, 9, 3)
+    docs = [torch.randn(n, block.hidden) for n in lengths]
+    row = torch.cat([*docs, torch.zeros(3, block.hidden)])  # 3 padding tokens
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate((*lengths, 3))])
+    with torch.no_grad():
+        probs, chosen, _ = moe.route(row)
+        packed = moe.document_aux_loss(probs, chosen, Documents(ids, len(lengths)))
+        alone = sum(moe.aux_loss(*moe.route(d)[:2], 1) for d in docs)
+    assert float(packed) == pytest.approx(float(alone), rel=1e-6)
+    assert abs(float(moe.aux_loss(probs[:17], chosen[:17], 1)) - float(alone)) > 0.1
+
+
 @pytest.fixture(scope="module")
 def single_moe(tmp_path_factory) -> list[dict]:
     return _train(tmp_path_factory.mktemp("varlen_moe"), "single", 1, "--varlen", "flexsp", "--capacity", "256",
