@@ -18,6 +18,10 @@ slot runs a one-token filler pass whose loss counts zero. ByteScale's selective 
 (`cfg.offload_above`): a pass whose row holds a document at least that long swaps every layer's saved
 activations to host memory (`runtime/swap.py`), as the planner prices it.
 
+MoE layers: no expert parallelism inside the groups; the experts are states like the dense weights, every
+rank routes its own tokens of a row to all experts locally, and the balancing loss takes each document as a
+sequence, averaged over the global batch's documents (`routing`), so it too is the same for any layout.
+
 Pipeline stages (`cfg.varlen_stages`): the layout is planned on one stage's ranks and every stage runs it on
 its own ranks, holding its layers with states sharded or replicated over those ranks; each pass goes
 through the stages in 1F1B order, hidden states handed on to the same place in the next stage
@@ -29,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -196,7 +200,7 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 @contextlib.contextmanager
-def routing(model: nn.Module, packed: Packed, local: Tensor, group: dist.ProcessGroup | None):
+def routing(model: nn.Module, packed: Packed, local: Tensor, group: dist.ProcessGroup | None) -> Iterator[None]:
     """Every MoE layer of `model` routes this rank's tokens of `packed` (its places `local` in the row)
     to its own experts (no expert parallelism) and takes each document as a sequence of the balancing loss,
     counts summed over `group` (the ranks sharing the row; None: alone)."""
