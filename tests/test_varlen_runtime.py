@@ -178,8 +178,8 @@ def test_moe_balancing_loss_takes_each_packed_document_as_a_sequence() -> None:
 
 @pytest.fixture(scope="module")
 def single_moe(tmp_path_factory) -> list[dict]:
-    return _train(tmp_path_factory.mktemp("varlen_moe"), "single", 1, "--varlen", "flexsp", "--capacity", "256",
-                  model=MOE)
+    return _train(tmp_path_factory.mktemp("varlen_moe"), "single", 1, "--varlen", "flexsp",
+                  "--capacity", "256", model=MOE)
 
 
 @pytest.mark.parametrize("method", ["flexsp", "bytescale"])

@@ -215,5 +215,6 @@ class MoE(nn.Module):
             if self.documents is None:
                 out = _AuxGradient.apply(out, self.aux_loss(probs, chosen, b), self.aux_scale / b)
             else:
-                out = _AuxGradient.apply(out, self.document_aux_loss(probs, chosen, self.documents), self.aux_scale)
+                aux = self.document_aux_loss(probs, chosen, self.documents)
+                out = _AuxGradient.apply(out, aux, self.aux_scale)
         return out.view(b, t, h)

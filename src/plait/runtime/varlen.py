@@ -200,7 +200,8 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 @contextlib.contextmanager
-def routing(model: nn.Module, packed: Packed, local: Tensor, group: dist.ProcessGroup | None) -> Iterator[None]:
+def routing(model: nn.Module, packed: Packed, local: Tensor,
+            group: dist.ProcessGroup | None) -> Iterator[None]:
     """Every MoE layer of `model` routes this rank's tokens of `packed` (its places `local` in the row)
     to its own experts (no expert parallelism) and takes each document as a sequence of the balancing loss,
     counts summed over `group` (the ranks sharing the row; None: alone)."""
@@ -532,7 +533,7 @@ class DocumentSteps:
                                            for i in work.documents)
         for layer_swap in self.swaps:
             layer_swap.share = 1.0 if offload else 0.0
-        for moe in self.moes:  # the balancing loss: the mean over the global batch's documents (a filler's: 0)
+        for moe in self.moes:  # balancing loss: the mean over the global batch's documents (a filler's: 0)
             moe.aux_scale = 0.0 if work is None else AUX_LOSS_COEF / len(docs)
         return packed, ranks, self.groups[ranks] if len(ranks) > 1 else None
 
