@@ -76,9 +76,9 @@ def measure(plan: Plan, steps: int, skip: int, tmp: Path) -> tuple[float, float,
 
 
 def searched_plan(profile, spec) -> Plan:
-    """The fastest runnable plan on SEARCH_RANKS ranks that the search finds with the profile."""
+    """The fastest plan on SEARCH_RANKS ranks that the search finds with the profile."""
     cluster, cal = calibrate(profile, profiled_cluster(profile, f"1x{SEARCH_RANKS}x{profile.device.gpu_type}"))
-    plan = search(spec, cluster, SEQ, GBS, precision="fp32", cal=cal, runnable=True).plan
+    plan = search(spec, cluster, SEQ, GBS, precision="fp32", cal=cal).plan
     if plan is None:
         raise SystemExit("the search found no plan")
     return plan

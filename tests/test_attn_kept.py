@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers import run_workers
+from test_memory_hierarchy import _swapped_run
 from plait.spec.cluster import load_cluster, local_ranks
 from plait.spec.model import PRESETS, load_model
 
@@ -81,12 +82,8 @@ def test_runtime_refuses_it_with_ring_attention_only() -> None:
 def _run(share: float, recompute: str):  # noqa: ANN202
     """One fp32 forward and backward of a tiny Llama: its gradients, the swap meter's bytes, and how many
     times the attention kernel ran."""
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from plait.models import build_model
-    from plait.runtime import swap
-    from plait.runtime.parallelize import apply_ac
     from plait.runtime.recompute import KEPT_OPS
 
     calls = []
@@ -96,21 +93,8 @@ def _run(share: float, recompute: str):  # noqa: ANN202
             calls.extend([func] if func in KEPT_OPS else [])
             return func(*args, **(kwargs or {}))
 
-    torch.manual_seed(0)
-    model = build_model(load_model(TINY_LLAMA))
-    apply_ac(model, recompute, list(model.layers))
-    swap.apply_swap(model, share, list(model.layers))
-    meter = getattr(model, "swap_meter", None) or swap.SwapMeter.of(model)
-    if share == 0:  # count the unswapped saved bytes the same way
-        for block in model.layers.values():
-            swap.attach(block, 0.0, meter)
-    tokens = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(1))
-    with Count():
-        loss = model(tokens).float().logsumexp(-1).mean()
-        loss.backward()
-    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
-             for n, p in model.named_parameters()}
-    return grads, meter.as_dict(), len(calls)
+    grads, meter = _swapped_run(share, "fp32", recompute, around=Count)
+    return grads, meter, len(calls)
 
 
 def test_attention_runs_once_and_the_saved_bytes_are_the_priced_ones() -> None:

@@ -42,48 +42,9 @@ LENGTHS = str(files("plait") / "data" / "wikipedia-lengths-10k.txt")
 """The document lengths `train --varlen` draws from by default."""
 
 REFUSED_BY_REASON: dict[str, tuple[str, ...]] = {
-    "#: the runtime offloads model states with # (#); use offload=none": (
-        "gpt pp1 mixed tied apart zero cp swap offload=params",  # 1
-        "gpt pp1 mixed tied apart zero swap offload=params",  # 5
-        "gpt pp1 mixed zero swap offload=params",  # 2
-        "gpt pp2 mixed tied apart zero swap offload=params",  # 7
-        "gpt pp2 mixed zero swap offload=params",  # 6
-        "gpt pp2 tied apart zero swap offload=params",  # 1
-        "gpt pp2 vpp2 tied apart zero swap offload=params",  # 4
-        "gpt pp2 vpp2 zero swap offload=params",  # 2
-        "gpt pp4 swap offload=params",  # 3
-        "llama pp1 mixed zero swap offload=params",  # 4
-        "llama pp2 mixed zero swap offload=params",  # 11
-        "llama pp2 vpp2 zero swap offload=params",  # 5
-        "llama pp4 swap offload=params",  # 3
-        "llama+window(all) pp1 mixed zero swap offload=params",  # 4
-        "llama+window(all) pp2 mixed zero swap offload=params",  # 11
-        "llama+window(all) pp2 vpp2 zero swap offload=params",  # 5
-        "llama+window(all) pp4 swap offload=params",  # 3
-        "llama+window(some) pp1 mixed zero swap offload=params",  # 4
-        "llama+window(some) pp2 mixed zero swap offload=params",  # 11
-        "llama+window(some) pp2 vpp2 zero swap offload=params",  # 5
-        "llama+window(some) pp4 swap offload=params",  # 3
-        "llava pp1 mixed zero swap offload=params",  # 4
-        "llava pp2 mixed zero swap offload=params",  # 5
-        "llava pp2 vpp2 mixed zero swap offload=params",  # 2
-        "llava pp2 vpp2 zero swap offload=params",  # 1
-        "llava pp4 mixed swap offload=params",  # 1
-        "llava pp4 swap offload=params",  # 7
-        "t5 pp1 mixed tied apart zero swap offload=params",  # 4
-        "t5 pp2 mixed tied apart zero swap offload=params",  # 4
-        "t5 pp2 mixed zero swap offload=params",  # 2
-        "t5 pp2 vpp2 tied apart zero swap offload=params",  # 2
-        "t5 pp4 swap offload=params",  # 2
-    ),
     "the modules have hidden widths [#, #, #, #, #]; `plait train --tasks` hands activations between "
     "modules unchanged: give every module the same hidden": (
         "multitask imagebind-tasks groups of 1/2/4 ranks",  # 2
-    ),
-    "tiny-moe has MoE layers, whose optimizer the runtime does not offload yet; use offload=none": (
-        "llama+moe pp1 mixed zero cp ep swap offload=params",  # 1
-        "llama+moe pp1 mixed zero ep swap offload=params",  # 3
-        "llama+moe pp2 mixed zero ep swap offload=params",  # 2
     ),
 }
 """Refusal class -> the shape classes whose outputs the runtime refuses for it (output counts in comments)."""

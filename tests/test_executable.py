@@ -1,4 +1,4 @@
-"""What the runtime refuses (and the planner's --runnable search avoids): one line naming the cause."""
+"""What the runtime refuses (hand-written plans only: no planner emits these): one line naming the cause."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_refusals_name_their_cause() -> None:
     assert few.pipelines[0].own_schedule() and not ring.pipelines[0].own_schedule()
 
 
-def test_hsdp_and_a_chosen_reduce_precision_run_but_not_hsdp_in_moe_layers() -> None:
+def test_hsdp_and_a_chosen_reduce_precision_run_also_in_moe_layers() -> None:
     llama, moe = PRESETS["tiny-llama"], PRESETS["tiny-moe"]
     hsdp = plan("tiny-llama", [Stage(layers=(0, 4), ranks=(0, 1, 2, 3), strategies=(S(dp=4, zero=3, shard=2),))])
     assert unsupported(hsdp, llama) is None
@@ -95,8 +95,7 @@ def test_hsdp_and_a_chosen_reduce_precision_run_but_not_hsdp_in_moe_layers() -> 
         assert unsupported(hsdp.model_copy(update={"grad_reduce": reduce}), llama) is None
     moe_hsdp = plan("tiny-moe", [Stage(layers=(0, moe.layers), ranks=(0, 1, 2, 3),
                                        strategies=(S(dp=4, zero=3, shard=2),))])
-    why = unsupported(moe_hsdp, moe)
-    assert why is not None and why.startswith("layer 1 (moe") and "shard=0" in why and "\n" not in why
+    assert unsupported(moe_hsdp, moe) is None
     moe_fsdp = moe_hsdp.model_copy(update={"pipelines": (moe_hsdp.pipelines[0].model_copy(update={"stages": (
         Stage(layers=(0, moe.layers), ranks=(0, 1, 2, 3), strategies=(S(dp=4, zero=3),)),)}),)})
     assert unsupported(moe_fsdp, moe) is None

@@ -5,6 +5,7 @@ data-parallel gradients)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from helpers import expect_error
@@ -13,6 +14,7 @@ from plait.cost import experts
 from plait.cost.calibration import calibration_for
 from plait.cost.layer import BlockContext, block_time
 from plait.cost.precision import PRECISIONS
+from plait.errors import PlaitError
 from plait.cost.price import price
 from plait.plan import Strategy, uniform_plan
 from plait.planner.baselines import run_baseline
@@ -191,3 +193,47 @@ def test_expert_gathers_overlap_the_token_exchange_only_on_other_links() -> None
     ctx = _context(m, across, nodes=4)
     assert (ctx.ep_group.nodes, ctx.edp_group.nodes) == (2, 2)
     assert experts.expert_sync_window(b, across, ctx, ctx.edp_group, 0.25) == 0.0
+
+
+def test_destinations_of_a_token_by_routing() -> None:
+    """Random top-8 of 128 experts over 8 ranks reaches 8 * (1 - C(112,8)/C(128,8)) = 5.34 ranks; AutoModel's
+    contiguous blocks of 8 reach one rank of 16 experts, and two of DeepSeek-V3's 64 ranks of 4 experts."""
+    assert experts.destinations(128, 8, 8) == pytest.approx(8 * (1 - math.comb(112, 8) / math.comb(128, 8)))
+    assert round(experts.destinations(128, 8, 8), 2) == 5.34
+    assert experts.destinations(128, 8, 8, "contiguous") == 1.0
+    assert experts.destinations(256, 8, 64, "contiguous") == 2.0
+    assert experts.remote_nodes_per_token(256, 8, 8, "contiguous") == pytest.approx(7 / 8)
+    assert experts.remote_nodes_per_token(256, 8, 8) == pytest.approx(7 * (1 - math.comb(224, 8) / math.comb(256, 8)))
+
+
+def test_deepep_sends_a_token_once_per_destination_rank_and_permutes_twice() -> None:
+    """Qwen3-30B-A3B on 8 H100 (ep8): the all-to-all dispatcher moves 8 copies of each token, DeepEP 5.34 (random
+    routing) or 1 (contiguous); the all-to-all dispatcher permutes 4 times (16 local experts), DeepEP twice."""
+    from dataclasses import replace as _replace
+
+    m = PRESETS["qwen3-30b-a3b"]
+    b = next(x for x in m.stack if x.kind == "moe")
+    s = Strategy(dp=8, ep=8)
+    ctx = _context(m, s)
+    tokens = 4096.0
+    times = {(d, r): experts.dispatch_time(b, s, tokens, _replace(ctx, dispatcher=d, routing=r))
+             for d in ("alltoall", "deepep") for r in ("random", "contiguous")}
+    assert times[("alltoall", "random")] == times[("alltoall", "contiguous")]
+    assert times[("deepep", "contiguous")] < times[("deepep", "random")] < times[("alltoall", "random")]
+    assert experts.permute_passes(b, s, ctx) == 4
+    assert experts.permute_passes(b, s, _replace(ctx, dispatcher="deepep")) == 2
+    assert experts.permute_passes(b, Strategy(dp=8), ctx) == 2
+    f, bwd = experts.permute_time(b, s, tokens, ctx)
+    moved = 4 * 2 * tokens * 8 * 2048 * 2
+    assert f == bwd == pytest.approx(moved / (ctx.cluster.gpu.hbm_bandwidth * ctx.cal.memory_efficiency)
+                                     + 4 * ctx.cal.kernel_overhead_s)
+
+
+def test_shorthand_takes_the_dispatcher_and_routing() -> None:
+    m = PRESETS["qwen3-30b-a3b"]
+    cluster = dgx(1, 8, "H100-80GB")
+    plan = uniform_plan("dp=8,ep=8,gbs=8,dispatcher=deepep,routing=contiguous", m, cluster, 4096)
+    assert (plan.dispatcher, plan.routing) == ("deepep", "contiguous")
+    assert (uniform_plan("dp=8,ep=8,gbs=8", m, cluster, 4096).dispatcher) == "alltoall"
+    with pytest.raises(PlaitError, match="dispatcher must be alltoall or deepep"):
+        uniform_plan("dp=8,ep=8,gbs=8,dispatcher=nccl", m, cluster, 4096)

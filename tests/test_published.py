@@ -365,48 +365,85 @@ def test_moe_rows_are_collected_with_a_held_out_third() -> None:
 
 
 def test_moe_rows_the_constants_were_chosen_on() -> None:
-    """benchmarks/published_runs.py: median 14.8%, max 63.8% (before the dispatch and launch terms: 29.8%, 62.8%).
-    The four GPT-OSS 120B rows (Megatron-Bridge, 64 H100) are predicted ~60% too fast and the Mixtral-8x22B rows
-    ~15% too fast; the issue's bar (median <= 10%, max <= 20%) is not met."""
+    """benchmarks/published_runs.py: median 12.1%, max 55.8% (before the permutation passes, DeepEP's dispatch and
+    the AutoModel rows' configs: 14.8%, 63.8%; before the dispatch and launch terms: 29.8%, 62.8%). The four
+    GPT-OSS 120B rows (Megatron-Bridge, 64 H100) are predicted 51-56% too fast, the Mixtral-8x22B rows 10-11% too
+    fast and DeepSeek-V3 on 256 GPUs 18% too slow; the issue's bar (median <= 10%, max <= 20%) is not met."""
     errors = [abs(e) for run, e in MOE if not run.held_out]
-    assert statistics.median(errors) <= 0.15
-    assert max(errors) <= 0.64
+    assert statistics.median(errors) <= 0.125
+    assert max(errors) <= 0.56
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 17.8%, max 64.2% (before: 40.3%, 99.7%): GPT-OSS 120B (+64%), DeepSeek-V3 on 1024 GPUs (+18%),
-    Mixtral-8x7B (+18%), Megatron-FSDP Qwen3-235B (+11%)."""
+    """Median 23.7%, max 56.1% (before this pass 17.8%, 64.2%; before the dispatch terms 40.3%, 99.7%): GPT-OSS
+    120B (+56%), DeepSeek-V3 on 1024 GPUs (-31%: +18% while it was priced as per-micro-batch ZeRO-3 without
+    recompute; its config recomputes every block and syncs FSDP once per step), Mixtral-8x7B (+16%),
+    Megatron-FSDP Qwen3-235B (+11%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
-    assert statistics.median(errors) <= 0.18
-    assert max(errors) <= 0.65
+    assert statistics.median(errors) <= 0.24
+    assert max(errors) <= 0.57
 
 
 def test_megatron_fsdp_expert_gathers_hide_behind_the_token_exchange_too() -> None:
     """Qwen3-235B, TP2 EP8 (inside a node) and FSDP over the 32 expert data-parallel ranks (across nodes), 256 H100:
     was +99.7%; the experts' gathers and reduce-scatters (InfiniBand) also run beside the dispatch and combine
     (NVLink), the row reduces gradients in bf16 as Megatron-FSDP's guide recommends (+67.1%), and it is priced as
-    Megatron-FSDP (zero-copy double buffers: no per-collective hook time, contention of the SM share alone): +11.0%."""
+    Megatron-FSDP (zero-copy double buffers: no per-collective hook time, contention of the SM share alone): +11.0%;
+    with DeepEP's once-per-rank dispatch and its two permutation passes: +10.7%."""
     (error,) = [e for run, e in MOE if run.plan.pipelines[0].stages[0].strategies[0].zero == 3
                 and run.model.name == "qwen3-235b-a22b"]
-    assert round(error, 3) == 0.110
+    assert round(error, 3) == 0.107
 
 
 def test_cross_node_expert_parallel_rows_within_13_percent() -> None:
     """Qwen3-235B-A22B on 256 H100 with DeepEP (fully published layouts, no FSDP): EP32 across 4 nodes was
-    +30% (every routed copy over InfiniBand) and TP4/EP8 with 16 small local experts -40%; now -8.8% and -12.1%."""
+    +30% (every routed copy over InfiniBand) and TP4/EP8 with 16 small local experts -40%; then -8.8% and -12.1%;
+    with DeepEP's once-per-rank dispatch and the permutation passes -5.5% and -12.1%."""
     errors = [e for run, e in MOE if run.model.name == "qwen3-235b-a22b" and run.plan.pipelines[0].stages[0]
               .strategies[0].zero == 1]
     assert len(errors) == 2
     assert all(abs(e) <= 0.13 for e in errors)
 
 
-def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_about_60_percent_fast() -> None:
+def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_over_50_percent_fast() -> None:
     """Megatron-Bridge's 26.02-26.04 GPT-OSS perf configs set grad_reduce_in_fp32 False (bf16 gradient reduction):
     +57.6..62.6% became +59.2..64.2%. The attention kernel is the open question: TransformerEngine runs the sink
     attention in cuDNN (fused) only from cuDNN 9.13.1, else unfused, and unfused would add ~89 ms to each
-    9-layer stage's micro-batch (plait's eager kernel), more than the ~63 ms the published rate leaves."""
+    9-layer stage's micro-batch (plait's eager kernel), more than the ~63 ms the published rate leaves. The
+    all-to-all dispatcher's four permutation passes over the routed copies (16 local experts) take 8 points:
+    +51.4..56.1%."""
     errors = sorted(e for run, e in MOE if run.model.name == "gpt-oss-120b")
-    assert [round(e, 3) for e in errors] == [0.592, 0.594, 0.638, 0.642]
+    assert [round(e, 3) for e in errors] == [0.514, 0.516, 0.558, 0.561]
+
+
+def test_automodel_rows_run_as_their_configs_say() -> None:
+    """NeMo AutoModel's benchmark configs recompute every block (activation_checkpointing), sync FSDP2 once per
+    step (enable_fsdp_optimizations, reshard_after_forward false: ZeRO-1's schedule), dispatch with DeepEP and route
+    with the fake balanced gate (contiguous experts); DeepSeek-V3's layers_per_stage give vpp 7 and 4. Errors:
+    Qwen3-30B -6.4% (was +0.6%), DeepSeek-V3 256 GPUs -17.7% (+4.9%), 1024 GPUs -31.3% (+18.0%)."""
+    auto = [(run, e) for run, e in MOE if "Automodel" in run.source]
+    assert len(auto) == 3
+    for run, _ in auto:
+        s = run.plan.pipelines[0].stages[0].strategies[0]
+        assert (s.recompute, s.zero, run.plan.dispatcher, run.plan.routing) == ("full", 1, "deepep", "contiguous")
+    assert sorted((run.cluster.world_size, run.plan.chunks) for run, _ in auto) == [(8, 1), (256, 7), (1024, 4)]
+    assert sorted(round(e, 3) for _, e in auto) == [-0.313, -0.177, -0.064]
+
+
+def test_megatron_rows_printed_after_the_causal_flop_count_are_compared_with_it() -> None:
+    """Megatron-LM counts causal attention cores at half since MR !2789 (2025-03-06); the ModelZoo's Mixtral-8x22B
+    figures come from its 25.06 container: plait's model TFLOP/s are scaled by 0.9663 (+15-16% became +10-11%).
+    The Mixtral-8x7B figure (MCore v0.9, 2024) keeps the whole count."""
+    from plait.published import causal_mfu
+
+    causal = [(run, e) for run, e in MOE if run.mfu_convention == "causal_half"]
+    assert [run.model.name for run, _ in causal] == ["mixtral-8x22b", "mixtral-8x22b"]
+    run = causal[0][0]
+    report = run.report()
+    (_, ours, _), = relative_errors(run, report).values()
+    assert ours == pytest.approx(report.model_tflops_per_gpu * causal_mfu(report, run.model, 4096) / report.mfu)
+    assert round(ours / report.model_tflops_per_gpu, 4) == 0.9663
+    assert sorted(round(e, 3) for _, e in causal) == [0.098, 0.11]
 
 
 def test_megatron_fsdp_row_runs_at_its_infiniband_time() -> None:

@@ -43,6 +43,10 @@ EXACT = {  # fp32 training and fp32 (or auto) reduction: the single-process loss
     "pp2 x dp2 zero3 shard1": _uniform("pp=2,dp=2,zero=3,shard=1,mbs=1"),
     "dp2 x tp2 zero3 shard1": _uniform("dp=2,tp=2,zero=3,shard=1"),
     "dp2 x cp2 zero3 shard2": _uniform("dp=2,cp=2,zero=3,shard=2"),
+    # MoE layers: the dense weights HSDP over the shard groups, the experts ZeRO over their edp group
+    "tiny-moe dp4 ep2 zero3 shard2": _uniform("dp=4,ep=2,zero=3,shard=2", "tiny-moe"),
+    "tiny-moe dp2 x cp2 ep4 zero2 shard2": _uniform("dp=2,cp=2,ep=4,zero=2,shard=2,mbs=1", "tiny-moe"),
+    "tiny-moe dp2 x tp2+sp ep2 etp1 zero1 shard1": _uniform("dp=2,tp=2,sp=1,ep=2,etp=1,zero=1,shard=1", "tiny-moe"),
 }
 BF16_REDUCE = {  # fp32 training, gradients reduced in bf16: close to the single-process losses
     "dp4 zero3 shard2, bf16 reduce": _uniform("dp=4,zero=3,shard=2,grad_reduce=bf16"),
@@ -89,10 +93,11 @@ def _losses(runs: tuple, name: str) -> list[float]:
 
 
 @pytest.mark.parametrize("name", list(EXACT))
-def test_hsdp_plans_match_single_process(runs, reference, name) -> None:
+def test_hsdp_plans_match_single_process(runs, references, name) -> None:
     """fp32 losses within 1e-5 of one process, every step (5 steps)."""
-    assert unsupported(EXACT[name], PRESETS[MODEL]) is None
-    assert_same(_losses(runs, name), reference)
+    model = EXACT[name].model
+    assert unsupported(EXACT[name], PRESETS[model]) is None
+    assert_same(_losses(runs, name), references[model])
 
 
 @pytest.mark.parametrize("name", list(BF16_REDUCE))

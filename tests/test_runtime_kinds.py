@@ -173,10 +173,10 @@ def test_what_the_runtime_refuses_names_the_cause() -> None:
 
 
 def test_train_and_plan_from_the_command_line(tmp_path, text) -> None:  # noqa: F811
-    """`plait plan --runnable` writes a plan for tiny-t5 that `plait train` runs on 4 ranks."""
+    """`plait plan` writes a plan for tiny-t5 that `plait train` runs on 4 ranks."""
     plan = tmp_path / "plan.json"
     base = [sys.executable, "-m", "plait.cli"]
-    proc = subprocess.run(base + ["plan", "--model", "tiny-t5", "--cluster", "1x4xA100-80GB", "--runnable",
+    proc = subprocess.run(base + ["plan", "--model", "tiny-t5", "--cluster", "1x4xA100-80GB",
                                   "--seq-len", str(SEQ), "-b", "8", "--precision", "fp32", "--out", str(plan)],
                           check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -212,12 +212,12 @@ def test_galvatron_2_4_profile_names_take_the_sequence_length_of_the_command(tmp
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model=st.sampled_from(["tiny-llama", "tiny-gpt", "llama2-7b"]), per_node=st.sampled_from([2, 4, 8]),
        memory=st.floats(0.05, 80.0))
-def test_runnable_search_emits_only_executable_plans(model, per_node, memory) -> None:
+def test_the_search_emits_only_executable_plans(model, per_node, memory) -> None:
     from plait.executable import unsupported
 
     spec = PRESETS[model]
     cluster = dgx(1, per_node, "A100-80GB").with_memory(memory)
-    result = search(spec, cluster, 256, 8, runnable=True)
+    result = search(spec, cluster, 256, 8)
     if result.plan is not None:
         assert unsupported(result.plan, spec) is None
         validate_plan(result.plan, spec, cluster)

@@ -214,12 +214,12 @@ def test_a_hopeless_device_is_left_out() -> None:
     assert r.report.iteration_time_s < simulate(uniform_plan("dp=4,gbs=16", model, c, 1024), model, c).iteration_time_s / 5
 
 
-def test_runnable_plans_only() -> None:
+def test_the_straggler_planner_emits_executable_plans() -> None:
     from plait.executable import unsupported
 
     c = dgx(1, 4, "A100-80GB").with_slow({2: 3.0})
     model = load_model(SMALL)
-    r = plan_around_stragglers(model, c, 1024, 16, runnable=True)
+    r = plan_around_stragglers(model, c, 1024, 16)
     assert r.plan is not None and unsupported(r.plan, model) is None
 
 

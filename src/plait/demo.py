@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
                       "and predicts closer.")
     plan_file = out / f"{TINY_MODEL}-plan.json"
     common = ["--model", TINY_MODEL, "--cluster", str(cluster_file), "--seq-len", str(TINY_SEQ)]
-    run_plait(["plan", *common, "--global-batch", str(TINY_BATCH), "--precision", "fp32", "--runnable",
+    run_plait(["plan", *common, "--global-batch", str(TINY_BATCH), "--precision", "fp32",
                "--out", str(plan_file), *calib], args.dry_run)
     predicted = None
     if not args.dry_run:

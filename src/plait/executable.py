@@ -1,10 +1,11 @@
 """What the runtime executes today: one rule set shared by the runtime (which refuses the rest at load
-time) and the planner (whose `--runnable` search emits nothing else)."""
+time) and the contract test (`tests/test_contract.py`: no planner's output is refused)."""
 
 from __future__ import annotations
 
 import re
 
+from plait.cost.offload import PAGED
 from plait.plan import Pipeline, Plan, Stage, expert_problem, kind_problem
 from plait.spec.model import ModelSpec
 
@@ -69,42 +70,26 @@ def _uneven_problem(plan: Plan, model: ModelSpec, pi: int) -> str | None:
 
 def _unsupported_sharding(plan: Plan, model: ModelSpec) -> str | None:
     """HSDP (a ZeRO shard group smaller than the data-parallel ranks) runs on FSDP2's 2-D mesh
-    (`plait.runtime.placement.Segment.hsdp`), not in MoE layers, whose experts ZeRO shards over their own
-    expert data-parallel groups. Every `grad_reduce` runs (`plait.runtime.zero.REDUCE_DTYPES`)."""
-    kinds = model.kind_counts()
-    if "moe" not in kinds:
-        return None
-    for pipe in plan.pipelines:
-        for stage in pipe.stages:
-            for layer in range(*stage.layers):
-                s = stage.strategy(layer)
-                if s.shard and layer < model.layers and model.stack[layer].kind == "moe":
-                    return (f"layer {layer} (moe, {s.short()}): HSDP (shard > 0) is not executed in MoE "
-                            "layers, whose experts shard over their expert data-parallel group; use shard=0")
+    (`plait.runtime.placement.Segment.hsdp`), in MoE layers too: their dense weights shard over the shard
+    group, their routed experts over the whole expert data-parallel group, as `plait.cost.experts.held_params`
+    prices them. Every `grad_reduce` runs (`plait.runtime.zero.REDUCE_DTYPES`)."""
     return None
 
 
 def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
     """Token-wise swapping runs with every recomputation (checkpoint saves the block's input under the swap's
     hooks; selective recomputation's kept GEMM outputs and attn_kept's attention outputs are cut in its
-    cache), with tensor and sequence
-    parallelism (DTensors cut as their local tensors) and context parallelism (each rank's chunk). Offload
-    runs as FSDP2's CPUOffloadPolicy, which keeps each rank's parameter shard, gradients and
-    optimizer states in host memory and steps on the CPU: exactly offload=params; offload=optim, whose cost
-    keeps the 16-bit shard on the device, runs the same way (the same numerics, fewer device bytes). It
-    needs ZeRO over more than one data-parallel rank in every stage, no context parallelism, every layer
-    offloaded alike, no MoE layers (their experts are sharded apart)."""
+    cache), with tensor and sequence parallelism (DTensors cut as their local tensors) and context
+    parallelism (each rank's chunk). Offload runs per layer (`plait.runtime.offload`): "optim" and "nvme" step
+    AdamW on the CPU over this rank's shard (its states in host memory, or in files), with any ZeRO stage, on
+    one replica, with context parallelism and in MoE layers; "params" and "nvme" page the parameter shard with
+    FSDP2's CPUOffloadPolicy (its units over one replica too, and over MoE layers' expert groups), which needs
+    ZeRO where the weights have several replicas."""
     strategies = [s for p in plan.pipelines for st in p.stages for s in st.strategies]
-    offloads = {s.offload for s in strategies}
-    if "nvme" in offloads:
-        return ("offload=nvme is priced but not executed: FSDP2 offloads to host memory only and this "
-                "runtime has no NVMe path; use offload=params")
-    if offloads != {"none"} and "moe" in model.kind_counts():
-        return f"{model.name} has MoE layers, whose optimizer the runtime does not offload yet; use offload=none"
     for s in strategies:
-        if s.offload != "none" and (s.zero == 0 or s.dp == 1 or s.cp > 1 or len(offloads) > 1):
-            return (f"{s.short()}: the runtime offloads model states with FSDP2 (zero >= 1 over dp > 1 in "
-                    "every stage, no context parallelism, every layer alike); use offload=none")
+        if s.offload in PAGED and s.zero == 0 and s.dp * s.cp > 1:
+            return (f"{s.short()}: offload={s.offload} pages the parameter shard with FSDP2, which needs ZeRO "
+                    "over replicated weights; use zero >= 1 or offload=optim")
     return None
 
 

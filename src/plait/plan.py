@@ -39,10 +39,13 @@ Precision = Literal["bf16", "fp16", "fp32"]
 GradReduce = Literal["auto", "fp32", "bf16"]
 MoeComm = Literal["alltoall", "lsh"]
 P2p = Literal["async", "megatron"]
+Dispatcher = Literal["alltoall", "deepep"]
+Routing = Literal["random", "contiguous"]
 Offload = Literal["none", "optim", "params", "nvme"]
 PLAN_VERSION = 6
 """Version of the plan file. 6: the plan's `p2p`, how stages exchange activations (absent in older files:
-"async", plait's runtime). 5: strategies carry the share of saved activations swapped to host `swap`, the
+"async", plait's runtime) and the MoE token `dispatcher` and `routing` (absent: "alltoall", "random").
+5: strategies carry the share of saved activations swapped to host `swap`, the
 `offload` of optimizer states to the host CPU and the MoE token exchange `moe_comm` (absent in older files: 0,
 "none" and "alltoall", every routed token travels; "lsh": LSH-MoE centroids). 4: strategies carry ZeRO's
 shard group `shard` (HSDP; absent in older files: 0, all data-parallel ranks) and the plan the gradient
@@ -242,6 +245,12 @@ class Plan(BaseModel):
     expert_load: float = Field(1.0, ge=1.0, allow_inf_nan=False,
                                description="routed tokens of the busiest expert rank over the mean (MoE layers): "
                                            "1 with balanced routing, the capacity factor with padded experts")
+    dispatcher: Dispatcher = Field("alltoall", description="how MoE layers move routed tokens: alltoall "
+                                   "(Megatron's all-to-all dispatcher: every routed copy travels inside a node) "
+                                   "or deepep (DeepEP: a token travels once per destination rank)")
+    routing: Routing = Field("random", description="which experts a token's top-k picks are: random (distinct "
+                             "experts drawn at random, as balanced routers and Megatron's forced balance give) "
+                             "or contiguous (top-k consecutive experts, NeMo AutoModel's fake balanced gate)")
     grad_reduce: GradReduce = Field("auto", description="precision gradients are reduced in: auto (the "
                                     "precision's gradient bytes: fp32 under bf16), fp32 or bf16 (FSDP's reduce_dtype)")
     p2p: P2p = Field("async", description="how pipeline stages exchange activations: async (plait's runtime, "
@@ -450,7 +459,7 @@ def _validate_strategy(s: Strategy, block: Block, devices: int, mbs: int, plan: 
 
 _STRATEGY_KEYS = ("tp", "pp", "dp", "cp", "mbs", "gbs", "recompute", "sp", "zero", "vpp", "schedule",
                   "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce", "p2p",
-                  "moe_comm", "swap", "offload")
+                  "moe_comm", "swap", "offload", "dispatcher", "routing")
 
 
 def parse_strategy(text: str) -> dict[str, str]:
@@ -554,7 +563,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
     (none|selective|attn_kept|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel
     and expert tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
-    of the routed tokens), expert_load (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), swap
+    of the routed tokens), expert_load, dispatcher (alltoall|deepep) and routing (random|contiguous) (see Plan),
+    shard (ZeRO's shard group, HSDP: 0 all of dp*cp), swap
     (share of saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
     precision, grad_reduce (auto|fp32|bf16), p2p (async|megatron), overlap. dp defaults to the devices left by
     tp*pp*cp; gbs to 4*pp micro-batches.
@@ -603,6 +613,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     plan = Plan(model=model.name, seq_len=seq_len, global_batch=gbs, schedule=schedule, chunks=vpp,  # type: ignore[arg-type]
                 precision=precision, overlap_grad_reduce=_bool(d, "overlap", True),  # type: ignore[arg-type]
                 expert_load=_expert_load(d),
+                dispatcher=_choice(d, "dispatcher", ("alltoall", "deepep")),  # type: ignore[arg-type]
+                routing=_choice(d, "routing", ("random", "contiguous")),  # type: ignore[arg-type]
                 grad_reduce=grad_reduce,  # type: ignore[arg-type]
                 p2p=p2p,  # type: ignore[arg-type]
                 pipelines=(Pipeline(stages=tuple(stages), micro_batches=gbs // (mbs * dp),

@@ -6,7 +6,7 @@ MFU/HFU, iteration time, tokens/s). GPT-style rows are Megatron GPT (LayerNorm, 
 positions) with the unfused attention of their time unless a row names its kernel (`"attention": "flash"`, or
 `"triton"` for the Triton FlashAttention that llm-foundry's MPT benchmarks ran). A row whose
 model gives a `"preset"` (the MoE rows) is that preset of `plait.spec.model` at the row's sequence length, and
-its layout may give the expert degrees `ep` and `etp` and the plan's `expert_load`. Offload and long-context rows
+its layout may give the expert degrees `ep` and `etp` and the plan's `expert_load`, `dispatcher` and `routing`. Offload and long-context rows
 (group "offload") may give `swap` (share of saved activations swapped to host memory) and `offload` ("optim") in
 their layout, and `host_memory_gb` (the node's host memory in GB, when the run used fewer GPUs than the node has).
 A row may say how its MFU counts causal attention (`mfu_convention`: "whole", the default, or "causal_half").
@@ -15,7 +15,10 @@ pipeline's chunks, for runs that published an uneven one (Llama 3 405B: one laye
 stage). Megatron-LM rows are priced with Megatron-LM's synchronous pipeline exchanges (`Plan.p2p` "megatron")
 unless their layout gives `p2p` "async" (Llama 3's "asynchronous point-to-point communication in PP").
 A ZeRO-3 row's layout may name its FSDP runtime, `fsdp_runtime` "torch" (PyTorch FSDP, the default) or "megatron"
-(Megatron-FSDP, priced with `plait.cost.calibration.megatron_fsdp`).
+(Megatron-FSDP, priced with `plait.cost.calibration.megatron_fsdp`). A row whose model TFLOP/s or MFU was printed
+by Megatron-LM from MR !2789 (2025-03-06, megatron/training/training.py num_floating_point_operations: "Only half
+of the attention matrix is non-zero") gives `"mfu_convention": "causal_half"`: its figure is compared with plait's
+counted with causal attention cores at half (`causal_mfu`); plait's own count takes them whole.
 """
 
 from __future__ import annotations
@@ -84,8 +87,9 @@ def _strategy(layout: dict) -> str:
         "cp_mode": layout.get("cp_mode", "ulysses"), "shard": layout.get("shard", 0),
         "grad_reduce": layout.get("reduce_dtype", "auto"),
     }
-    # MoE rows: expert parallel and expert tensor parallel degrees, and the busiest expert rank's load.
-    keys.update({k: layout[k] for k in ("ep", "etp", "expert_load", "swap", "offload") if k in layout})
+    # MoE rows: expert degrees, busiest expert rank's load, token dispatcher, routing; offload rows: swap, offload.
+    layout_keys = ("ep", "etp", "expert_load", "dispatcher", "routing", "swap", "offload")
+    keys.update({k: layout[k] for k in layout_keys if k in layout})
     return ",".join(f"{k}={v}" for k, v in keys.items())
 
 
@@ -156,16 +160,21 @@ def _group(row: dict) -> str:
     return row.get("group") or ("deepspeed" if "DeepSpeed" in row["source"] else "megatron")
 
 
+MODEL_FLOPS_KEYS = ("model_tflops_per_gpu", "mfu")  # figures that count model FLOPs
+
+
 def predicted(report: Report, key: str, run: PublishedRun | None = None) -> float:
-    """The report's value of a reported key (the MFU in `run`'s convention)."""
-    if key == "mfu" and run is not None and run.mfu_convention == "causal_half":
-        return causal_mfu(report, run.model, run.plan.seq_len)
-    return float(getattr(report, key))
+    """The report's value of a reported key, its model FLOPs counted as `run` counts them (its
+    `mfu_convention`)."""
+    value = float(getattr(report, key))
+    if run is not None and run.mfu_convention == "causal_half" and key in MODEL_FLOPS_KEYS and report.mfu > 0:
+        value *= causal_mfu(report, run.model, run.plan.seq_len) / report.mfu
+    return value
 
 
 def relative_errors(run: PublishedRun, report: Report) -> dict[str, tuple[float, float, float]]:
-    """{key: (published, predicted, relative error)} for every figure the run reports (its MFU in its
-    `mfu_convention`)."""
+    """{key: (published, predicted, relative error)} for every figure the run reports (its model FLOPs in
+    its `mfu_convention`)."""
     values = {k: predicted(report, k, run) for k in run.reported}
     return {k: (v, values[k], values[k] / v - 1) for k, v in run.reported.items()}
 

@@ -225,7 +225,8 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
             return contexts[s]
         ctx = contexts[s] = _across_pipelines(
             BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.per_replica(s), s, stage.ranks,
-                                   _dp_ranks(plan, layer, s, stage.ranks), plan.expert_load), plan, layer, s, stage)
+                                   _dp_ranks(plan, layer, s, stage.ranks), plan.expert_load, plan.dispatcher,
+                                   plan.routing), plan, layer, s, stage)
         return ctx
 
     # Layers of one shape and strategy cost the same wherever they sit (with one pipeline): count them once.

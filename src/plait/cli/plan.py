@@ -32,9 +32,6 @@ GalvatronOutOpt = Annotated[str | None, typer.Option(
     "--galvatron-out", help="also write the plan as a Galvatron galvatron_config JSON")]
 GalvatronExpressibleOpt = Annotated[bool, typer.Option(
     "--galvatron-expressible", help="only plans a Galvatron 2.4.0 strategy file can say (see --galvatron-out)")]
-RunnableOpt = Annotated[bool, typer.Option(
-    "--runnable", help="only plans `plait train` executes (plait.executable; docs/runtime.md lists what it "
-    "refuses)")]
 PlanReportOpt = Annotated[str | None, typer.Option(
     "--report", help="also write an HTML report page (with the search's Pareto alternatives)")]
 ExpertLoadOpt = Annotated[float, typer.Option(
@@ -57,7 +54,6 @@ class _Problem:
     seq: int
     global_batch: int
     precision: str
-    runnable: bool
     expert_load: float = 1.0
     lsh: bool = False
     galvatron: bool = False  # only plans Galvatron can run
@@ -92,7 +88,6 @@ def plan_cmd(
     galvatron_out: GalvatronOutOpt = None,
     galvatron_expressible: GalvatronExpressibleOpt = False,
     galvatron_sp: GalvatronSpOpt = False,
-    runnable: RunnableOpt = False,
     profile: ProfileOpt = None,
     report_out: PlanReportOpt = None,
     host_memory: HostMemoryOpt = False,
@@ -111,7 +106,7 @@ def plan_cmd(
         seq = seq_len if seq_len is not None else m.max_seq_len
         _check_options(seq, global_batch, baseline, precision, expert_load)
         _check_galvatron(galvatron_expressible, galvatron_sp, baseline, bool(slow), lsh)
-        problem = _Problem(m, c, cal, seq, global_batch, precision, runnable, expert_load, lsh,
+        problem = _Problem(m, c, cal, seq, global_batch, precision, expert_load, lsh,
                            galvatron_expressible, galvatron_sp)
         found = _find(problem, baseline, compare, bool(slow), host_memory, collected)
         if found.chosen is None:
@@ -208,7 +203,7 @@ def _search(q: _Problem, slow: bool, host_memory: bool, collected: Alternatives 
         spaces = [(galvatron_limits(limits, q.galvatron_sp, t), expressible(q.m, q.galvatron_sp))
                   for t in DEFAULT_DP_TYPES]
     results = [search(q.m, healthy, q.seq, q.global_batch, precision=q.precision, progress=update, cal=q.cal,
-                      runnable=q.runnable, record=collected.record if collected else None, limits=space,
+                      record=collected.record if collected else None, limits=space,
                       expert_load=q.expert_load, restrict=restrict) for space, restrict in spaces]
     result = min(results, key=lambda r: r.report.iteration_time_s if r.report and r.report.fits else math.inf)
     result = replace(result, search_time_s=sum(r.search_time_s for r in results))
@@ -231,7 +226,7 @@ def _replan_around_stragglers(q: _Problem, healthy: Candidate, update) -> tuple[
 
     static = simulate(healthy.plan, q.m, q.c, cal=q.cal)
     result = plan_around_stragglers(q.m, q.c, q.seq, q.global_batch, precision=q.precision, cal=q.cal,
-                                    current=healthy.plan, runnable=q.runnable, progress=update)
+                                    current=healthy.plan, progress=update)
     chosen = Candidate(result.plan, result.report, result.label) if result.plan is not None else \
         Candidate(healthy.plan, static, "current plan")
     summary = {"no_straggler_time_s": healthy.report.iteration_time_s, "static_time_s": static.iteration_time_s,
@@ -299,8 +294,7 @@ def _print_result(q: _Problem, chosen: Candidate, found: _Found, baseline: str |
     if found.straggler:
         _print_straggler(found.straggler)
     if (reason := unsupported(chosen.plan, q.m)) is not None:
-        out.print(f"[yellow]note:[/] `plait train` cannot run this plan yet ({reason}); --runnable restricts the "
-                  "search to plans it runs")
+        out.print(f"[yellow]note:[/] `plait train` cannot run this plan ({reason})")
     if galvatron_file is not None:
         from plait.galvatron import launch_flags
 

@@ -15,6 +15,7 @@ from plait.cli.common import (ModelOpt, PlanOpt, SeqLenOpt, StrategyOpt, app, on
 from plait.cli.multinode import (NnodesOpt, NodeRankOpt, PartitionOpt, RdzvEndpointOpt, SlurmOpt, TimeLimitOpt,
                                  write_sbatch)
 from plait.errors import PlaitError
+from plait.io import check_writable_dir
 from plait.plan import Plan, uniform_plan, validate_plan
 from plait.runtime.nodes import Nodes, check_world, node_notes, parse_nodes, torchrun_args
 from plait.spec.model import ModelSpec, load_model
@@ -31,6 +32,8 @@ DataCacheOpt = Annotated[Path | None, typer.Option(
     "--data-cache", help="where tokenized datasets are cached (default ~/.cache/plait/tokens)")]
 CheckpointDirOpt = Annotated[Path | None, typer.Option(
     "--checkpoint-dir", help="save (DCP) here and resume from the newest readable checkpoint in it")]
+NvmeDirOpt = Annotated[Path | None, typer.Option(
+    "--nvme-dir", help="offload=nvme: where each rank keeps its optimizer state files (default: a temp dir)")]
 ResumeFromOpt = Annotated[Path | None, typer.Option(
     "--resume-from", help="start from this checkpoint (a step-N directory) instead of the newest")]
 TimeoutOpt = Annotated[float, typer.Option(
@@ -93,8 +96,8 @@ def train_cmd(
     varlen: VarlenOpt = None, lengths: LengthsOpt = None, capacity: CapacityOpt = 1024, sp: VarlenSpOpt = None,
     cp_mode: CpModeOpt = "ulysses", varlen_states: VarlenStatesOpt = "sharded",
     offload_above: OffloadAboveOpt = 0, varlen_stages: VarlenStagesOpt = 1, tokenizer: TokenizerOpt = None,
-    text_field: TextFieldOpt = "text",
-    data_dtype: DataDtypeOpt = None, data_cache: DataCacheOpt = None,
+    text_field: TextFieldOpt = "text", data_dtype: DataDtypeOpt = None, data_cache: DataCacheOpt = None,
+    nvme_dir: NvmeDirOpt = None,
 ) -> None:
     """Train with a plan on this machine's ranks (launches torchrun), or inside an existing torchrun job.
     With --varlen, train on variable-length documents whose parallel layout is planned every step."""
@@ -116,8 +119,7 @@ def train_cmd(
         data = Path(source) if source else None
         preflight.check_numbers(lr=lr, seed=seed, timeout_s=timeout)
         metrics_file = optional_output(metrics_out, "metrics.jsonl", "--metrics-out")
-        if seq_len is not None:
-            preflight.check_seq_len(seq_len, m)
+        preflight.check_seq_len(seq_len, m)
         inside, world, nodes = _job(nproc, nnodes, node_rank, rdzv_endpoint, slurm, plan)
         _check_restarts(m, checkpoint_dir, checkpoint_every, resume_from, max_restarts)
         if varlen is not None:
@@ -126,8 +128,7 @@ def train_cmd(
                                         plan or strategy, varlen_stages,
                                         hf_checkpoint or adaptive or inject_slow or slurm)
             cfg = replace(cfg, timeout_s=timeout, data_dtype=data_dtype, checkpoint_every=checkpoint_every,
-                          checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
-                          resume_from=str(resume_from) if resume_from else None)
+                          checkpoint_dir=_text(checkpoint_dir), resume_from=_text(resume_from))
             _launch(cfg, world, inside, max_restarts, m, nodes)
             return
         p, world = _train_plan(plan, strategy, m, world, steps, seq_len, global_batch)
@@ -138,8 +139,21 @@ def train_cmd(
                             timeout=timeout, resume_from=resume_from, hf_checkpoint=hf_checkpoint, adaptive=adaptive,
                             inject_slow=inject_slow, profile=profile, switch_via=switch_via,
                             replan_degrees=replan_degrees)
-        cfg = replace(cfg, data_dtype=data_dtype)
+        cfg = replace(cfg, data_dtype=data_dtype, nvme_dir=_nvme_dir(nvme_dir))
     _launch(cfg, world, inside, max_restarts, m, nodes)
+
+
+def _text(path: Path | None) -> str | None:
+    """A path option as text for a config (None stays None)."""
+    return str(path) if path else None
+
+
+def _nvme_dir(path: Path | None) -> str | None:
+    """The checked `--nvme-dir` (a writable directory), or None."""
+    if path is None:
+        return None
+    check_writable_dir(path, "--nvme-dir")
+    return str(path)
 
 
 def _train_tasks(tasks: Path, nproc: int | None, steps: int, seed: int, lr: float, metrics_out: Path | None,

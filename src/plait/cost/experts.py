@@ -77,6 +77,32 @@ def lsh_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> tup
     return fwd, bwd
 
 
+def permute_passes(block: Block, s: Strategy, ctx: BlockContext) -> int:
+    """Memory-bound passes over the routed token copies in one forward pass of an MoE layer (as many in
+    backward, their gradients), from Megatron-LM megatron/core/transformer/moe/token_dispatcher.py. The
+    all-to-all dispatcher permutes the tokens into expert order before the dispatch (moe_utils.permute) and
+    unpermutes them after the combine, and with several local experts under ep > 1 also sorts the received
+    chunks by local expert after the dispatch and back before the combine (sort_chunks_by_idxs): 4 passes, 2
+    with one local expert or without ep. DeepEP (_DeepepManager) receives each token once per rank and
+    permutes it to its local experts after the dispatch, unpermutes before the combine: 2 passes.
+    moe_permute_fusion runs each pass as one TransformerEngine kernel; the bytes are the same."""
+    if ctx.dispatcher == "deepep":
+        return 2
+    return 4 if s.ep > 1 and block.experts // s.ep > 1 else 2
+
+
+def permute_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> tuple[float, float]:
+    """(forward, backward) seconds of the token permutations around the experts on the busiest rank
+    (`permute_passes` of them each way): each pass reads and writes every routed copy, hidden wide, at the
+    fused elementwise share of HBM bandwidth (0 without experts)."""
+    if block.kind != "moe":
+        return 0.0, 0.0
+    passes = permute_passes(block, s, ctx)
+    moved = passes * 2 * routed_pairs(block, s, tokens, ctx) * block.hidden * ctx.prec.activation
+    t = elementwise_time(moved, ctx.cluster.gpu, ctx.cal, kernels=passes)
+    return t, t
+
+
 def expert_params(block: Block) -> float:
     """Parameters of a layer's routed experts (weights and biases); 0 for layers without experts."""
     if block.kind != "moe":
@@ -148,33 +174,51 @@ def dispatch_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -
     return 2 * a2a + etp
 
 
-def remote_nodes_per_token(experts: int, top_k: int, nodes: int) -> float:
+def destinations(experts: int, top_k: int, groups: int, routing: str = "random") -> float:
+    """Expected number of the `groups` equal groups of experts (the ranks, or the nodes, of the ep group) that a
+    token's top_k distinct experts fall in. Random routing: each group holds experts/groups of them and is missed
+    by all top_k picks with probability C(experts - experts/groups, top_k) / C(experts, top_k). Contiguous routing
+    (NeMo AutoModel's FakeBalancedGate, nemo_automodel/components/moe/layers.py: token t takes experts
+    t*top_k .. t*top_k + top_k - 1 modulo experts): a block of top_k consecutive experts starting at a multiple of
+    top_k, which spans ceil(top_k / (experts/groups)) groups."""
+    if groups <= 1:
+        return float(groups)
+    per_group = experts // groups
+    if routing == "contiguous":
+        return float(min(groups, math.ceil(top_k / per_group)))
+    miss = math.comb(experts - per_group, top_k) / math.comb(experts, top_k)
+    return groups * (1.0 - miss)
+
+
+def remote_nodes_per_token(experts: int, top_k: int, nodes: int, routing: str = "random") -> float:
     """Expected number of other nodes a token's top_k distinct experts fall on, with the experts spread evenly
-    over `nodes` nodes and routing balanced: each other node holds experts/nodes of them and is missed by all
-    top_k picks with probability C(experts - experts/nodes, top_k) / C(experts, top_k)."""
+    over `nodes` nodes (`destinations`; a token's own node is any one of them alike)."""
     if nodes <= 1:
         return 0.0
-    per_node = experts // nodes
-    miss = math.comb(experts - per_node, top_k) / math.comb(experts, top_k)
-    return (nodes - 1) * (1.0 - miss)
+    return destinations(experts, top_k, nodes, routing) * (nodes - 1) / nodes
 
 
 def token_exchange_time(block: Block, sent: float, ctx: BlockContext) -> float:
     """Seconds of one dispatch (or combine) all-to-all of `sent` bytes of routed token copies over the ep group.
 
-    Inside a node every copy crosses NVLink once. Between nodes a token travels once per destination node,
-    however many of its experts live there, and is copied to them over that node's NVLink: DeepEP's normal
-    kernels (DeepSeek-V3 report, sec. 3.2.2: "each token ... transmitted via IB to the GPUs with the same
-    in-node index on its target nodes ... then forwarded via NVLink"), Megatron's flex dispatcher, which
-    Megatron recommends for cross-node expert parallelism. A plain NCCL all-to-all sends every copy; inside one
-    node the two are the same. So the network carries the token's bytes times the expected number of other
-    nodes its experts fall on (`remote_nodes_per_token`), not top_k times the remote share."""
+    Megatron's all-to-all dispatcher (`ctx.dispatcher` "alltoall") sends every routed copy: inside a node each
+    crosses NVLink once. DeepEP ("deepep": Megatron's flex dispatcher, NeMo AutoModel) sends a token once per
+    destination rank inside a node (its is_token_in_rank layout; the receiver copies it to its experts).
+    Between nodes a token travels once per destination node, however many of its experts live there, and is
+    forwarded to them over that node's NVLink: DeepEP's normal kernels (DeepSeek-V3 report, sec. 3.2.2: "each
+    token ... transmitted via IB to the GPUs with the same in-node index on its target nodes ... then forwarded
+    via NVLink"), which Megatron recommends for cross-node expert parallelism. So the network carries the token's
+    bytes times the expected number of other nodes its experts fall on (`remote_nodes_per_token`), not top_k
+    times the remote share."""
     group, cluster, cal = ctx.ep_group, ctx.cluster, ctx.cal
-    if group.nodes <= 1:
-        return comm.all_to_all(sent, group, cluster, cal)
-    local = comm.all_to_all(sent, comm.GroupShape(group.per_node, 1, group.per_node), cluster, cal)
     token_bytes = sent / block.top_k
-    remote_bytes = token_bytes * remote_nodes_per_token(block.experts, block.top_k, group.nodes)
+    copies = sent
+    if ctx.dispatcher == "deepep":  # once per destination rank of the ep group
+        copies = token_bytes * destinations(block.experts, block.top_k, group.size, ctx.routing)
+    if group.nodes <= 1:
+        return comm.all_to_all(copies, group, cluster, cal)
+    local = comm.all_to_all(copies, comm.GroupShape(group.per_node, 1, group.per_node), cluster, cal)
+    remote_bytes = token_bytes * remote_nodes_per_token(block.experts, block.top_k, group.nodes, ctx.routing)
     remote = remote_bytes / (cluster.inter.bandwidth * cal.network_efficiency) + cluster.inter.latency
     return max(local, remote)
 

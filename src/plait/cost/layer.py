@@ -74,6 +74,8 @@ class BlockContext:
     etp_group: GroupShape = comm.SINGLE  # its expert tensor-parallel group
     edp_group: GroupShape = comm.SINGLE  # ranks that share its experts' weights (expert data parallel)
     expert_load: float = 1.0  # routed tokens of the busiest expert rank over the mean (plan.expert_load)
+    dispatcher: str = "alltoall"  # how routed tokens travel (plan.dispatcher): "alltoall" or "deepep"
+    routing: str = "random"  # which experts a token picks (plan.routing): "random" or "contiguous"
     pipeline_dp: int = 0  # several pipelines: the ranks of this pipeline's stage that shard the weights (0: one
     # pipeline); weights and gradients shard over these alone (`plait.runtime.replica_zero`)
     states_alike: bool = True  # several pipelines hold the layer in one shape: the optimizer state shards over
@@ -82,7 +84,8 @@ class BlockContext:
     @staticmethod
     def for_ranks(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: PrecisionBytes, seq_len: int,
                   seqs: int, s: Strategy, ranks: tuple[int, ...], dp_ranks: tuple[int, ...],
-                  expert_load: float = 1.0) -> BlockContext:
+                  expert_load: float = 1.0, dispatcher: str = "alltoall", routing: str = "random"
+                  ) -> BlockContext:
         """The context of strategy `s` on a stage's `ranks` (Megatron order: tp fastest, then cp, then dp;
         experts: etp, ep, edp); `dp_ranks` are the ranks sharing its weights (under HSDP cut into shard and
         replicate groups)."""
@@ -97,7 +100,7 @@ class BlockContext:
         experts = [shape(d.expert_group(ranks, dim)) if model.has_experts else comm.SINGLE  # type: ignore[arg-type]
                    for dim in ("ep", "etp", "edp")]
         return BlockContext(model, cluster, cal, prec, seq_len, seqs, tp_group, cp_group, shape(shard_ranks),
-                            shape(replica_ranks), *experts, expert_load)
+                            shape(replica_ranks), *experts, expert_load, dispatcher, routing)
 
 
 SUBLAYERS = {"decoder": 2, "moe": 2, "encoder": 2, "vision": 2, "cross_decoder": 3, "patch_embed": 1, "projector": 1}
@@ -191,7 +194,8 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     fwd_gemm, bwd_gemm = _gemms_time(block, s, tokens, ctx.seqs * block.memory_seq(ctx.seq_len) // s.cp, ctx)
     expert_f, expert_b = experts.experts_time(block, s, tokens, ctx)
     lsh_f, lsh_b = experts.lsh_time(block, s, tokens, ctx)
-    expert_f, expert_b = expert_f + lsh_f, expert_b + lsh_b
+    perm_f, perm_b = experts.permute_time(block, s, tokens, ctx)
+    expert_f, expert_b = expert_f + lsh_f + perm_f, expert_b + lsh_b + perm_b
     attn_f, attn_b = _attention_time(block, s, ctx)
     elem_f = elementwise_time(tokens * _elementwise_bytes_per_token(block, s, eb), ctx.cluster.gpu, cal, kernels=8)
     forward = fwd_gemm + expert_f + attn_f + elem_f

@@ -27,7 +27,6 @@ from plait.cost.pipeline import StageTimes, simulate_pipeline
 from plait.cost.precision import PRECISIONS
 from plait.cost.price import LayerCost, carried_bytes, price, price_edge, relayout_time, usable_memory
 from plait.errors import PlaitError
-from plait.executable import unsupported
 from plait.layout import Layout
 from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_plan
 from plait.planner.baselines import Candidate, run_baseline
@@ -445,16 +444,14 @@ def _partition_search(cfg: _Config, capacity: float, judge: Judge) -> Candidate 
     return current[0]
 
 
-def _allowed(plan: Plan, model: ModelSpec, runnable: bool, restrict: Callable[[Plan], bool] | None) -> bool:
-    """Whether the search may return `plan`: one the runtime executes (with `runnable`) that `restrict`
-    accepts."""
-    return not (runnable and unsupported(plan, model) is not None) and (restrict is None or restrict(plan))
+def _allowed(plan: Plan, restrict: Callable[[Plan], bool] | None) -> bool:
+    """Whether the search may return `plan`: one that `restrict` accepts."""
+    return restrict is None or restrict(plan)
 
 
-def _accept(plan: Plan, model: ModelSpec, runnable: bool, restrict: Callable[[Plan], bool] | None,
-            record: Callable[[Plan], None] | None) -> bool:
+def _accept(plan: Plan, restrict: Callable[[Plan], bool] | None, record: Callable[[Plan], None] | None) -> bool:
     """Whether the search may price `plan` (and tell `record` it does)."""
-    if not _allowed(plan, model, runnable, restrict):
+    if not _allowed(plan, restrict):
         return False
     if record:
         record(plan)
@@ -463,11 +460,11 @@ def _accept(plan: Plan, model: ModelSpec, runnable: bool, restrict: Callable[[Pl
 
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, *,
            precision: str = "bf16", limits: SpaceLimits = DEFAULT_LIMITS, cal: Calibration | None = None,
-           include_uniform: bool = True, runnable: bool = False, progress: Progress | None = None,
+           include_uniform: bool = True, progress: Progress | None = None,
            record: Callable[[Plan], None] | None = None, expert_load: float = 1.0,
            restrict: Callable[[Plan], bool] | None = None) -> SearchResult:
-    """Search the fastest plan for `model` on `cluster` (see the module docstring). With `runnable`, only
-    plans this version's runtime executes (`plait.executable`); with `restrict`, only plans it accepts (give
+    """Search the fastest plan for `model` on `cluster` (see the module docstring); with `restrict`, only
+    plans it accepts (give
     `limits` whose layer strategies it accepts, e.g. `plait.galvatron.galvatron_limits`, so that the layer
     DP searches among them). `record` sees every plan the search prices."""
     if seq_len <= 0 or global_batch <= 0:  # callers validate; this guards the Python API
@@ -506,7 +503,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
         cfg = cfgs[i]
         if best is None or not best[2].report.fits or bounds[i] <= best[2].report.iteration_time_s:
             cand = _partition_search(cfg, capacity, judge) if cfg.any_priced else None
-            if cand is not None and _allowed(cand.plan, model, runnable, restrict) and \
+            if cand is not None and _allowed(cand.plan, restrict) and \
                     (best is None or (cand.key, i) < best[:2]):
                 best = (cand.key, i, cand)
         if progress:
@@ -517,7 +514,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     if include_uniform:
         best_uniform, n = run_baseline("megatron-grid", model, cluster, seq_len, global_batch,
                                        progress=(lambda d, t: progress("uniform", d, t)) if progress else None,
-                                       cal=cal, accept=lambda p: _accept(p, model, runnable, restrict, record),
+                                       cal=cal, accept=lambda p: _accept(p, restrict, record),
                                        expert_load=expert_load)
         evaluated += n
     if best_layerwise is not None:  # the report with its p2p time apart from the bubble

@@ -41,7 +41,6 @@ from plait.cost.layer import BlockContext
 from plait.cost.precision import PRECISIONS, PrecisionBytes
 from plait.cost.price import price, price_edge, send_time, usable_memory
 from plait.errors import PlaitError
-from plait.executable import unsupported
 from plait.plan import Pipeline, Plan, Stage, Strategy, validate_plan
 from plait.planner.space import divisors
 from plait.simulate import Report, simulate
@@ -455,13 +454,12 @@ def _current_cuts(current: Plan | None) -> dict[tuple[int, ...], int]:
 
 def plan_around_stragglers(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, *,
                            precision: str = "bf16", cal: Calibration | None = None, current: Plan | None = None,
-                           runnable: bool = False, keep_degrees: bool = False, min_gain: float = 0.0,
+                           keep_degrees: bool = False, min_gain: float = 0.0,
                            also: tuple[Plan, ...] = (), progress: Progress | None = None,
                            record: Callable[[Plan], None] | None = None) -> StragglerResult:
     """The fastest plan that fits `cluster` with its speed factors (see the module docstring). `current`
     (the plan running now) is a candidate too, ties go to the plan that moves fewest layers from it, and
-    another plan must be `min_gain` (a fraction) faster than it to be chosen. With `runnable`, only plans
-    this version's runtime executes; with `keep_degrees`, only the current plan's tensor- and
+    another plan must be `min_gain` (a fraction) faster than it to be chosen. With `keep_degrees`, only the current plan's tensor- and
     pipeline-parallel degrees, micro-batch size, recompute and ZeRO stage (data, layers and devices move).
     Plans in `also` (e.g. the healthy cluster's best, to return to when stragglers recover) are judged too.
     `record` gets every plan assembled and priced (the best-estimated ones as the integer programme splits
@@ -493,7 +491,7 @@ def plan_around_stragglers(model: ModelSpec, cluster: Cluster, seq_len: int, glo
     found: list[_Option] = []
     for i, t in enumerate(templates):  # every template, micro-batches assigned greedily
         cand = _assemble(model, planning, cal, prec, seq_len, global_batch, precision, t, current, price_for(t), False)
-        if cand is not None and (not runnable or unsupported(cand.plan, model) is None):
+        if cand is not None:
             found.append(cand)
         if progress:
             progress("straggler", i + 1, len(templates))

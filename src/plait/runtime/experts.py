@@ -22,7 +22,8 @@ experts) sum over the stage's ranks and the experts over their expert-data-paral
 with the same ep and etp coordinates: every token reaches each expert slice once within an edp slice of
 the stage), both divided by the data-parallel degree dp x cp, as the dense weights' average over the data
 group is. By hand after the backward (zero=0), or with ZeRO by FSDP2 units over the stage's ranks and over
-the edp group.
+the edp group. Paged parameters (offload=params or nvme) make those units with FSDP2's CPUOffloadPolicy,
+also without ZeRO (as ZeRO-3 over the same groups, whose sums equal the hand reductions).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from plait.cost.offload import PAGED
 from plait.models.moe import AUX_LOSS_COEF, MoE
 from plait.runtime.lsh import LshCompressor
 from plait.runtime.placement import Segment
 from plait.runtime.ulysses import all_to_all
-from plait.runtime.zero import shard_unit
+from plait.runtime.zero import paging, shard_unit
 
 Sync = tuple[list[nn.Parameter], dist.ProcessGroup | None, float | None]
 """Gradients reduced by hand: (parameters, group, weight), see `parallelize.sync_gradients`."""
@@ -139,11 +141,11 @@ def shard_experts(moe: MoE, mesh: DeviceMesh) -> None:
         setattr(moe.experts, name, nn.Parameter(local))
 
 
-def _zero(module: nn.Module, mesh: DeviceMesh, zero: int, data: int, reduce_dtype: torch.dtype | None
-          ) -> None:
+def _zero(module: nn.Module, mesh: DeviceMesh, zero: int, data: int, reduce_dtype: torch.dtype | None,
+          **policy: object) -> None:
     """ZeRO (FSDP2) of one MoE part over `mesh`: gradients summed over it (in `reduce_dtype`; None: their
-    own), divided by `data`."""
-    shard_unit(module, mesh, zero, reduce_dtype)
+    own), divided by `data`; `policy`: FSDP2's offload policy of paged parameters."""
+    shard_unit(module, mesh, zero, reduce_dtype, **policy)
     if mesh.size() > 1:  # gloo has no pre-multiplied sum: sum, then divide (a one-rank mesh divides once
         module.set_force_sum_reduction_for_comms(True)  # in its copy, and would divide twice with this)
     module.set_gradient_divide_factor(float(data))
@@ -164,6 +166,8 @@ def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dis
     s, groups = seg.strategy, seg.experts
     assert groups is not None, "the placement builds expert groups for every segment with MoE layers"
     data = s.dp * s.cp
+    zero = s.zero or (3 if s.offload in PAGED else 0)  # paged parameters: FSDP2 units even without ZeRO
+    policy = paging(s.offload)
     syncs: list[Sync] = []
     for moe in moes:
         if s.ep > 1 or s.expert_tp > 1:
@@ -176,13 +180,13 @@ def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dis
         moe.sequence_group = groups.sequence
         moe.aux_scale = AUX_LOSS_COEF * s.cp / grad_accumulation
         dense = [moe.router] + ([moe.shared] if moe.shared is not None else [])
-        if s.zero > 0 and groups.stage is not None:
+        if zero > 0 and groups.stage is not None:
             for part in dense:
-                _zero(part, groups.stage, s.zero, data, reduce_dtype)
+                _zero(part, groups.stage, zero, data, reduce_dtype, **policy)
         else:
             syncs.append(([p for m in dense for p in m.parameters()], stage_group, 1.0 / data))
-        if s.zero > 0 and groups.mesh is not None:  # also when edp == 1: the layer's FSDP unit must skip them
-            _zero(moe.experts, groups.mesh["edp"], s.zero, data, reduce_dtype)
+        if zero > 0 and groups.mesh is not None:  # also when edp == 1: the layer's FSDP unit must skip them
+            _zero(moe.experts, groups.mesh["edp"], zero, data, reduce_dtype, **policy)
         else:
             syncs.append((list(moe.experts.parameters()), groups.edp, 1.0 / data))
     return syncs

@@ -64,9 +64,16 @@ def tensor_bytes(tensors: Iterable[Tensor | None]) -> float:
 
 
 def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> float:
-    """Bytes of the optimizers' state tensors (Adam moments, step counters)."""
+    """Bytes of the optimizers' state tensors (Adam moments, step counters) in device memory: on an
+    accelerator, offloaded states in host memory or files do not count."""
     return tensor_bytes(v for opt in optimizers for state in opt.state.values() for v in state.values()
-                        if isinstance(v, Tensor))
+                        if isinstance(v, Tensor) and _on_device(v))
+
+
+def _on_device(t: Tensor) -> bool:
+    """Whether `t` (its local shard) lives in the memory a rank's peak measures (all of it on a CPU run)."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return not torch.cuda.is_available() or local.device.type != "cpu"
 
 
 class SavedActivations:

@@ -16,7 +16,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -31,11 +30,12 @@ from plait.models.moe import MoE
 from plait.plan import Strategy
 from plait.runtime import recompute
 from plait.runtime.experts import Sync, apply_ep, expert_params
+from plait.cost.offload import PAGED
 from plait.runtime.placement import Chunk
 from plait.runtime.relayout import Relayout
 from plait.runtime.ring import RingContext
 from plait.runtime.swap import apply_swap, cache_storage
-from plait.runtime.zero import shard_unit
+from plait.runtime.zero import paging, shard_unit
 from plait.runtime.ulysses import Ulysses
 
 
@@ -134,13 +134,18 @@ def apply_ac(model: nn.Module, mode: str, layers: list[str]) -> None:
 
 
 def _fsdp_policy(offload: str, reduce_dtype: torch.dtype | None) -> dict:
-    """shard_unit's keywords for a strategy's `offload` (FSDP2 keeps the sharded parameters, gradients and
-    optimizer states in host memory and the optimizer steps there, pinned only with an accelerator) and the
-    plan's gradient reduce dtype."""
-    policy: dict = {"reduce_dtype": reduce_dtype}
-    if offload != "none":
-        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    return policy
+    """shard_unit's keywords for a strategy's `offload` (`plait.runtime.zero.paging`; the optimizer states
+    of "params" stay with the paged parameters, those of "optim" and "nvme" go to
+    `plait.runtime.offload.HostAdamW`) and the plan's gradient reduce dtype."""
+    return {"reduce_dtype": reduce_dtype, **paging(offload)}
+
+
+def _sharded(dp_mesh: DeviceMesh, zero: int, offload: str) -> int:
+    """The ZeRO stage FSDP2 units get over `dp_mesh` (0: none): the plan's, and on a single replica whose
+    parameters are paged, ZeRO-3's per-unit gathers (FSDP2 over one rank pages each unit in for its passes)."""
+    if dp_mesh.size() == 1:
+        return 3 if offload in PAGED else 0
+    return zero
 
 
 def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, hand_sync: bool, offload: str = "none",
@@ -150,8 +155,10 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, hand_sync: bool, 
     Returns True when the caller must all-reduce gradients itself (`sync_gradients`), which ZeRO-0 asks for
     with `hand_sync` or a `reduce_dtype`: composable `replicate` mis-scales DTensor gradients under TP,
     takes no 2-D (dp x cp) mesh, its reducer is not told about a pipeline schedule's several forwards before
-    the backwards, and it reduces in the gradients' dtype."""
-    if dp_mesh.size() == 1:
+    the backwards, and it reduces in the gradients' dtype. Paged parameters (`_sharded`) use FSDP2 also on
+    one replica."""
+    zero = _sharded(dp_mesh, zero, offload)
+    if dp_mesh.size() == 1 and zero == 0:
         return False
     if zero == 0:
         if hand_sync or reduce_dtype is not None:
@@ -170,7 +177,8 @@ def apply_dp_segment(model: nn.Module, layers: list[str], edges: list[nn.Module]
     """Data parallelism of some blocks (and the embedding or head modules `edges`) of a chunk whose layers
     use different strategies: FSDP2 per block and per edge module (ZeRO-1/2/3), or, for ZeRO-0,
     True: the caller all-reduces their gradients (`sync_gradients`)."""
-    if dp_mesh.size() == 1:
+    zero = _sharded(dp_mesh, zero, offload)
+    if dp_mesh.size() == 1 and zero == 0:
         return False
     if zero == 0:
         return True

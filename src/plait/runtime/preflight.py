@@ -55,8 +55,10 @@ def check_switch_via(value: str) -> None:
         raise PlaitError(f"--switch-via must be {' or '.join(SWITCH_VIA)}, got {value!r}")
 
 
-def check_seq_len(seq_len: int, model: ModelSpec) -> None:
-    """Refuse a sequence length (tokens) the model cannot take."""
+def check_seq_len(seq_len: int | None, model: ModelSpec) -> None:
+    """Refuse a sequence length (tokens) the model cannot take (None: not given, nothing to check)."""
+    if seq_len is None:
+        return
     if seq_len <= 0:
         raise PlaitError(f"--seq-len must be a positive number of tokens, got {seq_len}")
     if seq_len > model.max_seq_len:

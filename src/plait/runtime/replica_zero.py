@@ -63,6 +63,11 @@ class ReplicaShards:
                 self.slices.append(view)
                 self._owned.append((p, view))
 
+    @property
+    def owned(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(parameter, this rank's slice of it) of every non-empty slice."""
+        return self._owned
+
     def load_grads(self) -> None:
         """Give each slice its part of the parameter's reduced gradient (a view, before the step)."""
         for p, view in self._owned:

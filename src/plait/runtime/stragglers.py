@@ -300,7 +300,7 @@ class Adaptive:
         t0 = time.perf_counter()
         try:
             result = plan_around_stragglers(self.spec, cluster, plan.seq_len, plan.global_batch,
-                                            precision=plan.precision, cal=self.cal, current=plan, runnable=True,
+                                            precision=plan.precision, cal=self.cal, current=plan,
                                             keep_degrees=self.cfg.replan_degrees == "keep", min_gain=MIN_GAIN,
                                             also=(Plan.model_validate(self.cfg.plan),))
         except Exception as exc:  # noqa: BLE001 -- a failed re-plan must not stop training

@@ -29,7 +29,7 @@ from plait.models import build_model
 from plait.models.hf_weights import load_hf_safetensors
 from plait.models.vision import IGNORE_INDEX, image_targets
 from plait.plan import Plan
-from plait.runtime import checkpoint, memory, swap
+from plait.runtime import checkpoint, memory, offload, swap
 from plait.runtime.data import SAMPLES_LOG_ENV, TokenSource, log_samples
 from plait.runtime.loop import lr_at, step_optimizers, train_loop
 from plait.runtime.optim import make_optimizer
@@ -43,8 +43,8 @@ from plait.runtime.parallelize import (
 )
 from plait.runtime.pipeline_chunks import ChunkedSchedule
 from plait.runtime.pipeline_uneven import UnevenSchedule
-from plait.runtime.replica_zero import attach, optimizer_params, replica_shards
-from plait.runtime.placement import Placement, Replicas, check_executable, place
+from plait.runtime.replica_zero import ReplicaShards, attach, optimizer_params, replica_shards
+from plait.runtime.placement import Chunk, Placement, Replicas, check_executable, place
 from plait.runtime.stragglers import Adaptive, ComputeClock
 from plait.runtime.zero import REDUCE_DTYPES, follow_zero_stages, micro_batch_flags
 from plait.spec.model import ModelSpec, load_model
@@ -89,6 +89,7 @@ class TrainConfig:
     varlen_states: str = "sharded"  # model states: sharded over the world (FSDP2, ZeRO-3) | replicated
     offload_above: int = 0  # documents of at least this many tokens swap their saved activations to host; 0 = none
     varlen_stages: int = 1  # pipeline stages; each runs the step's sequence-parallel groups on its own ranks
+    nvme_dir: str | None = None  # offload="nvme": the directory of each rank's state files (default: a temp dir)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -353,7 +354,8 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
     chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint, hand_sync)
     sliced = bool(where.replicas)  # checkpoints and switches see whole moments (`replica_zero.whole_view`)
     shards = replica_shards(chunks, where, plan, spec.layers) if sliced else [[] for _ in chunks]
-    optimizers = [make_optimizer(optimizer_params(m, s), cfg.lr) for m, s in zip(chunks, shards)]
+    optimizers = [make_optimizer(optimizer_params(m, s), cfg.lr, _hosted(m, c, s), nvme_dir(cfg, where.rank, c.index))
+                  for m, s, c in zip(chunks, shards, where.chunks)]
     for optimizer, s in zip(optimizers, shards):
         attach(optimizer, s)
     schedule = None
@@ -366,6 +368,18 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
                 clock.wrap_stage(stage)
     tied = _tied_weights(chunks, where, plan)
     return Placed(plan, where, chunks, optimizers, manual_sync, schedule, tied, loss)
+
+
+def _hosted(model: torch.nn.Module, chunk: Chunk, shards: list[ReplicaShards]) -> dict[int, str]:
+    """id -> offload choice of what a chunk's optimizer steps on the host (`plait.runtime.offload`): its
+    offloaded layers' parameters, or this rank's slices of them where pipelines split their states."""
+    hosted = offload.hosted_params(model, chunk)
+    return hosted | {id(view): hosted[id(p)] for s in shards for p, view in s.owned if id(p) in hosted}
+
+
+def nvme_dir(cfg: TrainConfig, rank: int, chunk: int) -> Path | None:
+    """Where rank `rank` keeps the offload="nvme" state files of its chunk `chunk` (None: a temp dir)."""
+    return Path(cfg.nvme_dir) / f"rank-{rank}" / f"chunk-{chunk}" if cfg.nvme_dir else None
 
 
 def _forward_backward(placed: Placed, inputs: list[torch.Tensor], targets: list[torch.Tensor], rows: float,
@@ -500,6 +514,8 @@ class PlanSteps:
                                "optimizer": t4 - t3}}
         if (swapped := swap.step_metrics(placed.chunks)) is not None:
             record["swap"] = swapped
+        if (moved := offload.step_metrics(placed.optimizers)) is not None:
+            record["offload"] = moved
         if step == start:  # the peak's terms on every rank, as `plait simulate` predicts them
             mine = memory.terms(memory.tensor_bytes(params), grads, memory.optimizer_state_bytes(placed.optimizers),
                                 getattr(meter, "peak", 0.0), self.reserve, memory.peak_bytes())

@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from plait.cost.offload import PAGED
 
 ZERO_ATTR = "plait_zero"
 """Attribute of a `shard_unit` module holding its ZeRO stage (1, 2 or 3)."""
@@ -42,6 +44,15 @@ def shard_unit(module: nn.Module, mesh: DeviceMesh, zero: int, reduce_dtype: tor
         kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, **kwargs)
     setattr(module, ZERO_ATTR, zero)
+
+
+def paging(offload: str) -> dict:
+    """`shard_unit`'s keywords for a strategy's `offload`: paged parameters (offload=params or nvme, as
+    `plait.cost.offload.PAGED`) keep the unit's sharded parameters and gradients in host memory (FSDP2's
+    CPUOffloadPolicy, pinned only with an accelerator) and copy them to the device for its passes."""
+    if offload not in PAGED:
+        return {}
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
