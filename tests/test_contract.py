@@ -42,9 +42,6 @@ LENGTHS = str(files("plait") / "data" / "wikipedia-lengths-10k.txt")
 """The document lengths `train --varlen` draws from by default."""
 
 REFUSED_BY_REASON: dict[str, tuple[str, ...]] = {
-    "--varlen does not train MoE layers yet (tiny-moe); drop --varlen": (
-        "llama+moe VarlenRun: every output",  # 16
-    ),
     "task 'image-text' ends in # modules (vision, text); the runtime puts one head after one last "
     "module: let one of them read the others": (
         "multitask imagebind-tasks groups of 1/2/4 ranks",  # 2

@@ -152,6 +152,48 @@ def test_pipeline_stages_run_sequence_parallel_groups_like_one_process(tmp_path,
     assert held[0] + held[1] != held[2] + held[3]  # the stages hold different layers (embedding, head)
 
 
+MOE = "tiny-moe"
+"""Llama with MoE layers (8 experts, top-2, a shared expert) after a dense first layer."""
+
+
+def test_moe_balancing_loss_takes_each_packed_document_as_a_sequence() -> None:
+    """A packed row's balancing loss is the sum of its documents' losses, each as if alone; padding counts in
+    none of them, and the row taken as one sequence gives another value."""
+    from plait.models.moe import Documents, MoE
+
+    block = next(b for b in load_model(MOE).stack if b.kind == "moe")
+    torch.manual_seed(0)
+    moe = MoE(block)
+    lengths = (5, 9, 3)
+    docs = [torch.randn(n, block.hidden) for n in lengths]
+    row = torch.cat([*docs, torch.zeros(3, block.hidden)])  # 3 padding tokens
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate((*lengths, 3))])
+    with torch.no_grad():
+        probs, chosen, _ = moe.route(row)
+        packed = moe.document_aux_loss(probs, chosen, Documents(ids, len(lengths)))
+        alone = sum(moe.aux_loss(*moe.route(d)[:2], 1) for d in docs)
+    assert float(packed) == pytest.approx(float(alone), rel=1e-6)
+    assert abs(float(moe.aux_loss(probs[:17], chosen[:17], 1)) - float(alone)) > 0.1
+
+
+@pytest.fixture(scope="module")
+def single_moe(tmp_path_factory) -> list[dict]:
+    return _train(tmp_path_factory.mktemp("varlen_moe"), "single", 1, "--varlen", "flexsp",
+                  "--capacity", "256", model=MOE)
+
+
+@pytest.mark.parametrize("method", ["flexsp", "bytescale"])
+def test_moe_layers_train_like_one_process(tmp_path, single_moe, method) -> None:
+    """Experts sharded with the states, every rank routing its own packed tokens, the balancing loss taken
+    per document (counts summed over a group's ranks): 4 ranks' losses equal one process's over 3 steps."""
+    runs = _train(tmp_path, method, 4, "--varlen", method, "--capacity", "64", model=MOE)
+    assert len(runs) == 3
+    assert any(not part.startswith("1x") for r in runs for part in r["layout"].split(" | ")), runs
+    for a, b in zip(single_moe, runs):
+        assert a["tokens"] == b["tokens"]
+        assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5, (a["step"], a["loss"], b["loss"])
+
+
 STATES_MODEL = "llama:layers=4,hidden=512,heads=8,kv_heads=4,ffn=1376,vocab=512,seq=256"
 """Big enough that model states (12.1M parameters: 46 MiB of weights, 185 MiB with gradients and Adam)
 outweigh one step's activations on 4 ranks."""

@@ -10,7 +10,9 @@ weights p renormalised over those k (Mixtral, Qwen3-MoE). No token is dropped.
 Load balancing: the Switch/GShard auxiliary loss per sequence s, E/k * sum_i f_si * P_si, with f_si = the
 share of s's assignments that went to expert i (times k: 1 when balanced) and P_si = the mean router
 probability of expert i over s's tokens; averaged over the sequences of the batch. Its value does not
-depend on how the batch is cut into micro-batches or ranks. Its gradient enters the backward at the block
+depend on how the batch is cut into micro-batches or ranks. In packed rows of documents (`documents`, the
+variable-length runtime) every document is a sequence: f and P are taken over its own tokens, padding
+counts in none. Its gradient enters the backward at the block
 (as Megatron's MoEAuxLossAutoScaler does), so pipeline stages need not carry it to the head; the reported
 loss stays the language-model loss.
 
@@ -24,6 +26,7 @@ ranks that split each sequence (sequence or context parallelism).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -95,6 +98,16 @@ class Experts(nn.Module):
         return torch.cat([_swiglu(x, w1[e], w3[e], w2[e]) for e, x in enumerate(parts)])
 
 
+@dataclass(frozen=True)
+class Documents:
+    """The documents of a packed row, for the balancing loss: `ids` [N] the document number of each of this
+    rank's tokens (`count` or more: padding, in no document), `count` the row's documents (the same on every
+    rank of `sequence_group`)."""
+
+    ids: Tensor
+    count: int
+
+
 class _AuxGradient(torch.autograd.Function):
     """Identity on the block's output whose backward also starts the auxiliary loss's backward with `scale`."""
 
@@ -120,9 +133,12 @@ class MoE(nn.Module):
     """Set by the runtime for LSH-MoE (`moe_comm=lsh`): only centroids reach the experts (None: every pair)."""
     sequence_group: dist.ProcessGroup | None = None
     """Set by the runtime: the ranks that hold parts of the same sequences (None: whole sequences here)."""
+    documents: Documents | None = None
+    """Set by the variable-length runtime: the packed row's documents, each its own sequence in the balancing
+    loss (None: every row of the batch is one sequence)."""
     aux_scale: float = AUX_LOSS_COEF
     """Gradient weight of this rank's auxiliary loss, per sequence it holds (the runtime folds in
-    micro-batches and context-parallel averaging)."""
+    micro-batches and context-parallel averaging); with `documents`, of its sum over the row's documents."""
 
     def __init__(self, block: Block) -> None:
         super().__init__()
@@ -174,6 +190,20 @@ class MoE(nn.Module):
         prob_sums = probs.view(batch, -1, e).sum(dim=1)  # [B, E]
         return (counts * prob_sums).sum() * e / (self.top_k * seq * seq)
 
+    def document_aux_loss(self, probs: Tensor, chosen: Tensor, docs: Documents) -> Tensor:
+        """This rank's part of the balancing loss summed over the packed row's documents (probs [N, E],
+        chosen [N, k]): each document's E/k * sum_i f_di * P_di over its own tokens, padding left out. Counts
+        (and from them each document's tokens: its assignments / k) are summed over `sequence_group`."""
+        e, d = self.n_experts, docs.count
+        rows = docs.ids.clamp(max=d)  # padding -> row d, dropped
+        picked = F.one_hot(chosen, e).sum(dim=1).float()  # [N, E]
+        counts = torch.zeros(d + 1, e).index_add(0, rows, picked)[:d]  # [D, E]
+        if self.sequence_group is not None:
+            dist.all_reduce(counts, group=self.sequence_group)
+        tokens = counts.sum(dim=1) / self.top_k  # [D]
+        prob_sums = torch.zeros(d + 1, e, dtype=probs.dtype).index_add(0, rows, probs)[:d]  # [D, E]
+        return ((counts * prob_sums).sum(dim=1) / tokens.square()).sum() * e / self.top_k
+
     def forward(self, x: Tensor) -> Tensor:
         b, t, h = x.shape
         flat = x.reshape(b * t, h)
@@ -182,5 +212,9 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(flat)
         if self.training and torch.is_grad_enabled():
-            out = _AuxGradient.apply(out, self.aux_loss(probs, chosen, b), self.aux_scale / b)
+            if self.documents is None:
+                out = _AuxGradient.apply(out, self.aux_loss(probs, chosen, b), self.aux_scale / b)
+            else:
+                aux = self.document_aux_loss(probs, chosen, self.documents)
+                out = _AuxGradient.apply(out, aux, self.aux_scale)
         return out.view(b, t, h)

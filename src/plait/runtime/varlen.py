@@ -18,6 +18,10 @@ slot runs a one-token filler pass whose loss counts zero. ByteScale's selective 
 (`cfg.offload_above`): a pass whose row holds a document at least that long swaps every layer's saved
 activations to host memory (`runtime/swap.py`), as the planner prices it.
 
+MoE layers: no expert parallelism inside the groups; the experts are states like the dense weights, every
+rank routes its own tokens of a row to all experts locally, and the balancing loss takes each document as a
+sequence, averaged over the global batch's documents (`routing`), so it too is the same for any layout.
+
 Pipeline stages (`cfg.varlen_stages`): the layout is planned on one stage's ranks and every stage runs it on
 its own ranks, holding its layers with states sharded or replicated over those ranks; each pass goes
 through the stages in 1F1B order, hidden states handed on to the same place in the next stage
@@ -29,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -43,6 +47,7 @@ from torch import Tensor, nn
 from plait.errors import PlaitError
 from plait.models import build_model
 from plait.models.llama import causal_mask
+from plait.models.moe import AUX_LOSS_COEF, Documents, MoE
 from plait.runtime import checkpoint, memory, swap
 from plait.runtime.data import BYTE_VOCAB, TokenSource
 from plait.runtime.optim import make_optimizer
@@ -189,6 +194,28 @@ def local_tokens(packed: Packed, ranks: int, me: int, mode: str) -> int:
     return len((zigzag if mode == "ring" else contiguous)(packed.length, ranks)[me])
 
 
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The mixture-of-experts feed-forwards of a (stage) model."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@contextlib.contextmanager
+def routing(model: nn.Module, packed: Packed, local: Tensor,
+            group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Every MoE layer of `model` routes this rank's tokens of `packed` (its places `local` in the row)
+    to its own experts (no expert parallelism) and takes each document as a sequence of the balancing loss,
+    counts summed over `group` (the ranks sharing the row; None: alone)."""
+    moes = moe_layers(model)
+    count = int(packed.documents[packed.targets != IGNORE].max()) + 1  # the padding's number, if any
+    for m in moes:
+        m.documents, m.sequence_group = Documents(packed.documents[local], count), group
+    try:
+        yield
+    finally:
+        for m in moes:
+            m.documents = m.sequence_group = None
+
+
 def run_group(model: nn.Module, packed: Packed, ranks: tuple[int, ...], mode: str,
               group: dist.ProcessGroup | None, hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """This rank's logits [T_local, V] (or hidden state [T_local, H] on a stage without the head) and
@@ -198,13 +225,15 @@ def run_group(model: nn.Module, packed: Packed, ranks: tuple[int, ...], mode: st
     d, me = len(ranks), ranks.index(dist.get_rank()) if dist.is_initialized() else 0
     if d == 1:
         x = packed.tokens[None] if hidden is None else hidden
-        return model(x, packed.positions, masked(row_mask(packed)))[0], packed.targets
+        with routing(model, packed, torch.arange(packed.length), None):
+            return model(x, packed.positions, masked(row_mask(packed)))[0], packed.targets
     if mode == "ring":
         parts = zigzag(packed.length, d)
         layout = RingLayout(group, ranks, tuple(parts), tuple(packed.documents[p] for p in parts))
         local = packed.take(parts[me])
         x = local.tokens[None] if hidden is None else hidden
-        return model(x, local.positions, partial(ring_attention, layout=layout))[0], local.targets
+        with routing(model, packed, parts[me], group):
+            return model(x, local.positions, partial(ring_attention, layout=layout))[0], local.targets
     mine = contiguous(packed.length, d)[me]
     mask = row_mask(packed)
     attentions = [layer.attention for layer in model.layers.values()]
@@ -213,7 +242,8 @@ def run_group(model: nn.Module, packed: Packed, ranks: tuple[int, ...], mode: st
         a.context_parallel = Ulysses(group)
     try:
         x = packed.tokens[None] if hidden is None else hidden
-        return model(x, packed.positions, masked(mask))[0], packed.targets[mine]
+        with routing(model, packed, mine, group):
+            return model(x, packed.positions, masked(mask))[0], packed.targets[mine]
     finally:
         model.sequence_slice = None
         for a in attentions:
@@ -341,8 +371,6 @@ def check_config(cfg, spec: ModelSpec, world: int) -> None:
     if spec.family not in VARLEN_FAMILIES:
         raise PlaitError(f"--varlen packs documents for decoder-only models ({', '.join(VARLEN_FAMILIES)}), not "
                          f"{spec.family} ({spec.name}); drop --varlen")
-    if "moe" in spec.kind_counts():
-        raise PlaitError(f"--varlen does not train MoE layers yet ({spec.name}); drop --varlen")
     if cfg.varlen not in METHODS:
         raise PlaitError(f"--varlen must be one of {', '.join(METHODS)}, got {cfg.varlen!r}")
     if cfg.varlen_states not in STATES:
@@ -422,6 +450,7 @@ class DocumentSteps:
         # ByteScale's selective offloading: passes holding a document of at least cfg.offload_above tokens
         # swap every layer's saved activations to host memory (exact values back in backward).
         self.swaps = swap.switchable(self.model) if cfg.offload_above > 0 else []
+        self.moes = moe_layers(self.model)
         self.params = list(self.model.parameters())
         self.optimizer = make_optimizer(self.params, cfg.lr)
         self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
@@ -504,6 +533,8 @@ class DocumentSteps:
                                            for i in work.documents)
         for layer_swap in self.swaps:
             layer_swap.share = 1.0 if offload else 0.0
+        for moe in self.moes:  # balancing loss: the mean over the global batch's documents (a filler's: 0)
+            moe.aux_scale = 0.0 if work is None else AUX_LOSS_COEF / len(docs)
         return packed, ranks, self.groups[ranks] if len(ranks) > 1 else None
 
     def _loss(self, logits: Tensor, targets: Tensor, work: Work | None) -> Tensor:
