@@ -57,12 +57,12 @@ def test_by_expert_sorts_source_blocks_by_expert_then_source() -> None:
 
 
 def test_the_search_space_etp_strategies_run() -> None:
-    """The runtime refuses none of the search space's etp strategies: of its 132 strategies of a
-    tiny-moe MoE layer on 4 ranks, the 24 with etp > 1 (etp = tp = 2, ep 1 or 2) now all run."""
+    """The runtime refuses none of the search space's etp strategies: of its 176 strategies of a
+    tiny-moe MoE layer on 4 ranks, the 32 with etp > 1 (etp = tp = 2, ep 1 or 2) now all run."""
     spec = PRESETS[MODEL]
     space = block_strategies(spec.stack[1], dgx(1, 4, "A100-80GB"), 4, GBS, 64)
     etp = [s for s in space if s.expert_tp > 1]
-    assert len(space) == 132 and len(etp) == 24 and {(s.tp, s.sp, s.ep, s.expert_tp) for s in etp} == {
+    assert len(space) == 176 and len(etp) == 32 and {(s.tp, s.sp, s.ep, s.expert_tp) for s in etp} == {
         (2, True, 1, 2), (2, True, 2, 2)}
     for s in etp:
         stage = Stage(layers=(0, spec.layers), ranks=(0, 1, 2, 3), strategies=(s,) * spec.layers)
