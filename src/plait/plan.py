@@ -253,10 +253,10 @@ class Plan(BaseModel):
                              "or contiguous (top-k consecutive experts, NeMo AutoModel's fake balanced gate)")
     grad_reduce: GradReduce = Field("auto", description="precision gradients are reduced in: auto (the "
                                     "precision's gradient bytes: fp32 under bf16), fp32 or bf16 (FSDP's reduce_dtype)")
-    p2p: P2p = Field("async", description="how pipeline stages exchange activations: async (plait's runtime, "
-                     "torch.distributed.pipelining: sends overlap compute) or megatron (Megatron-LM without "
-                     "overlap_p2p_comm, for pricing its runs: synchronous exchanges, and a tensor-parallel stage "
-                     "without sequence parallelism sends 1/tp of its activation per rank, all-gathered on arrival)")
+    p2p: P2p = Field("async", description="how pipeline stages exchange activations: async (sends overlap compute) or "
+                     "megatron (Megatron-LM without overlap_p2p_comm: synchronous exchanges, and a "
+                     "tensor-parallel stage without sequence parallelism sends 1/tp of its activation per rank, "
+                     "all-gathered on arrival); the runtime runs both")
     pipelines: tuple[Pipeline, ...] = Field(min_length=1)
 
     def own_schedule(self, pipeline: int) -> bool:
