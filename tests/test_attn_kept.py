@@ -127,29 +127,36 @@ def test_attention_runs_once_and_the_saved_bytes_are_the_priced_ones() -> None:
         assert m["host_peak_bytes"] == pytest.approx(share * priced, rel=0.05)
 
 
-def test_trains_with_tp_sp_and_ulysses_on_two_ranks_with_the_same_losses(tmp_path: Path) -> None:
+def _train_cases(tmp_path: Path, line: str, cases: dict[str, str], steps: int,
+                 single: tuple[str, ...]) -> dict[str, list[dict]]:
+    """Train tiny-llama on a corpus of `line` (with a counter) once per case, `single` cases on one process and the
+    rest on two ranks in one launch; each case's metrics records."""
     import json
 
     from plait.plan import uniform_plan
     from plait.runtime.train import TrainConfig
 
     text = tmp_path / "corpus.txt"
-    text.write_text("\n".join(f"plait keeps the attention output of tokens {i}." for i in range(200)))
+    text.write_text("\n".join(f"{line} {i}." for i in range(200)))
     model = load_model("tiny-llama")
+    paths, outs = {}, {}
+    for key, strategy in cases.items():
+        plan = uniform_plan(strategy, model, local_ranks(1 if key in single else 2), 64)
+        outs[key] = tmp_path / f"metrics-{key}.jsonl"
+        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=steps, lr=0.01,
+                          data=str(text), metrics_out=str(outs[key]))
+        paths[key] = tmp_path / f"config-{key}.json"
+        paths[key].write_text(cfg.to_json())
+    run_workers([paths[k] for k in cases if k in single], nproc=1)
+    run_workers([paths[k] for k in cases if k not in single])
+    return {k: [json.loads(r) for r in out.read_text().splitlines()] for k, out in outs.items()}
+
+
+def test_trains_with_tp_sp_and_ulysses_on_two_ranks_with_the_same_losses(tmp_path: Path) -> None:
     cases = {"one": "dp=1", "two": "dp=1,mbs=2,gbs=2", "dp": "dp=2,recompute=attn_kept,swap=1",
              "sp": "tp=2,sp=1,recompute=attn_kept,swap=0.5", "cp": "cp=2,recompute=attn_kept",
              "sp_plain": "tp=2,sp=1,swap=0.5"}
-    paths, outs = [], {}
-    for key, strategy in cases.items():
-        plan = uniform_plan(strategy, model, local_ranks(1 if key in ("one", "two") else 2), 64)
-        outs[key] = tmp_path / f"metrics-{key}.jsonl"
-        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=4, lr=0.01,
-                          data=str(text), metrics_out=str(outs[key]))
-        paths.append(tmp_path / f"config-{key}.json")
-        paths[-1].write_text(cfg.to_json())
-    run_workers(paths[:2], nproc=1)
-    run_workers(paths[2:])
-    records = {k: [json.loads(line) for line in out.read_text().splitlines()] for k, out in outs.items()}
+    records = _train_cases(tmp_path, "plait keeps the attention output of tokens", cases, 4, ("one", "two"))
     base = {k: [r["loss"] for r in records[k]] for k in ("one", "two")}
     assert len(base["one"]) == len(base["two"]) == 4
     for key, ref in (("dp", "two"), ("cp", "one")):  # two sequences a step over dp=2
@@ -168,27 +175,11 @@ def test_ring_trains_with_the_same_losses_and_the_priced_saved_bytes(tmp_path: P
     """cp=2 ring with attn_kept: ring attention runs once per step (outside the recomputed region), the
     losses are one process's, and the bytes kept for backward (swapped at swap=1, half at 0.5) are the
     priced ones: the layer input and ring attention's q, k, v, fp32 output and log-sum-exp per rank."""
-    import json
-
-    from plait.plan import uniform_plan
-    from plait.runtime.train import TrainConfig
-
-    text = tmp_path / "corpus.txt"
-    text.write_text("\n".join(f"plait keeps the ring attention output {i}." for i in range(200)))
     model = load_model("tiny-llama")
     ring = "cp=2,cp_mode=ring,recompute=attn_kept,precision=fp32"
-    cases = {"one": "dp=1,precision=fp32", "plain": "cp=2,cp_mode=ring,precision=fp32", "ring0": ring, "ring1": f"{ring},swap=1", "ring5": f"{ring},swap=0.5"}
-    paths, outs = [], {}
-    for key, strategy in cases.items():
-        plan = uniform_plan(strategy, model, local_ranks(1 if key == "one" else 2), 64)
-        outs[key] = tmp_path / f"metrics-{key}.jsonl"
-        cfg = TrainConfig(model="tiny-llama", plan=json.loads(plan.model_dump_json()), steps=3, lr=0.01,
-                          data=str(text), metrics_out=str(outs[key]))
-        paths.append(tmp_path / f"config-{key}.json")
-        paths[-1].write_text(cfg.to_json())
-    run_workers(paths[:1], nproc=1)
-    run_workers(paths[1:])
-    records = {k: [json.loads(line) for line in out.read_text().splitlines()] for k, out in outs.items()}
+    cases = {"one": "dp=1,precision=fp32", "plain": "cp=2,cp_mode=ring,precision=fp32", "ring0": ring,
+             "ring1": f"{ring},swap=1", "ring5": f"{ring},swap=0.5"}
+    records = _train_cases(tmp_path, "plait keeps the ring attention output", cases, 3, ("one",))
     base = [r["loss"] for r in records["one"]]
     assert len(base) == 3
     # the losses of ring attention without recomputation, to the bit; both differ from one process by up to
