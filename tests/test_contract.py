@@ -41,12 +41,7 @@ TOLERANCE = 1e-5
 LENGTHS = str(files("plait") / "data" / "wikipedia-lengths-10k.txt")
 """The document lengths `train --varlen` draws from by default."""
 
-REFUSED_BY_REASON: dict[str, tuple[str, ...]] = {
-    "task 'image-text' ends in # modules (vision, text); the runtime puts one head after one last "
-    "module: let one of them read the others": (
-        "multitask imagebind-tasks groups of 1/2/4 ranks",  # 2
-    ),
-}
+REFUSED_BY_REASON: dict[str, tuple[str, ...]] = {}
 """Refusal class -> the shape classes whose outputs the runtime refuses for it (output counts in comments)."""
 KNOWN_REFUSED = frozenset((shape, reason) for reason, shapes in REFUSED_BY_REASON.items() for shape in shapes)
 """Every (shape class, refusal class) the runtime refuses among the planners' outputs

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import pytest
 from helpers import assert_bad_input, expect_error, run_workers
 from typer.testing import CliRunner
 
@@ -21,6 +22,10 @@ from plait.spec.tasks import load_tasks
 TINY = Path(__file__).resolve().parents[1] / "src/plait/data/tiny-tasks.yaml"
 WIDTHS = Path(__file__).resolve().parent / "data/widths-tasks.yaml"
 """A 32-wide encoder feeding a 64-wide trunk (through the trunk's projection) and a 64-wide one feeding it."""
+BIND = Path(__file__).resolve().parents[1] / "src/plait/data/tiny-bind-tasks.yaml"
+"""Two tasks that each end in two modules (a shared image tower beside a text or an audio tower)."""
+BIND_FORCED = {"image-text/text": {"ranks": (0, 1), "tp": 2}, "image-audio/audio": {"ranks": (2, 3), "cp": 2}}
+"""The towers the planner puts on one rank each, spread over two (tp2; cp2) beside the image tower's layer."""
 STEPS = 3
 LR = 1e-2  # large enough that the losses move from step to step
 
@@ -73,6 +78,12 @@ def test_two_groups_run_at_once_and_train_like_one_process(tmp_path: Path) -> No
                                   resume_from=str(saved / "step-2")),
                "widths": _config(wide_units, tmp_path / "widths.jsonl", WIDTHS),
                "swapped": _config(swapped, tmp_path / "swapped.jsonl", WIDTHS)}
+    binds = load_tasks(BIND)
+    bind_units = units_of(plan_multitask(binds, load_cluster("1x4xA100-80GB"), "fp32"))
+    bind_forced = [replace(u, **BIND_FORCED.get(u.op, {})) for u in bind_units]
+    check_units(binds, bind_forced, 4)
+    configs |= {"bind": _config(bind_units, tmp_path / "bind.jsonl", BIND),
+                "bind_forced": _config(bind_forced, tmp_path / "bind_forced.jsonl", BIND)}
     paths = []
     for name, cfg in configs.items():
         paths.append(tmp_path / f"{name}.json")
@@ -106,6 +117,16 @@ def test_two_groups_run_at_once_and_train_like_one_process(tmp_path: Path) -> No
         assert len(records) == STEPS
         for step, (record, (want, norm)) in enumerate(zip(records, wide, strict=True)):
             got = [record["losses"][t.name] for t in widths.tasks]
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-5, (name, step, got, want)
+            assert abs(record["grad_norm"] - norm) <= 1e-5 * norm, (name, step, record["grad_norm"], norm)
+    cfg = configs["bind"]
+    bound = reference_steps(binds, STEPS, cfg.seed, lambda step: lr_at(step, cfg), cfg.clip)
+    assert abs(bound[-1][0][0] - bound[0][0][0]) > 1e-3  # the reference trains
+    for name in ("bind", "bind_forced"):  # each task's loss: the mean of its two heads'
+        records = _records(tmp_path / f"{name}.jsonl")
+        assert len(records) == STEPS
+        for step, (record, (want, norm)) in enumerate(zip(records, bound, strict=True)):
+            got = [record["losses"][t.name] for t in binds.tasks]
             assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-5, (name, step, got, want)
             assert abs(record["grad_norm"] - norm) <= 1e-5 * norm, (name, step, record["grad_norm"], norm)
     for record in (json.loads(line) for line in (tmp_path / "planned.jsonl").read_text().splitlines()):
@@ -183,3 +204,35 @@ def test_train_tasks_cli_prints_losses_and_timeline(tmp_path: Path) -> None:
     assert set(record["losses"]) == {"caption", "chat"}
     assert len(record["timeline"]) == 8  # four ops, forward and backward
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-1"]  # saved after the last step
+
+
+def test_a_task_ending_in_two_modules_has_a_head_after_each_and_the_mean_of_their_losses() -> None:
+    import torch.nn.functional as F
+
+    from plait.runtime.multitask_model import VOCAB, TaskModel, batch, task_loss
+
+    tasks = load_tasks(BIND)
+    model = TaskModel(tasks, seed=0)
+    assert list(model.head) == ["0:image", "0:text", "1:image", "1:audio"]
+    assert [model.head[k][1].in_features for k in model.head] == [32, 64, 32, 32]  # each its tower's width
+    tokens = batch(tasks, 0, step=0, seed=0)
+    heads = []
+    for module, key in (("image", "0:image"), ("text", "0:text")):
+        x = model.enter(0, module, [model.embed_tokens(0, tokens)])  # text projects the 32-wide embedding
+        x = model.layers(0, module, 0, len(tasks.module(module).stack), x)
+        logits = model.head[key](x)
+        heads.append(F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).item())
+    assert heads[0] != heads[1]
+    assert task_loss(model, 0, tokens).item() == pytest.approx((heads[0] + heads[1]) / 2, rel=1e-6)
+
+
+def test_imagebind_plans_pass_the_runtime_load_checks() -> None:
+    """The shipped ImageBind task file (every task ends in two towers) at full size: the planner's plans for
+    4 ranks pass `plait train --tasks`'s load-time checks (tiny-bind-tasks.yaml trains the same shape above)."""
+    from plait.runtime.multitask_model import sinks
+
+    tasks = load_tasks(Path(__file__).resolve().parents[1] / "src/plait/data/imagebind-tasks.yaml")
+    assert [sinks(t) for t in tasks.tasks][0] == ["vision", "text"]
+    for gpu in ("A100-80GB", "H100-80GB"):
+        graph = check_units(tasks, units_of(plan_multitask(tasks, load_cluster(f"1x4x{gpu}"), "fp32")), 4)
+        assert sum(graph.last) == 2 * len(tasks.tasks)  # one unit before each of the ten heads

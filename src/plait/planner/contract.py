@@ -87,8 +87,9 @@ VARLEN_BATCHES = 2
 """Global batches sampled per variable-length run (seed `SEED`)."""
 VARLEN_GLOBAL_BATCH = 8
 SEED = 0
-TASK_FILES = ("tiny-tasks.yaml", "imagebind-tasks.yaml")
-"""The shipped task files the multitask planner plans (`plait.data`)."""
+TASK_FILES = ("tiny-tasks.yaml", "tiny-bind-tasks.yaml")
+"""The shipped tiny task files the multitask planner plans (`plait.data`): a shared trunk after two encoders,
+and tasks that end in two towers (ImageBind's shape, at a size CPU ranks train)."""
 TASK_GPUS = ("A100-80GB", "H100-80GB")
 """Device types the waves are planned for (`train --tasks` plans for the A100)."""
 PRECISION = "fp32"

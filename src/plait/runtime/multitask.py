@@ -41,7 +41,7 @@ from plait.plan import Strategy, strategy_problem
 from plait.runtime import checkpoint
 from plait.runtime.loop import lr_at, step_optimizers, train_loop
 from plait.runtime.multitask_groups import GroupLayers, group_mesh
-from plait.runtime.multitask_model import TaskModel, batch, check_runnable, sink, stack_key
+from plait.runtime.multitask_model import TaskModel, batch, check_runnable, head_key, sinks, stack_key
 from plait.runtime.optim import make_optimizer
 from plait.spec.tasks import TaskSet, load_tasks
 
@@ -158,7 +158,7 @@ def check_units(tasks: TaskSet, units: list[Unit], world: int) -> Graph:
             raise PlaitError(f"op {u.op} reads layers that no earlier op ran ({missing[0][1]} up to layer "
                              f"{missing[0][2]}); use the plan `plait multitask` makes for this task file")
         sources.append([ends[w] for w in wanted])
-        last.append(u.module == sink(t) and u.hi == len(tasks.module(u.module).stack))
+        last.append(u.module in sinks(t) and u.hi == len(tasks.module(u.module).stack))
     return Graph(units, sources, last)
 
 
@@ -299,7 +299,7 @@ class MultitaskStepper:
             if u.lo == 0:
                 params += [p for proj in m.projections(u.task, u.module) for p in proj.parameters()]
             if g.last[k]:
-                params += list(m.head[str(u.task)].parameters())
+                params += list(m.head[head_key(self.tasks, self.tasks.tasks[u.task], u.module)].parameters())
             for p in params:
                 owners[id(p)].update(u.ranks)
         return owners
@@ -365,7 +365,8 @@ class MultitaskStepper:
             x = m.enter(u.task, u.module, inputs, weight)  # the producers' widths, projected to the module's
             y = self.parallel[k](x) if k in self.parallel else m.layers(u.task, u.module, u.lo, u.hi, x)
             if g.last[k]:  # the group's pieces add up to the batch mean
-                y = m.loss(u.task, y, mine, span, weight) * ((b - a) * (span[1] - span[0]) / (t.batch * t.seq_len))
+                share = (b - a) * (span[1] - span[0]) / (t.batch * t.seq_len)
+                y = m.loss(u.task, u.module, y, mine, span, weight) * share
                 losses[u.task] += y.item() * weight
             outs[k] = y
             log.append((k, "forward", t0, time.time()))

@@ -4,12 +4,14 @@ reference step that the multi-group runtime (`plait.runtime.multitask`) must mat
 Every module is its stack of pre-norm attention + MLP layers (`plait.models.parts.pre_norm_layer`); a module
 used by several tasks is one set of weights unless it says `shared: false` (then one copy per task). Each task
 has its own token embedding (read by the modules that read no other module) and its own head (a norm and a
-linear layer to the vocabulary after its last module), trained on next-token cross entropy over synthetic
-tokens. A module that reads several modules adds their outputs. Every module runs on the task's `seq_len`
-tokens (`tokens` of a layer is the planner's business). Modules may differ in hidden width: a module that
-reads an input of another width first projects it (a learned Linear(input width, its width), owned by the
-consumer, one per input width; as ImageBind's and LLaVA's projectors). The task's embedding has the width of
-its first module; its head, that of its last.
+linear layer to the vocabulary) after each of its last modules (those no other module of the task reads),
+trained on next-token cross entropy over synthetic tokens; a task that ends in several modules (ImageBind's
+image-text ends in both towers) has one head per last module and its loss is the mean of theirs. A module
+that reads several modules adds their outputs. Every module runs on the task's `seq_len` tokens (`tokens` of
+a layer is the planner's business). Modules may differ in hidden width: a module that reads an input of
+another width first projects it (a learned Linear(input width, its width), owned by the consumer, one per
+input width; as ImageBind's and LLaVA's projectors). The task's embedding has the width of
+its first module; each head, that of its module.
 """
 
 from __future__ import annotations
@@ -30,15 +32,22 @@ RUNNABLE_KINDS = ("decoder", "encoder", "vision")
 """Layer kinds the runtime builds for a task file: self-attention + MLP layers of one width per module."""
 
 
-def sink(task: Task) -> str:
-    """The task's last module: the one no other module of the task reads."""
+def sinks(task: Task) -> list[str]:
+    """The task's last modules, in the task's order: those no other module of the task reads."""
     read = {s for sources in task.inputs for s in sources}
-    return next(m for m in task.modules if m not in read)
+    return [m for m in task.modules if m not in read]
+
+
+def head_key(tasks: TaskSet, task: Task, module: str) -> str:
+    """The name of the head after `module`, a last module of `task`: the task's index, with the module's name
+    when the task ends in several."""
+    index = str(tasks.tasks.index(task))
+    return index if len(sinks(task)) == 1 else f"{index}:{module}"
 
 
 def check_runnable(tasks: TaskSet) -> None:
     """PlaitError unless the runtime can build the task file: attention layers of one hidden width within
-    each module, one last module per task."""
+    each module."""
     for m in tasks.modules:
         kinds = sorted({b.kind for b in m.stack} - set(RUNNABLE_KINDS))
         if kinds:
@@ -48,12 +57,6 @@ def check_runnable(tasks: TaskSet) -> None:
         if len(widths) != 1:
             raise PlaitError(f"module {m.name!r} has layers of hidden widths {widths}; `plait train --tasks` "
                              "projects between modules only: split it into modules of one width each")
-    for t in tasks.tasks:
-        read = {s for sources in t.inputs for s in sources}
-        last = [m for m in t.modules if m not in read]
-        if len(last) != 1:
-            raise PlaitError(f"task {t.name!r} ends in {len(last)} modules ({', '.join(last)}); the runtime puts "
-                             "one head after one last module: let one of them read the others")
 
 
 def stack_key(tasks: TaskSet, task: Task, module: str) -> str:
@@ -67,8 +70,8 @@ def projection_key(tasks: TaskSet, task: Task, module: str, width_in: int) -> st
 
 
 class TaskModel(nn.Module):
-    """Every module's layers (`stacks`), each task's embedding and head (keyed by task index), and the
-    projections into modules that read another width (`project`, keyed by `projection_key`)."""
+    """Every module's layers (`stacks`), each task's embedding (keyed by task index) and heads (`head_key`),
+    and the projections into modules that read another width (`project`, keyed by `projection_key`)."""
 
     def __init__(self, tasks: TaskSet, seed: int) -> None:
         super().__init__()
@@ -82,9 +85,11 @@ class TaskModel(nn.Module):
                 self.stacks[key] = nn.ModuleList(pre_norm_layer(b) for b in m.stack)
         self.embed = nn.ModuleDict({str(i): nn.Embedding(VOCAB, tasks.width(t.modules[0]))
                                     for i, t in enumerate(tasks.tasks)})
-        last = [tasks.module(sink(t)).stack[-1] for t in tasks.tasks]
-        self.head = nn.ModuleDict({str(i): nn.Sequential(norm(b), nn.Linear(b.hidden, VOCAB))
-                                   for i, b in enumerate(last)})
+        self.head = nn.ModuleDict()
+        for t in tasks.tasks:
+            for m in sinks(t):
+                b = tasks.module(m).stack[-1]
+                self.head[head_key(tasks, t, m)] = nn.Sequential(norm(b), nn.Linear(b.hidden, VOCAB))
         self.project = nn.ModuleDict()  # after the rest: a task file of one width initialises as before
         for t in tasks.tasks:
             for m in t.modules:
@@ -121,13 +126,16 @@ class TaskModel(nn.Module):
         start, stop = span or (0, tokens.shape[1] - 1)
         return weighted_call(self.embed[str(task)], weight, tokens[:, start:stop])
 
-    def loss(self, task: int, x: Tensor, tokens: Tensor, span: tuple[int, int] | None = None, weight: float = 1.0
-             ) -> Tensor:
-        """Next-token cross entropy (mean over the rows and positions given) of the task's head on x [B, T, H]
-        (positions `span` of the tokens [B, T+1]; default all). `weight` scales the head's gradient."""
+    def loss(self, task: int, module: str, x: Tensor, tokens: Tensor, span: tuple[int, int] | None = None,
+             weight: float = 1.0) -> Tensor:
+        """The share of the task's loss from its head after `module` (one of its last modules) on x [B, T, H]:
+        next-token cross entropy (mean over the rows and positions given: `span` of the tokens [B, T+1];
+        default all) over the number of the task's heads. `weight` scales the head's gradient."""
+        t = self.tasks.tasks[task]
         start, stop = span or (0, tokens.shape[1] - 1)
-        logits = weighted_call(self.head[str(task)], weight, x)
-        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, start + 1:stop + 1].reshape(-1))
+        logits = weighted_call(self.head[head_key(self.tasks, t, module)], weight, x)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, start + 1:stop + 1].reshape(-1))
+        return loss / len(sinks(t))
 
 
 def batch(tasks: TaskSet, task: int, step: int, seed: int) -> Tensor:
@@ -145,7 +153,7 @@ def task_loss(model: TaskModel, task: int, tokens: Tensor) -> Tensor:
         sources = t.inputs_of(m)
         x = model.enter(task, m, [out[s] for s in sources] if sources else [model.embed_tokens(task, tokens)])
         out[m] = model.layers(task, m, 0, len(model.tasks.module(m).stack), x)
-    return model.loss(task, out[sink(t)], tokens)
+    return sum(model.loss(task, m, out[m], tokens) for m in sinks(t))
 
 
 def reference_steps(tasks: TaskSet, steps: int, seed: int, lr_of, clip: float = 0.0
