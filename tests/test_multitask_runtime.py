@@ -46,6 +46,19 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _assert_like_one_process(tmp_path: Path, names: tuple[str, ...], tasks, reference: list) -> None:
+    """Each run's every task loss within 1e-5 of one process's at every step, and its gradient norm within 1e-5
+    relative (`reference`: per step, the losses and the norm, None: not compared)."""
+    for name in names:
+        records = _records(tmp_path / f"{name}.jsonl")
+        assert len(records) == STEPS
+        for step, (record, (want, norm)) in enumerate(zip(records, reference, strict=True)):
+            got = [record["losses"][t.name] for t in tasks.tasks]
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-5, (name, step, got, want)
+            if norm is not None:
+                assert abs(record["grad_norm"] - norm) <= 1e-5 * norm, (name, step, record["grad_norm"], norm)
+
+
 def _moved(units: list[Unit]) -> list[Unit]:
     """The planner's units with each trunk on other ranks than its encoder: activations and gradients cross
     between groups of different sizes (2 -> 2 elsewhere, 2 -> 3 overlapping)."""
@@ -94,41 +107,21 @@ def test_two_groups_run_at_once_and_train_like_one_process(tmp_path: Path) -> No
     assert abs(expected[-1][0] - expected[0][0]) > 1e-3  # the reference trains
     clipped = reference_steps(tasks, STEPS, cfg.seed, lambda step: lr_at(step, cfg), CLIP)
     assert abs(clipped[-1][0][0] - expected[-1][0]) > 1e-4  # clipping changes the losses
+    _assert_like_one_process(tmp_path, ("forced",), tasks, clipped)
     forced_records = _records(tmp_path / "forced.jsonl")
-    for step, (record, (want, norm)) in enumerate(zip(forced_records, clipped, strict=True)):
-        got = [record["losses"][t.name] for t in tasks.tasks]
-        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-5, ("forced", step, got, want)
-        assert abs(record["grad_norm"] - norm) <= 1e-5 * norm, (step, record["grad_norm"], norm)
     (resumed,) = _records(tmp_path / "resumed.jsonl")
     assert resumed["step"] == 2 and sorted(p.name for p in saved.iterdir()) == ["step-2", "step-3"]
     for name in resumed["losses"]:  # resuming from step 2 equals the run that went on
         assert abs(resumed["losses"][name] - forced_records[2]["losses"][name]) <= 1e-6
-    for name in ("planned", "moved"):
-        records = _records(tmp_path / f"{name}.jsonl")
-        assert len(records) == STEPS
-        for step, (record, want) in enumerate(zip(records, expected, strict=True)):
-            got = [record["losses"][t.name] for t in tasks.tasks]
-            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-5, (name, step, got, want)
+    _assert_like_one_process(tmp_path, ("planned", "moved"), tasks, [(want, None) for want in expected])
     cfg = configs["widths"]
     wide = reference_steps(widths, STEPS, cfg.seed, lambda step: lr_at(step, cfg), cfg.clip)
     assert abs(wide[-1][0][0] - wide[0][0][0]) > 1e-3  # the reference trains, the projection with it
-    for name in ("widths", "swapped"):
-        records = _records(tmp_path / f"{name}.jsonl")
-        assert len(records) == STEPS
-        for step, (record, (want, norm)) in enumerate(zip(records, wide, strict=True)):
-            got = [record["losses"][t.name] for t in widths.tasks]
-            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-5, (name, step, got, want)
-            assert abs(record["grad_norm"] - norm) <= 1e-5 * norm, (name, step, record["grad_norm"], norm)
+    _assert_like_one_process(tmp_path, ("widths", "swapped"), widths, wide)
     cfg = configs["bind"]
     bound = reference_steps(binds, STEPS, cfg.seed, lambda step: lr_at(step, cfg), cfg.clip)
     assert abs(bound[-1][0][0] - bound[0][0][0]) > 1e-3  # the reference trains
-    for name in ("bind", "bind_forced"):  # each task's loss: the mean of its two heads'
-        records = _records(tmp_path / f"{name}.jsonl")
-        assert len(records) == STEPS
-        for step, (record, (want, norm)) in enumerate(zip(records, bound, strict=True)):
-            got = [record["losses"][t.name] for t in binds.tasks]
-            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-5, (name, step, got, want)
-            assert abs(record["grad_norm"] - norm) <= 1e-5 * norm, (name, step, record["grad_norm"], norm)
+    _assert_like_one_process(tmp_path, ("bind", "bind_forced"), binds, bound)  # each task: its heads' mean
     for record in (json.loads(line) for line in (tmp_path / "planned.jsonl").read_text().splitlines()):
         for stage in stages:  # both groups' forward of the stage overlap in time
             spans = [(e["start_s"], e["end_s"]) for e in record["timeline"]
