@@ -377,8 +377,8 @@ def test_moe_rows_the_constants_were_chosen_on() -> None:
 
 def test_moe_held_out_rows() -> None:
     """Median 23.7%, max 37.4% (before the experts' output bias 23.7%, 56.1%; before the AutoModel configs 17.8%,
-    64.2%; before the dispatch terms 40.3%, 99.7%): GPT-OSS 120B (+37%), DeepSeek-V3 on 1024 GPUs (-31%: +18% while it was priced as per-micro-batch ZeRO-3 without
-    recompute; its config recomputes every block and syncs FSDP once per step), Mixtral-8x7B (+16%),
+    64.2%; before the dispatch terms 40.3%, 99.7%): GPT-OSS 120B (+37%), DeepSeek-V3 on 1024 GPUs (-31%: +18%
+    while it was priced as per-micro-batch ZeRO-3 without recompute; its config recomputes every block and syncs FSDP once per step), Mixtral-8x7B (+16%),
     Megatron-FSDP Qwen3-235B (+11%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
     assert statistics.median(errors) <= 0.24
