@@ -105,9 +105,10 @@ def permute_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) ->
 
 EXPERT_BIAS_FORWARD_BYTES = 28
 """Bytes moved per (routed pair, hidden element) in forward by Megatron's unfused bias of the experts' second
-GEMM, scaled by the router probability (TEGroupedMLP._apply_bias, megatron/core/transformer/moe/experts.py at
-Megatron-LM b97184db56, January 2026, the code of the NeMo 26.02-26.04 containers: per local expert `t + b * p`
-on a torch.split view, then torch.cat and .to(bf16)): b * p writes fp32 (4), the add reads the bf16 output and
+GEMM, scaled by the router probability (TEGroupedMLP._apply_bias, megatron/core/transformer/moe/experts.py, the
+same from Megatron-LM a329dd6da5, MR !3858 "Enable bias in expert mlp [gpt-oss 5/5]", September 2025, until the
+packed path of 883533e049, August 2026, so the code of the NeMo 26.02-26.04 containers: per local expert
+`t + b * p` on a torch.split view, then torch.cat and .to(bf16)): b * p writes fp32 (4), the add reads the bf16 output and
 the fp32 product and writes fp32 (2 + 4 + 4), cat copies fp32 (4 + 4), the cast reads fp32 and writes bf16
 (4 + 2)."""
 EXPERT_BIAS_BACKWARD_BYTES = 40
