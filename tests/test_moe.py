@@ -237,3 +237,23 @@ def test_shorthand_takes_the_dispatcher_and_routing() -> None:
     assert (uniform_plan("dp=8,ep=8,gbs=8", m, cluster, 4096).dispatcher) == "alltoall"
     with pytest.raises(PlaitError, match="dispatcher must be alltoall or deepep"):
         uniform_plan("dp=8,ep=8,gbs=8,dispatcher=nccl", m, cluster, 4096)
+
+
+def test_expert_output_bias_is_priced_only_for_biased_experts() -> None:
+    """GPT-OSS 120B on 8 H100 (ep8, 16 local experts, 4096 tokens, top 4): Megatron's unfused fc2 bias moves 28
+    bytes forward and 40 backward per routed pair and hidden element (16384 pairs x 2880), in 34 and 82 kernels;
+    Mixtral's experts have no biases, so nothing."""
+    m = PRESETS["gpt-oss-120b"]
+    b = next(x for x in m.stack if x.kind == "moe")
+    s = Strategy(dp=8, ep=8)
+    ctx = _context(m, s)
+    rate = ctx.cluster.gpu.hbm_bandwidth * ctx.cal.memory_efficiency
+    f, bwd = experts.expert_bias_time(b, s, 4096.0, ctx)
+    elements = 4096 * 4 * 2880
+    assert experts.EXPERT_BIAS_FORWARD_BYTES == 28 and experts.EXPERT_BIAS_BACKWARD_BYTES == 40
+    assert f == pytest.approx(28 * elements / rate + 34 * ctx.cal.kernel_overhead_s)
+    assert bwd == pytest.approx(40 * elements / rate + 82 * ctx.cal.kernel_overhead_s)
+    assert round(f * 1e3, 3) == 0.629 and round(bwd * 1e3, 3) == 1.032
+    mixtral = PRESETS["mixtral-8x7b"]
+    mb = next(x for x in mixtral.stack if x.kind == "moe")
+    assert experts.expert_bias_time(mb, s, 4096.0, _context(mixtral, s)) == (0.0, 0.0)

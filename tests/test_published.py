@@ -365,23 +365,24 @@ def test_moe_rows_are_collected_with_a_held_out_third() -> None:
 
 
 def test_moe_rows_the_constants_were_chosen_on() -> None:
-    """benchmarks/published_runs.py: median 12.1%, max 55.8% (before the permutation passes, DeepEP's dispatch and
-    the AutoModel rows' configs: 14.8%, 63.8%; before the dispatch and launch terms: 29.8%, 62.8%). The four
-    GPT-OSS 120B rows (Megatron-Bridge, 64 H100) are predicted 51-56% too fast, the Mixtral-8x22B rows 10-11% too
+    """benchmarks/published_runs.py: median 12.1%, max 37.1% (before the experts' output bias: 12.1%, 55.8%; before
+    the permutation passes, DeepEP's dispatch and the AutoModel rows' configs: 14.8%, 63.8%; before the dispatch
+    and launch terms: 29.8%, 62.8%). The four GPT-OSS 120B rows (Megatron-Bridge, 64 H100) are predicted 33-37% too
+    fast, the Mixtral-8x22B rows 10-11% too
     fast and DeepSeek-V3 on 256 GPUs 18% too slow; the issue's bar (median <= 10%, max <= 20%) is not met."""
     errors = [abs(e) for run, e in MOE if not run.held_out]
     assert statistics.median(errors) <= 0.125
-    assert max(errors) <= 0.56
+    assert max(errors) <= 0.372
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 23.7%, max 56.1% (before this pass 17.8%, 64.2%; before the dispatch terms 40.3%, 99.7%): GPT-OSS
-    120B (+56%), DeepSeek-V3 on 1024 GPUs (-31%: +18% while it was priced as per-micro-batch ZeRO-3 without
-    recompute; its config recomputes every block and syncs FSDP once per step), Mixtral-8x7B (+16%),
+    """Median 23.7%, max 37.4% (before the experts' output bias 23.7%, 56.1%; before the AutoModel configs 17.8%,
+    64.2%; before the dispatch terms 40.3%, 99.7%): GPT-OSS 120B (+37%), DeepSeek-V3 on 1024 GPUs (-31%: +18%
+    while it was priced as per-micro-batch ZeRO-3 without recompute; its config recomputes every block and syncs FSDP once per step), Mixtral-8x7B (+16%),
     Megatron-FSDP Qwen3-235B (+11%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
     assert statistics.median(errors) <= 0.24
-    assert max(errors) <= 0.57
+    assert max(errors) <= 0.375
 
 
 def test_megatron_fsdp_expert_gathers_hide_behind_the_token_exchange_too() -> None:
@@ -405,15 +406,16 @@ def test_cross_node_expert_parallel_rows_within_13_percent() -> None:
     assert all(abs(e) <= 0.13 for e in errors)
 
 
-def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_over_50_percent_fast() -> None:
+def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_over_30_percent_fast() -> None:
     """Megatron-Bridge's 26.02-26.04 GPT-OSS perf configs set grad_reduce_in_fp32 False (bf16 gradient reduction):
     +57.6..62.6% became +59.2..64.2%. The attention kernel is the open question: TransformerEngine runs the sink
     attention in cuDNN (fused) only from cuDNN 9.13.1, else unfused, and unfused would add ~89 ms to each
     9-layer stage's micro-batch (plait's eager kernel), more than the ~63 ms the published rate leaves. The
     all-to-all dispatcher's four permutation passes over the routed copies (16 local experts) take 8 points:
-    +51.4..56.1%."""
+    +51.4..56.1%. Megatron's unfused output bias of the experts (fp32 bias times probability per local expert,
+    `experts.expert_bias_time`) takes 18 points more: +33.2..37.4%."""
     errors = sorted(e for run, e in MOE if run.model.name == "gpt-oss-120b")
-    assert [round(e, 3) for e in errors] == [0.514, 0.516, 0.558, 0.561]
+    assert [round(e, 3) for e in errors] == [0.332, 0.334, 0.371, 0.374]
 
 
 def test_automodel_rows_run_as_their_configs_say() -> None:

@@ -103,6 +103,35 @@ def permute_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) ->
     return t, t
 
 
+EXPERT_BIAS_FORWARD_BYTES = 28
+"""Bytes moved per (routed pair, hidden element) in forward by Megatron's unfused bias of the experts' second
+GEMM, scaled by the router probability (TEGroupedMLP._apply_bias, megatron/core/transformer/moe/experts.py, the
+same from Megatron-LM a329dd6da5, MR !3858 "Enable bias in expert mlp [gpt-oss 5/5]", September 2025, until the
+packed path of 883533e049, August 2026, so the code of the NeMo 26.02-26.04 containers: per local expert
+`t + b * p` on a torch.split view, then torch.cat and .to(bf16)): b * p writes fp32 (4), the add reads the bf16 output and
+the fp32 product and writes fp32 (2 + 4 + 4), cat copies fp32 (4 + 4), the cast reads fp32 and writes bf16
+(4 + 2)."""
+EXPERT_BIAS_BACKWARD_BYTES = 40
+"""Bytes moved per (routed pair, hidden element) in backward by the same ops' autograd: the cast's gradient to
+fp32 (2 + 4), the add's gradient cast to bf16 for the GEMM output (4 + 2), the bias and probability gradients
+each a broadcast multiply and a reduction ((4 + 4) + 4, twice), and torch.split's backward, a cat of the bf16
+gradients (2 + 2)."""
+
+
+def expert_bias_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> tuple[float, float]:
+    """(forward, backward) seconds of the experts' output bias on the busiest rank: memory-bound passes over every
+    routed row, hidden wide (`EXPERT_BIAS_FORWARD_BYTES`, `EXPERT_BIAS_BACKWARD_BYTES`), issued per local expert
+    (forward 2 kernels each plus the cat and the cast; backward 5 each plus the cast and split's cat). 0 for
+    experts without biases (only GPT-OSS's have them) or layers without experts."""
+    if block.kind != "moe" or not (block.bias or block.mlp_bias):
+        return 0.0, 0.0
+    local = block.experts // s.ep
+    elements = routed_pairs(block, s, tokens, ctx) * block.hidden
+    gpu, cal = ctx.cluster.gpu, ctx.cal
+    return (elementwise_time(EXPERT_BIAS_FORWARD_BYTES * elements, gpu, cal, kernels=2 * local + 2),
+            elementwise_time(EXPERT_BIAS_BACKWARD_BYTES * elements, gpu, cal, kernels=5 * local + 2))
+
+
 def expert_params(block: Block) -> float:
     """Parameters of a layer's routed experts (weights and biases); 0 for layers without experts."""
     if block.kind != "moe":

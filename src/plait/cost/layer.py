@@ -195,7 +195,8 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     expert_f, expert_b = experts.experts_time(block, s, tokens, ctx)
     lsh_f, lsh_b = experts.lsh_time(block, s, tokens, ctx)
     perm_f, perm_b = experts.permute_time(block, s, tokens, ctx)
-    expert_f, expert_b = expert_f + lsh_f + perm_f, expert_b + lsh_b + perm_b
+    bias_f, bias_b = experts.expert_bias_time(block, s, tokens, ctx)
+    expert_f, expert_b = expert_f + lsh_f + perm_f + bias_f, expert_b + lsh_b + perm_b + bias_b
     attn_f, attn_b = _attention_time(block, s, ctx)
     elem_f = elementwise_time(tokens * _elementwise_bytes_per_token(block, s, eb), ctx.cluster.gpu, cal, kernels=8)
     forward = fwd_gemm + expert_f + attn_f + elem_f
