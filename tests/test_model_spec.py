@@ -3,6 +3,8 @@ inline specs and error messages."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 from pathlib import Path
 
@@ -304,7 +306,9 @@ def test_flash_llama_activation_terms_by_hand() -> None:
     assert a.replicated == 8 * h and a.replicated_masks == 0
     assert a.sharded == (2 * q + 2 * kv) + 2 * kv + 2 * q + 4 * 2 * f + LSE_BYTES * 8
     assert a.quadratic_per_seq_token == 0 and a.sharded_quadratic_masks == 0
-    assert m.activation_bytes("selective") == a  # flash already recomputes the scores
+    # flash already recomputes the scores; selective runs the core again from q, k, v: no log-sum-exp kept
+    assert m.activation_bytes("selective") == replace(a, sharded=a.sharded - LSE_BYTES * 8)
+    assert m.activation_bytes("selective", ring=True) == a  # ring attention keeps its own
     assert m.activation_bytes("full") == ActivationBytes(2 * h, 0, 0, 0, 0)
 
 

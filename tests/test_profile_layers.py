@@ -136,14 +136,13 @@ def test_activation_bytes(tiny_llama: Measured) -> None:
     per_token = {(p.tp, p.recompute): p.activation_bytes_per_token for p in tiny_llama.layers}
     analytic = analytic_llama_bytes_per_token(spec)
     assert per_token[1, "none"] == pytest.approx(analytic, rel=0.25)
-    # selective keeps the block input and the outputs of its GEMMs (wq, wk, wv, wo, w1, w3, w2), which
-    # its checkpoint caches outside saved-tensor hooks: 4 * (3 H + q_dim + 2 kv_dim + 2 ffn) = 5632
-    selective = FP32 * (3 * spec.hidden + spec.q_dim + 2 * spec.kv_dim + 2 * spec.ffn)
-    assert per_token[1, "selective"] == pytest.approx(selective, rel=0.25)
+    # selective (Megatron-LM's) runs the attention core again from q, k, v: all is kept but the core's
+    # fp32 log-sum-exp (one per head), which the profiler's count may already leave out
+    assert per_token[1, "none"] - FP32 * spec.heads <= per_token[1, "selective"] <= per_token[1, "none"]
     for tp in (1, 2):
         assert per_token[tp, "full"] < 0.1 * per_token[tp, "none"]
         assert per_token[tp, "full"] == FP32 * spec.hidden  # only the block input survives
-        assert per_token[tp, "full"] < per_token[tp, "selective"] < per_token[tp, "none"]
+        assert per_token[tp, "full"] < per_token[tp, "selective"] <= per_token[tp, "none"]
     assert per_token[2, "none"] < per_token[1, "none"]
     for profile in tiny_llama.layers:
         for s in profile.samples:

@@ -207,7 +207,9 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
         # one rank's share, attention included
         forward = cal.measured.seconds(timed.forward, tokens, seq, m.name)  # type: ignore[union-attr]
         backward = cal.measured.seconds(timed.backward, tokens, seq, m.name)  # type: ignore[union-attr]
-    recompute = recompute_time(s.recompute, forward, attn_f)
+    ring = s.cp > 1 and s.cp_mode == "ring" and block.has_attention
+    # selective leaves ring attention (its own autograd function) as it is: nothing runs again
+    recompute = 0.0 if ring and s.recompute == "selective" else recompute_time(s.recompute, forward, attn_f)
     if s.recompute != "none" and measured and \
             (with_rc := cal.measured.block(m.name, s.tp, s.recompute)) is not None:  # type: ignore[union-attr]
         recompute = max(0.0, cal.measured.seconds(with_rc.backward, tokens, seq, m.name) - backward)  # type: ignore[union-attr]

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from plait.models.recomputed import recomputed
 from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
@@ -106,6 +107,11 @@ class Attention(nn.Module):
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
         self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=out_bias)
 
+    recompute_core: bool = False
+    """Set by the runtime for selective recomputation (Megatron-LM's): the attention core keeps only its
+    queries, keys and values and runs again in backward (`plait.models.recomputed`). Ring attention, its own
+    autograd function with K/V passes, is left as it is."""
+
     context_parallel: object | None = None
     """Set by the runtime for context parallelism: a `plait.runtime.ulysses.Ulysses` (sequence chunk -> head
     group, and back, over `degree` ranks, around the attention core) or a `plait.runtime.ring.RingContext`
@@ -135,17 +141,28 @@ class Attention(nn.Module):
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, D]
         if (rep := q.shape[1] // k.shape[1]) > 1:  # GQA: query head j reads kv head j // rep (as HF)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if attend is not None:  # a windowed layer tells the core its window
-            out = (attend(q, k, v, window=self.window) if self.window else attend(q, k, v)).transpose(1, 2)
+        core = self._core(attend)
+        if self.recompute_core and (cp is None or cp.splits_heads):
+            out = recomputed(core, q, k, v).transpose(1, 2)
         else:
-            p = self.dropout if self.training else 0.0
-            place = torch.arange(q.shape[2], device=q.device)
-            mask = causal_mask(place, place, self.window) if self.window else None
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                 is_causal=self.causal and mask is None).transpose(1, 2)
+            out = core(q, k, v).transpose(1, 2)
         if cp is not None:
             out = cp.to_sequence(out)
         return self.wo(out.reshape(b, t, -1))
+
+    def _core(self, attend: Callable | None) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """The attention core, q, k, v [B, heads, T, D] -> [B, heads, T, D]: `attend` (told the layer's window)
+        or causal/bidirectional SDPA with the layer's window and dropout."""
+        if attend is not None:  # a windowed layer tells the core its window
+            return (lambda q, k, v: attend(q, k, v, window=self.window)) if self.window else attend
+        p = self.dropout if self.training else 0.0
+
+        def sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            place = torch.arange(q.shape[2], device=q.device)
+            mask = causal_mask(place, place, self.window) if self.window else None
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                  is_causal=self.causal and mask is None)
+        return sdpa
 
 
 class FeedForward(nn.Module):

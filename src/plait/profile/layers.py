@@ -32,8 +32,7 @@ Method (every number is a difference, so that what the models share cancels out)
   the storages packed by `torch.autograd.graph.saved_tensors_hooks`, plus the storages created during the
   forward that are still alive after it (a `TorchDispatchMode` holds weak references to every op's
   output). The second set is needed because checkpointed regions hide their tensors from outer hooks:
-  selective recomputation caches its GEMM outputs in its own dispatch mode, not through saved-tensor
-  hooks. Storages are counted once (by `data_ptr`); parameters and buffers are not activations. The
+  attn_kept caches the attention outputs in its own dispatch mode, not through saved-tensor hooks. Storages are counted once (by `data_ptr`); parameters and buffers are not activations. The
   per-block figure is again the difference between L2 and L1 blocks; it is exact and independent of the
   device, at the measurement dtype (fp32: 4 bytes per element).
 
@@ -346,7 +345,7 @@ class _LiveStorages(TorchDispatchMode):
 
 def _activation_bytes(run: _Run) -> float:
     """Bytes one forward of `run` keeps for backward: storages packed by saved-tensor hooks, plus storages
-    created in the forward and still alive after it (checkpoint inputs, selective recompute's cache, the
+    created in the forward and still alive after it (checkpoint inputs, attn_kept's cache, the
     output), each once (by data_ptr); parameters and buffers excluded."""
     weights = {t.untyped_storage().data_ptr() for t in (*run.model.parameters(), *run.model.buffers())}
     kept: dict[int, int] = {}

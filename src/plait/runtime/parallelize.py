@@ -24,8 +24,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from plait.models.llama import Attention
 from plait.models.moe import MoE
 from plait.plan import Strategy
 from plait.runtime import recompute
@@ -34,7 +34,7 @@ from plait.cost.offload import PAGED
 from plait.runtime.placement import Chunk
 from plait.runtime.relayout import Relayout
 from plait.runtime.ring import RingContext
-from plait.runtime.swap import apply_swap, cache_storage
+from plait.runtime.swap import apply_swap
 from plait.runtime.zero import paging, shard_unit
 from plait.runtime.ulysses import Ulysses
 
@@ -103,32 +103,20 @@ def layer_tp_plan(layer: nn.Module, sp: bool) -> dict[str, object]:
     return plan
 
 
-_GEMM_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-
-
-def _keep_gemm_outputs(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    """Selective recomputation: keep the outputs of the block's GEMMs and recompute the rest, i.e. the
-    attention core (Korthikanti et al.'s selective recompute) and the cheap elementwise work around it.
-    (Keeping elementwise outputs instead trips over in-place ops such as RMSNorm's `add_`.)"""
-    return CheckpointPolicy.MUST_SAVE if op in _GEMM_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_contexts() -> tuple:
-    """Selective checkpointing's forward and recompute modes, keeping the GEMM outputs in a cache that the
-    running block's token-wise swap cuts (`plait.runtime.swap.cache_storage`)."""
-    caching, cached = create_selective_checkpoint_contexts(_keep_gemm_outputs)
-    caching.storage = cached.storage = cache_storage()
-    return caching, cached
-
-
 def apply_ac(model: nn.Module, mode: str, layers: list[str]) -> None:
     """Recompute the named blocks' activations in backward (`full`), only their attention core
-    (`selective`), or all but their attention core (`attn_kept`, plait.runtime.recompute)."""
+    (`selective`: Megatron-LM's, `plait.models.recomputed`), or all but their attention core (`attn_kept`,
+    plait.runtime.recompute)."""
     if mode == "none":
         return
+    if mode == "selective":
+        for name in layers:
+            for module in model.layers[name].modules():
+                if isinstance(module, Attention):
+                    module.recompute_core = True
+        return
     for name in layers:
-        context = {} if mode == "full" else {
-            "context_fn": recompute.contexts if mode == "attn_kept" else _selective_contexts}
+        context = {"context_fn": recompute.contexts} if mode == "attn_kept" else {}
         model.layers[name] = checkpoint_wrapper(model.layers[name], checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                 **context)
 

@@ -28,7 +28,8 @@ Kind = Literal["decoder", "moe", "encoder", "cross_decoder", "vision", "patch_em
 KINDS: tuple[str, ...] = ("decoder", "moe", "encoder", "cross_decoder", "vision", "patch_embed", "projector")
 Recompute = Literal["none", "selective", "attn_kept", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "attn_kept", "full")
-"""Recompute modes: none; selective (Korthikanti et al. 2022: only the attention core is recomputed);
+"""Recompute modes: none; selective (Megatron-LM's, Korthikanti et al. 2022: only the attention core is recomputed,
+from its queries, keys and values; ring attention is not);
 attn_kept (MEMO, Zhao et al. SIGMOD 2025: everything but the attention core is recomputed, whose output and
 log-sum-exp are kept with the layer input); full (the whole layer is recomputed from its input)."""
 Attention = Literal["flash", "eager", "triton"]
@@ -322,7 +323,7 @@ class Block:
     # ---- activations ----------------------------------------------------------------------
     def activation_bytes(self, recompute: Recompute, ring: bool = False) -> ActivationBytes:
         """Bytes saved for backward per token of the layer, 16-bit activations (see ActivationBytes); `ring`:
-        under ring context parallelism (only attn_kept saves differently there).
+        under ring context parallelism (attn_kept saves differently there; selective keeps its log-sum-exp).
 
         With eager attention, dropout, LayerNorm and a 4h GeLU MLP a decoder layer reproduces Korthikanti
         et al. 2022, Table 2: s*b*h*(34 + 5*a*s/h) with no parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t))
@@ -363,8 +364,8 @@ class Block:
             if self.dropout:
                 quadratic += 2 * heads  # attention-dropout output
                 quad_masks = heads * MASK_BYTES
-        elif self.attention in FUSED_ATTENTION:
-            sharded += LSE_BYTES * heads
+        elif self.attention in FUSED_ATTENTION and (recompute == "none" or ring):
+            sharded += LSE_BYTES * heads  # selective runs a local core again (ring attention keeps its own)
         return ActivationBytes(replicated, sharded, quadratic, drop_masks, quad_masks)
 
     def _attention_kept_bytes(self) -> ActivationBytes:

@@ -171,9 +171,9 @@ class ModelSpec:
         """Forward FLOPs per token of the default layer."""
         return self.block.flops_per_token(seq_len)
 
-    def activation_bytes(self, recompute: Recompute) -> ActivationBytes:
+    def activation_bytes(self, recompute: Recompute, ring: bool = False) -> ActivationBytes:
         """Bytes the default layer saves for backward per token, 16-bit activations (Block.activation_bytes)."""
-        return self.block.activation_bytes(recompute)
+        return self.block.activation_bytes(recompute, ring)
 
     @property
     def tp_comm_elements_per_token(self) -> int:
