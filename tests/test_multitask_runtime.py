@@ -24,6 +24,8 @@ WIDTHS = Path(__file__).resolve().parent / "data/widths-tasks.yaml"
 """A 32-wide encoder feeding a 64-wide trunk (through the trunk's projection) and a 64-wide one feeding it."""
 BIND = Path(__file__).resolve().parents[1] / "src/plait/data/tiny-bind-tasks.yaml"
 """Two tasks that each end in two modules (a shared image tower beside a text or an audio tower)."""
+SMALL_BIND = Path(__file__).resolve().parent / "data/imagebind-small-tasks.yaml"
+"""imagebind-tasks.yaml's modules and tasks (five, each ending in two towers) at a size CPU ranks train."""
 BIND_FORCED = {"image-text/text": {"ranks": (0, 1), "tp": 2}, "image-audio/audio": {"ranks": (2, 3), "cp": 2}}
 """The towers the planner puts on one rank each, spread over two (tp2; cp2) beside the image tower's layer."""
 STEPS = 3
@@ -95,8 +97,12 @@ def test_two_groups_run_at_once_and_train_like_one_process(tmp_path: Path) -> No
     bind_units = units_of(plan_multitask(binds, load_cluster("1x4xA100-80GB"), "fp32"))
     bind_forced = [replace(u, **BIND_FORCED.get(u.op, {})) for u in bind_units]
     check_units(binds, bind_forced, 4)
+    bind_saved = tmp_path / "bind-ckpt"
     configs |= {"bind": _config(bind_units, tmp_path / "bind.jsonl", BIND),
-                "bind_forced": _config(bind_forced, tmp_path / "bind_forced.jsonl", BIND)}
+                "bind_forced": _config(bind_forced, tmp_path / "bind_forced.jsonl", BIND, clip=CLIP,
+                                       checkpoint_dir=str(bind_saved), checkpoint_every=2),
+                "bind_resumed": _config(bind_forced, tmp_path / "bind_resumed.jsonl", BIND, clip=CLIP,
+                                        resume_from=str(bind_saved / "step-2"))}
     paths = []
     for name, cfg in configs.items():
         paths.append(tmp_path / f"{name}.json")
@@ -121,7 +127,13 @@ def test_two_groups_run_at_once_and_train_like_one_process(tmp_path: Path) -> No
     cfg = configs["bind"]
     bound = reference_steps(binds, STEPS, cfg.seed, lambda step: lr_at(step, cfg), cfg.clip)
     assert abs(bound[-1][0][0] - bound[0][0][0]) > 1e-3  # the reference trains
-    _assert_like_one_process(tmp_path, ("bind", "bind_forced"), binds, bound)  # each task: its heads' mean
+    _assert_like_one_process(tmp_path, ("bind",), binds, bound)  # each task: its heads' mean
+    bound_clipped = reference_steps(binds, STEPS, cfg.seed, lambda step: lr_at(step, cfg), CLIP)
+    assert abs(bound_clipped[-1][0][0] - bound[-1][0][0]) > 1e-5  # every step clips (norms 0.73 to 0.74)
+    _assert_like_one_process(tmp_path, ("bind_forced",), binds, bound_clipped)
+    (bind_resumed,) = _records(tmp_path / "bind_resumed.jsonl")  # the four heads saved and restored
+    went_on = _records(tmp_path / "bind_forced.jsonl")[2]
+    assert bind_resumed["step"] == 2 and bind_resumed["losses"] == went_on["losses"]  # bit-equal
     for record in (json.loads(line) for line in (tmp_path / "planned.jsonl").read_text().splitlines()):
         for stage in stages:  # both groups' forward of the stage overlap in time
             spans = [(e["start_s"], e["end_s"]) for e in record["timeline"]
@@ -229,3 +241,11 @@ def test_imagebind_plans_pass_the_runtime_load_checks() -> None:
     for gpu in ("A100-80GB", "H100-80GB"):
         graph = check_units(tasks, units_of(plan_multitask(tasks, load_cluster(f"1x4x{gpu}"), "fp32")), 4)
         assert sum(graph.last) == 2 * len(tasks.tasks)  # one unit before each of the ten heads
+    small = load_tasks(SMALL_BIND)  # what docs/multitask.md trains from the command line
+    def shape(ts):
+        return [(t.name, t.modules, t.inputs) for t in ts.tasks]
+
+    assert shape(small) == shape(tasks)
+    assert [m.name for m in small.modules] == [m.name for m in tasks.modules]
+    graph = check_units(small, units_of(plan_multitask(small, load_cluster("1x4xA100-80GB"), "fp32")), 4)
+    assert sum(graph.last) == 10

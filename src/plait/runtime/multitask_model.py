@@ -6,7 +6,9 @@ used by several tasks is one set of weights unless it says `shared: false` (then
 has its own token embedding (read by the modules that read no other module) and its own head (a norm and a
 linear layer to the vocabulary) after each of its last modules (those no other module of the task reads),
 trained on next-token cross entropy over synthetic tokens; a task that ends in several modules (ImageBind's
-image-text ends in both towers) has one head per last module and its loss is the mean of theirs. A module
+image-text ends in both towers) has one head per last module and its loss is the mean of theirs, each
+head's next-token loss on its own module's output (a stand-in: a task file names no loss, and ImageBind's
+contrastive loss between the towers is not run; the planner prices no head). A module
 that reads several modules adds their outputs. Every module runs on the task's `seq_len` tokens (`tokens` of
 a layer is the planner's business). Modules may differ in hidden width: a module that reads an input of
 another width first projects it (a learned Linear(input width, its width), owned by the consumer, one per
