@@ -269,7 +269,8 @@ class Plan(BaseModel):
         pipeline of several stages does under p2p=megatron, whose blocking exchanges torch's schedules
         lack."""
         pipe = self.pipelines[pipeline]
-        return pipe.own_schedule(self.chunks, self.schedule_runs) or (self.p2p == "megatron" and len(pipe.stages) > 1)
+        return pipe.own_schedule(self.chunks, self.schedule_runs) or \
+            (self.p2p == "megatron" and len(pipe.stages) > 1)
 
     def run_micro_batches(self, pipeline: int) -> int:
         """Micro-batches of one of pipeline `pipeline`'s `schedule_runs` schedule runs a step."""
@@ -357,8 +358,8 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
                              f"{plan.schedule_runs} equal schedule runs; change schedule_runs, gbs or mbs")
         per_run = plan.run_micro_batches(pi)
         if plan.schedule == "interleaved" and pp > 1 and per_run % pp:
-            raise PlaitError(f"{where}: interleaved 1F1B needs micro-batches a schedule run ({per_run}) to be a "
-                             f"multiple of the pipeline degree ({pp}); change gbs, mbs or schedule_runs")
+            raise PlaitError(f"{where}: interleaved 1F1B needs micro-batches a schedule run ({per_run}) to "
+                             f"be a multiple of the pipeline degree ({pp}); change gbs, mbs or schedule_runs")
         expected = 0
         for si, stage in enumerate(stages):
             sw = f"{where} stage {si}"
@@ -584,7 +585,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     (none|selective|attn_kept|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel
     and expert tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
     of the routed tokens), expert_load, dispatcher (alltoall|deepep) and routing (random|contiguous) (see Plan),
-    shard (ZeRO's shard group, HSDP: 0 all of dp*cp), schedule_runs (pipeline schedules a step, see Plan), swap
+    shard (ZeRO's shard group, HSDP: 0 all of dp*cp), schedule_runs (pipeline schedules a step, see Plan),
+    swap
     (share of saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
     precision, grad_reduce (auto|fp32|bf16), p2p (async|megatron), overlap. dp defaults to the devices left by
     tp*pp*cp; gbs to 4*pp micro-batches.

@@ -310,7 +310,8 @@ def _simulate_pipelines(plan: Plan, all_costs: list[list[StageCost]], record: bo
         times = [StageTimes(c.forward, c.backward, c.send) for c in costs]
         hold = MEGATRON_P2P_HOLD if plan.p2p == "megatron" else 0.0
         m, runs = plan.run_micro_batches(pi), plan.schedule_runs
-        res = repeat_runs(simulate_pipeline(times, m, plan.schedule, plan.chunks, record=record, hold=hold), runs)
+        res = repeat_runs(simulate_pipeline(times, m, plan.schedule, plan.chunks, record=record, hold=hold),
+                          runs)
         no_send = None
         if detail and len(costs) > 1 and any(c.send for c in costs):
             no_send = repeat_runs(simulate_pipeline([StageTimes(c.forward, c.backward) for c in costs], m,
@@ -457,7 +458,8 @@ class PricedPlan:
                 schedule = "1f1b" if plan.schedule == "interleaved" else plan.schedule
                 fastest = repeat_runs(simulate_pipeline([StageTimes(f, b, s)] * pp, m, schedule),
                                       runs).last_backward_end_s
-            else:  # interleaved, sends left out: (m v + p - 1)(f + b) a run, device d's last backward d b earlier
+            else:  # interleaved, sends left out: (m v + p - 1)(f + b) a run; device d's last backward d b
+                # earlier
                 span = (m * plan.chunks + pp - 1) * (f + b)
                 fastest = tuple(runs * span - d * b for d in range(pp))
             for d in range(pp):

@@ -524,8 +524,8 @@ def repeat_runs(result: PipelineResult, runs: int) -> PipelineResult:
     makespan = runs * span
     busy = tuple(runs * b for b in result.busy_s)
     per_run = 1 + max((o.micro_batch for o in result.ops), default=-1)
-    ops = tuple(Op(o.device, o.kind, o.micro_batch + k * per_run, o.chunk, o.start_s + k * span, o.end_s + k * span)
-                for k in range(runs) for o in result.ops)
+    ops = tuple(Op(o.device, o.kind, o.micro_batch + k * per_run, o.chunk, o.start_s + k * span,
+                   o.end_s + k * span) for k in range(runs) for o in result.ops)
     return PipelineResult(
         makespan_s=makespan,
         busy_s=busy,

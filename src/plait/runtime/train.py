@@ -310,8 +310,8 @@ def _uneven_schedule(plan: Plan, spec: ModelSpec, chunks: list[torch.nn.Module],
     for model, chunk in zip(chunks, where.chunks):
         before, after = boundaries(plan, where.pipeline, chunk.index, spec, where.pp_group)
         parts[chunk.index] = UnevenSchedule(model, chunk.index, len(pipe.stages), before, after,
-                                            plan.run_micro_batches(where.pipeline), loss_fn, plan.schedule, timed,
-                                            blocking=plan.p2p == "megatron")
+                                            plan.run_micro_batches(where.pipeline), loss_fn, plan.schedule,
+                                            timed, blocking=plan.p2p == "megatron")
     if plan.chunks == 1:
         return parts[where.chunks[0].index]
     return ChunkedSchedule(parts, where.group, where.pp, plan.run_micro_batches(where.pipeline), plan.chunks)
