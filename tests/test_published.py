@@ -369,19 +369,20 @@ def test_moe_rows_the_constants_were_chosen_on() -> None:
     the permutation passes, DeepEP's dispatch and the AutoModel rows' configs: 14.8%, 63.8%; before the dispatch
     and launch terms: 29.8%, 62.8%). The four GPT-OSS 120B rows (Megatron-Bridge, 64 H100) are predicted 33-37% too
     fast, the Mixtral-8x22B rows 10-11% too
-    fast and DeepSeek-V3 on 256 GPUs 18% too slow; the issue's bar (median <= 10%, max <= 20%) is not met."""
+    fast and DeepSeek-V3 on 256 GPUs 20% too fast; the issue's bar (median <= 10%, max <= 20%) is not met."""
     errors = [abs(e) for run, e in MOE if not run.held_out]
     assert statistics.median(errors) <= 0.125
     assert max(errors) <= 0.372
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 23.7%, max 37.4% (before the experts' output bias 23.7%, 56.1%; before the AutoModel configs 17.8%,
-    64.2%; before the dispatch terms 40.3%, 99.7%): GPT-OSS 120B (+37%), DeepSeek-V3 on 1024 GPUs (-31%: +18%
+    """Median 23.3%, max 37.4% (before the schedule runs and layer split of AutoModel's DeepSeek-V3 23.7%, 37.4%;
+    before the experts' output bias 23.7%, 56.1%; before the AutoModel configs 17.8%,
+    64.2%; before the dispatch terms 40.3%, 99.7%): GPT-OSS 120B (+37%), DeepSeek-V3 on 1024 GPUs (-30%: +18%
     while it was priced as per-micro-batch ZeRO-3 without recompute; its config recomputes every block and syncs FSDP once per step), Mixtral-8x7B (+16%),
     Megatron-FSDP Qwen3-235B (+11%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
-    assert statistics.median(errors) <= 0.24
+    assert statistics.median(errors) <= 0.234
     assert max(errors) <= 0.375
 
 
@@ -421,15 +422,23 @@ def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_over_30_percent_fast() -
 def test_automodel_rows_run_as_their_configs_say() -> None:
     """NeMo AutoModel's benchmark configs recompute every block (activation_checkpointing), sync FSDP2 once per
     step (enable_fsdp_optimizations, reshard_after_forward false: ZeRO-1's schedule), dispatch with DeepEP and route
-    with the fake balanced gate (contiguous experts); DeepSeek-V3's layers_per_stage give vpp 7 and 4. Errors:
-    Qwen3-30B -6.4% (was +0.6%), DeepSeek-V3 256 GPUs -17.7% (+4.9%), 1024 GPUs -31.3% (+18.0%)."""
+    with the fake balanced gate (contiguous experts); DeepSeek-V3's layers_per_stage give vpp 7 and 4, the first
+    stages holding the extra layers (generate_hf_model_fqn_per_model_part), and its 1024-GPU row's GA 4 calls the
+    pipeline schedule four times a step (schedule_runs 4). Errors: Qwen3-30B -6.4% (was +0.6%), DeepSeek-V3 256
+    GPUs -20.1% (-17.7% with the extra layers last; +4.9% before the configs), 1024 GPUs -30.4% (-27.8% with the
+    extra layers last, -31.3% priced as one schedule of 32 micro-batches; +18.0% before the configs)."""
     auto = [(run, e) for run, e in MOE if "Automodel" in run.source]
     assert len(auto) == 3
     for run, _ in auto:
         s = run.plan.pipelines[0].stages[0].strategies[0]
         assert (s.recompute, s.zero, run.plan.dispatcher, run.plan.routing) == ("full", 1, "deepep", "contiguous")
     assert sorted((run.cluster.world_size, run.plan.chunks) for run, _ in auto) == [(8, 1), (256, 7), (1024, 4)]
-    assert sorted(round(e, 3) for _, e in auto) == [-0.313, -0.177, -0.064]
+    runs = sorted((run.cluster.world_size, run.plan.schedule_runs) for run, _ in auto)
+    assert runs == [(8, 1), (256, 1), (1024, 4)]
+    cuts = {run.cluster.world_size: [b - a for a, b in (st.layers for st in run.plan.pipelines[0].stages)]
+            for run, _ in auto}
+    assert cuts[256] == [3] * 5 + [2] * 23 and cuts[1024] == [4] * 13 + [3] * 3
+    assert sorted(round(e, 3) for _, e in auto) == [-0.304, -0.201, -0.064]
 
 
 def test_megatron_rows_printed_after_the_causal_flop_count_are_compared_with_it() -> None:

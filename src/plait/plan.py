@@ -42,7 +42,7 @@ P2p = Literal["async", "megatron"]
 Dispatcher = Literal["alltoall", "deepep"]
 Routing = Literal["random", "contiguous"]
 Offload = Literal["none", "optim", "params", "nvme"]
-PLAN_VERSION = 6
+PLAN_VERSION = 7
 """Version of the plan file. 6: the plan's `p2p`, how stages exchange activations (absent in older files:
 "async", plait's runtime) and the MoE token `dispatcher` and `routing` (absent: "alltoall", "random").
 5: strategies carry the share of saved activations swapped to host `swap`, the
@@ -198,12 +198,13 @@ class Pipeline(BaseModel):
         """Whether every stage has the same number of ranks (then stages hand over rank by rank)."""
         return len({len(stage.ranks) for stage in self.stages}) == 1
 
-    def own_schedule(self, chunks: int = 1) -> bool:
-        """Whether the runtime runs this pipeline (`chunks` model chunks per rank) with its own GPipe / 1F1B
-        schedule (`plait.runtime.pipeline_uneven`) instead of torch.distributed.pipelining's: stages of
-        different widths, or fewer micro-batches than stages (torch's schedules need one per stage)."""
+    def own_schedule(self, chunks: int = 1, runs: int = 1) -> bool:
+        """Whether the runtime runs this pipeline (`chunks` model chunks per rank, `runs` schedules a step)
+        with its own GPipe / 1F1B schedule (`plait.runtime.pipeline_uneven`) instead of
+        torch.distributed.pipelining's: stages of different widths, or fewer micro-batches a schedule than
+        stages (torch's schedules need one per stage)."""
         pp = len(self.stages) // chunks
-        return pp > 1 and (not self.even_widths or self.micro_batches < pp)
+        return pp > 1 and (not self.even_widths or self.micro_batches // runs < pp)
 
     def per_replica(self, s: Strategy) -> int:
         """Sequences per micro-batch on one data-parallel replica of a layer of strategy `s` (the `mbs` of
@@ -231,7 +232,7 @@ class Plan(BaseModel):
             raw = {**raw, "pipelines": [
                 {("micro_batch_sequences" if k == "micro_batch_size" else k): v for k, v in p.items()}
                 if isinstance(p, dict) else p for p in raw.get("pipelines", [])]}
-        return {**raw, "version": PLAN_VERSION}  # versions 2 -> ... -> 6 add fields with defaults
+        return {**raw, "version": PLAN_VERSION}  # versions 2 -> ... -> 7 add fields with defaults
 
     version: int = PLAN_VERSION
     model: str = Field(description="name of the model the plan was made for")
@@ -257,6 +258,10 @@ class Plan(BaseModel):
                      "megatron (Megatron-LM without overlap_p2p_comm: synchronous exchanges, and a "
                      "tensor-parallel stage without sequence parallelism sends 1/tp of its activation per rank, "
                      "all-gathered on arrival); the runtime runs both")
+    schedule_runs: int = Field(1, ge=1, description="pipeline schedules run one after another per optimizer "
+                               "step, each over micro_batches / schedule_runs micro-batches with its own fill and "
+                               "drain; gradients are synchronised once, after the last (NeMo AutoModel's "
+                               "gradient accumulation steps under pipeline parallelism)")
     pipelines: tuple[Pipeline, ...] = Field(min_length=1)
 
     def own_schedule(self, pipeline: int) -> bool:
@@ -264,7 +269,12 @@ class Plan(BaseModel):
         pipeline of several stages does under p2p=megatron, whose blocking exchanges torch's schedules
         lack."""
         pipe = self.pipelines[pipeline]
-        return pipe.own_schedule(self.chunks) or (self.p2p == "megatron" and len(pipe.stages) > 1)
+        return pipe.own_schedule(self.chunks, self.schedule_runs) or \
+            (self.p2p == "megatron" and len(pipe.stages) > 1)
+
+    def run_micro_batches(self, pipeline: int) -> int:
+        """Micro-batches of one of pipeline `pipeline`'s `schedule_runs` schedule runs a step."""
+        return self.pipelines[pipeline].micro_batches // self.schedule_runs
 
     @cached_property
     def pp(self) -> int:
@@ -343,9 +353,13 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
         if plan.chunks > 1 and plan.schedule != "interleaved":
             raise PlaitError(f"chunks={plan.chunks} needs schedule 'interleaved'; set chunks=1 (vpp=1) "
                              "or schedule=interleaved")
-        if plan.schedule == "interleaved" and pp > 1 and pipe.micro_batches % pp:
-            raise PlaitError(f"{where}: interleaved 1F1B needs micro-batches ({pipe.micro_batches}) to be a "
-                             f"multiple of the pipeline degree ({pp}); change gbs or mbs")
+        if pipe.micro_batches % plan.schedule_runs:
+            raise PlaitError(f"{where}: {pipe.micro_batches} micro-batches do not split into schedule_runs="
+                             f"{plan.schedule_runs} equal schedule runs; change schedule_runs, gbs or mbs")
+        per_run = plan.run_micro_batches(pi)
+        if plan.schedule == "interleaved" and pp > 1 and per_run % pp:
+            raise PlaitError(f"{where}: interleaved 1F1B needs micro-batches a schedule run ({per_run}) to "
+                             f"be a multiple of the pipeline degree ({pp}); change gbs, mbs or schedule_runs")
         expected = 0
         for si, stage in enumerate(stages):
             sw = f"{where} stage {si}"
@@ -466,7 +480,7 @@ def _validate_strategy(s: Strategy, block: Block, devices: int, mbs: int, plan: 
 
 _STRATEGY_KEYS = ("tp", "pp", "dp", "cp", "mbs", "gbs", "recompute", "sp", "zero", "vpp", "schedule",
                   "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce", "p2p",
-                  "moe_comm", "swap", "offload", "dispatcher", "routing")
+                  "moe_comm", "swap", "offload", "dispatcher", "routing", "schedule_runs")
 
 
 def parse_strategy(text: str) -> dict[str, str]:
@@ -571,7 +585,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     (none|selective|attn_kept|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel
     and expert tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
     of the routed tokens), expert_load, dispatcher (alltoall|deepep) and routing (random|contiguous) (see Plan),
-    shard (ZeRO's shard group, HSDP: 0 all of dp*cp), swap
+    shard (ZeRO's shard group, HSDP: 0 all of dp*cp), schedule_runs (pipeline schedules a step, see Plan),
+    swap
     (share of saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
     precision, grad_reduce (auto|fp32|bf16), p2p (async|megatron), overlap. dp defaults to the devices left by
     tp*pp*cp; gbs to 4*pp micro-batches.
@@ -624,6 +639,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
                 routing=_choice(d, "routing", ("random", "contiguous")),  # type: ignore[arg-type]
                 grad_reduce=grad_reduce,  # type: ignore[arg-type]
                 p2p=p2p,  # type: ignore[arg-type]
+                schedule_runs=_int(d, "schedule_runs", 1),
                 pipelines=(Pipeline(stages=tuple(stages), micro_batches=gbs // (mbs * dp),
                                     micro_batch_sequences=mbs * dp),))
     validate_plan(plan, model, cluster)

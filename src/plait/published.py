@@ -87,8 +87,9 @@ def _strategy(layout: dict) -> str:
         "cp_mode": layout.get("cp_mode", "ulysses"), "shard": layout.get("shard", 0),
         "grad_reduce": layout.get("reduce_dtype", "auto"),
     }
-    # MoE rows: expert degrees, busiest expert rank's load, token dispatcher, routing; offload rows: swap, offload.
-    layout_keys = ("ep", "etp", "expert_load", "dispatcher", "routing", "swap", "offload")
+    # MoE rows: expert degrees, busiest expert rank's load, token dispatcher, routing; offload rows: swap,
+    # offload; schedule_runs: pipeline schedules a step (NeMo AutoModel: one per accumulation step).
+    layout_keys = ("ep", "etp", "expert_load", "dispatcher", "routing", "swap", "offload", "schedule_runs")
     keys.update({k: layout[k] for k in layout_keys if k in layout})
     return ",".join(f"{k}={v}" for k, v in keys.items())
 

@@ -20,6 +20,7 @@ from plait.cost.pipeline import (
     PipelineResult,
     StageTimes,
     peak_weighted_in_flight,
+    repeat_runs,
     simulate_pipeline,
 )
 from plait.cost.precision import PRECISIONS, PrecisionBytes, plan_precision
@@ -309,11 +310,13 @@ def _simulate_pipelines(plan: Plan, all_costs: list[list[StageCost]], record: bo
     for pi, (pipe, costs) in enumerate(zip(plan.pipelines, all_costs, strict=True)):
         times = [StageTimes(c.forward, c.backward, c.send) for c in costs]
         hold = MEGATRON_P2P_HOLD if plan.p2p == "megatron" else 0.0
-        res = simulate_pipeline(times, pipe.micro_batches, plan.schedule, plan.chunks, record=record, hold=hold)
+        m, runs = plan.run_micro_batches(pi), plan.schedule_runs
+        res = repeat_runs(simulate_pipeline(times, m, plan.schedule, plan.chunks, record=record, hold=hold),
+                          runs)
         no_send = None
         if detail and len(costs) > 1 and any(c.send for c in costs):
-            no_send = simulate_pipeline([StageTimes(c.forward, c.backward) for c in costs], pipe.micro_batches,
-                                        plan.schedule, plan.chunks)
+            no_send = repeat_runs(simulate_pipeline([StageTimes(c.forward, c.backward) for c in costs], m,
+                                                    plan.schedule, plan.chunks), runs)
         staged.append((pi, costs, res, no_send))
     return staged
 
@@ -448,19 +451,21 @@ class PricedPlan:
         plan, multi = self.plan, len(self.plan.pipelines) > 1
         bound = 0.0
         for pi, (pipe, costs) in enumerate(zip(plan.pipelines, self.costs, strict=True)):
-            pp, m = len(costs) // plan.chunks, pipe.micro_batches
+            pp, m, runs = len(costs) // plan.chunks, plan.run_micro_batches(pi), plan.schedule_runs
             f = min(c.forward for c in costs)
             b = min(c.backward for c in costs)
             s = min((c.send for c in costs[:-1]), default=0.0)
             if plan.chunks == 1:
                 schedule = "1f1b" if plan.schedule == "interleaved" else plan.schedule
-                fastest = simulate_pipeline([StageTimes(f, b, s)] * pp, m, schedule).last_backward_end_s
-            else:  # interleaved, sends left out: (m v + p - 1)(f + b), device d's last backward d b earlier
+                fastest = repeat_runs(simulate_pipeline([StageTimes(f, b, s)] * pp, m, schedule),
+                                      runs).last_backward_end_s
+            else:  # interleaved, sends left out: (m v + p - 1)(f + b) a run; device d's last backward d b
+                # earlier
                 span = (m * plan.chunks + pp - 1) * (f + b)
-                fastest = tuple(span - d * b for d in range(pp))
+                fastest = tuple(runs * span - d * b for d in range(pp))
             for d in range(pp):
                 arrive = sum(c.forward for c in costs[:d])
-                busy = m * sum(c.forward + c.backward for c in costs[d::pp])
+                busy = pipe.micro_batches * sum(c.forward + c.backward for c in costs[d::pp])
                 reduce_t, gather_t, optimizer = self.syncs[pi][d]
                 exposed = reduce_t if multi else _exposed_reduce(reduce_t, costs[d::pp], plan, self.cal)
                 after = exposed + gather_t + optimizer
@@ -490,11 +495,11 @@ def price_plan(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration 
     costs = [[_stage_cost(plan, pi, j, model, cluster, cal) for j in range(len(pipe.stages))]
              for pi, pipe in enumerate(plan.pipelines)]
     memory, syncs, host, nvme = [], [], [], []
-    for pipe, pipe_costs in zip(plan.pipelines, costs, strict=True):
+    for pi, (pipe, pipe_costs) in enumerate(zip(plan.pipelines, costs, strict=True)):
         pp = len(pipe.stages) // plan.chunks
         weights = [[pipe_costs[j].activation_bytes for j in range(d, len(pipe_costs), pp)] for d in range(pp)]
-        alive = peak_weighted_in_flight(plan.schedule, pp, pipe.micro_batches, plan.chunks, weights)
-        host.append(_host_bytes(plan, pipe_costs, pipe.micro_batches, pp))
+        alive = peak_weighted_in_flight(plan.schedule, pp, plan.run_micro_batches(pi), plan.chunks, weights)
+        host.append(_host_bytes(plan, pipe_costs, plan.run_micro_batches(pi), pp))
         nvme.append([sum(count * c.nvme for cost in pipe_costs[d::pp] for c, count, _, _ in cost.priced)
                      for d in range(pp)])
         mems, sync = [], []

@@ -40,6 +40,7 @@ __all__ = [
     "clear_plan_cache",
     "ideal_bubble_fraction",
     "peak_weighted_in_flight",
+    "repeat_runs",
     "schedule_order",
     "simulate_pipeline",
 ]
@@ -506,6 +507,34 @@ def simulate_pipeline(
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def repeat_runs(result: PipelineResult, runs: int) -> PipelineResult:
+    """`runs` copies of one schedule's step run back to back, as a training loop that calls a pipeline
+    schedule once per gradient accumulation step does (NeMo AutoModel: one ``schedule.step()`` per GA step).
+    Each run starts on every device ``makespan_s`` after the previous one: the first device ends the
+    previous run last (its final backward) and starts the next one's fill, which the other devices wait
+    for, so every run pays its own fill and drain. Times in seconds; peaks in flight are one run's."""
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    if runs == 1:
+        return result
+    span = result.makespan_s
+    shift = (runs - 1) * span
+    makespan = runs * span
+    busy = tuple(runs * b for b in result.busy_s)
+    per_run = 1 + max((o.micro_batch for o in result.ops), default=-1)
+    ops = tuple(Op(o.device, o.kind, o.micro_batch + k * per_run, o.chunk, o.start_s + k * span,
+                   o.end_s + k * span) for k in range(runs) for o in result.ops)
+    return PipelineResult(
+        makespan_s=makespan,
+        busy_s=busy,
+        bubble_s=tuple(max(0.0, makespan - b) for b in busy),
+        peak_in_flight=result.peak_in_flight,
+        last_backward_end_s=tuple(shift + t for t in result.last_backward_end_s),
+        first_backward_start_s=result.first_backward_start_s,
+        ops=ops,
+    )
 
 
 def bubble_fraction(result: PipelineResult) -> float:

@@ -291,10 +291,13 @@ def _schedule(plan: Plan, chunks: list[torch.nn.Module], where: Placement, micro
     for m in chunks:
         follow_zero_stages(m)
     stages = [PipelineStage(m, c.index, n_stages, device, group=where.pp_group) for m, c in zip(chunks, where.chunks)]
+    # Several runs a step: torch's scaling divides every gradient, earlier runs' too, so the runs sum their
+    # micro-batches' gradients and `_forward_backward` divides once.
+    scale = plan.schedule_runs == 1
     if plan.schedule == "interleaved" and plan.chunks > 1:
-        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn), stages
+        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn, scale_grads=scale), stages
     kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
-    return kind(stages[0], micro_batches, loss_fn=loss_fn), stages
+    return kind(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=scale), stages
 
 
 def _uneven_schedule(plan: Plan, spec: ModelSpec, chunks: list[torch.nn.Module], where: Placement, loss_fn: Callable,
@@ -307,11 +310,11 @@ def _uneven_schedule(plan: Plan, spec: ModelSpec, chunks: list[torch.nn.Module],
     for model, chunk in zip(chunks, where.chunks):
         before, after = boundaries(plan, where.pipeline, chunk.index, spec, where.pp_group)
         parts[chunk.index] = UnevenSchedule(model, chunk.index, len(pipe.stages), before, after,
-                                            pipe.micro_batches, loss_fn, plan.schedule, timed,
-                                            blocking=plan.p2p == "megatron")
+                                            plan.run_micro_batches(where.pipeline), loss_fn, plan.schedule,
+                                            timed, blocking=plan.p2p == "megatron")
     if plan.chunks == 1:
         return parts[where.chunks[0].index]
-    return ChunkedSchedule(parts, where.group, where.pp, pipe.micro_batches, plan.chunks)
+    return ChunkedSchedule(parts, where.group, where.pp, plan.run_micro_batches(where.pipeline), plan.chunks)
 
 
 @dataclass
@@ -363,7 +366,7 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
     if plan.own_schedule(where.pipeline):
         schedule = _uneven_schedule(plan, spec, chunks, where, loss, clock)
     elif where.pp > 1:
-        schedule, stages = _schedule(plan, chunks, where, plan.pipelines[where.pipeline].micro_batches, loss)
+        schedule, stages = _schedule(plan, chunks, where, plan.run_micro_batches(where.pipeline), loss)
         if clock is not None:
             for stage in stages:
                 clock.wrap_stage(stage)
@@ -400,13 +403,24 @@ def _forward_backward(placed: Placed, inputs: list[torch.Tensor], targets: list[
             loss_sum[1] += rows
         return
     last = where.last(placed.plan)
+    runs = placed.plan.schedule_runs
+    per_run = len(inputs) // runs
     losses: list[torch.Tensor] = []
-    kwargs = {"target": torch.cat(targets), "losses": losses} if last else {}
-    with autocast:
-        if where.first:
-            schedule.step(torch.cat(inputs), **kwargs)
-        else:
-            schedule.step(**kwargs)
+    for k in range(runs):  # one schedule call per run, as NeMo AutoModel's gradient accumulation loop
+        mine = slice(k * per_run, (k + 1) * per_run)
+        run_losses: list[torch.Tensor] = []  # torch's schedules clear the list they are given
+        kwargs = {"target": torch.cat(targets[mine]), "losses": run_losses} if last else {}
+        with autocast:
+            if where.first:
+                schedule.step(torch.cat(inputs[mine]), **kwargs)
+            else:
+                schedule.step(**kwargs)
+        losses += run_losses
+    if runs > 1:  # plait's schedules average each run's micro-batches, torch's (unscaled) sum them
+        own = placed.plan.own_schedule(where.pipeline)
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in placed.params
+                 if p.grad is not None]
+        torch._foreach_mul_(grads, 1.0 / (runs if own else len(inputs)))
     for loss in losses:
         loss_sum[0] += loss.detach().double() * rows
         loss_sum[1] += rows
