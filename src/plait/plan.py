@@ -38,7 +38,15 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["bf16", "fp16", "fp32"]
 GradReduce = Literal["auto", "fp32", "bf16"]
 MoeComm = Literal["alltoall", "lsh"]
-P2p = Literal["async", "megatron"]
+P2p = Literal["async", "megatron", "torch"]
+SYNC_P2P: tuple[str, ...] = ("megatron", "torch")
+"""Plan.p2p values whose pipeline exchanges are synchronous. "torch": torch.distributed.pipelining's, whose
+schedules post each op's sends with the receives of the same step in one batch_isend_irecv and wait on it
+before computing on (torch v2.9.0 torch/distributed/pipelining/schedules.py: ScheduleInterleaved1F1B is a
+PipelineScheduleMulti, line 2304, whose _step_microbatches ends every time step with
+``_wait_batch_p2p(_batch_p2p(ops))``, line 1730; v2.8.0 the same, lines 2090 and 1542; Schedule1F1B's steady
+state in every release: ``_wait_batch_p2p(_batch_p2p(fwd_sends + bwd_recvs))``). The same NCCL batched p2p
+and wait as Megatron-LM's, so the same hold."""
 Dispatcher = Literal["alltoall", "deepep"]
 Routing = Literal["random", "contiguous"]
 Offload = Literal["none", "optim", "params", "nvme"]
@@ -254,10 +262,12 @@ class Plan(BaseModel):
                              "or contiguous (top-k consecutive experts, NeMo AutoModel's fake balanced gate)")
     grad_reduce: GradReduce = Field("auto", description="precision gradients are reduced in: auto (the "
                                     "precision's gradient bytes: fp32 under bf16), fp32 or bf16 (FSDP's reduce_dtype)")
-    p2p: P2p = Field("async", description="how pipeline stages exchange activations: async (sends overlap compute) or "
+    p2p: P2p = Field("async", description="how pipeline stages exchange activations: async (sends overlap compute), "
                      "megatron (Megatron-LM without overlap_p2p_comm: synchronous exchanges, and a "
                      "tensor-parallel stage without sequence parallelism sends 1/tp of its activation per rank, "
-                     "all-gathered on arrival); the runtime runs both")
+                     "all-gathered on arrival) or torch (torch.distributed.pipelining's synchronous exchanges: "
+                     "each op's sends batched with the step's receives and waited on before the next op, "
+                     "whole activations); the runtime runs all three")
     schedule_runs: int = Field(1, ge=1, description="pipeline schedules run one after another per optimizer "
                                "step, each over micro_batches / schedule_runs micro-batches with its own fill and "
                                "drain; gradients are synchronised once, after the last (NeMo AutoModel's "
@@ -588,7 +598,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     shard (ZeRO's shard group, HSDP: 0 all of dp*cp), schedule_runs (pipeline schedules a step, see Plan),
     swap
     (share of saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
-    precision, grad_reduce (auto|fp32|bf16), p2p (async|megatron), overlap. dp defaults to the devices left by
+    precision, grad_reduce (auto|fp32|bf16), p2p (async|megatron|torch), overlap. dp defaults to the devices left by
     tp*pp*cp; gbs to 4*pp micro-batches.
     """
     d = parse_strategy(text)
@@ -612,7 +622,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     precision = _choice(d, "precision", ("bf16", "fp16", "fp32"))
     cp_mode = _choice(d, "cp_mode", ("ulysses", "ring"))
     grad_reduce = _choice(d, "grad_reduce", ("auto", "fp32", "bf16"))
-    p2p = _choice(d, "p2p", ("async", "megatron"))
+    p2p = _choice(d, "p2p", ("async", "megatron", "torch"))
     moe_comm = _choice(d, "moe_comm", ("alltoall", "lsh"))
     offload = _choice(d, "offload", ("none", "optim", "params", "nvme"))
     zero = _int(d, "zero", 0)

@@ -13,7 +13,8 @@ A row may say how its MFU counts causal attention (`mfu_convention`: "whole", th
 A layout's `chunk_layers` (pp*vpp layer counts in model order) replaces the even split of layers over the
 pipeline's chunks, for runs that published an uneven one (Llama 3 405B: one layer fewer on the first and last
 stage). Megatron-LM rows are priced with Megatron-LM's synchronous pipeline exchanges (`Plan.p2p` "megatron")
-unless their layout gives `p2p` "async" (Llama 3's "asynchronous point-to-point communication in PP").
+unless their layout gives `p2p` "async" (Llama 3's "asynchronous point-to-point communication in PP"); a
+layout's `p2p` "torch" names torch.distributed.pipelining's synchronous exchanges (NeMo AutoModel's rows).
 A ZeRO-3 row's layout may name its FSDP runtime, `fsdp_runtime` "torch" (PyTorch FSDP, the default) or "megatron"
 (Megatron-FSDP, priced with `plait.cost.calibration.megatron_fsdp`). A row whose model TFLOP/s or MFU was printed
 by Megatron-LM from MR !2789 (2025-03-06, megatron/training/training.py num_floating_point_operations: "Only half
@@ -26,10 +27,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import get_args
 
 from plait.cost.calibration import Calibration, calibration_for, megatron_fsdp
 from plait.errors import PlaitError
-from plait.plan import Plan, recut_chunks, uniform_plan
+from plait.plan import P2p, Plan, recut_chunks, uniform_plan
 from plait.simulate import Report, simulate
 from plait.spec.cluster import GB, Cluster, Link, dgx
 from plait.spec.model import PRESETS, ModelSpec
@@ -151,8 +153,8 @@ def _p2p(row: dict) -> str:
     synchronous exchanges for Megatron-LM rows (overlap_p2p_comm off, the default of the versions these rows ran),
     else asynchronous."""
     p2p = row["layout"].get("p2p") or ("megatron" if _group(row) == "megatron" else "async")
-    if p2p not in ("async", "megatron"):
-        raise PlaitError(f"layout p2p {p2p!r} must be 'async' or 'megatron'; fix the row")
+    if p2p not in get_args(P2p):
+        raise PlaitError(f"layout p2p {p2p!r} must be one of {', '.join(get_args(P2p))}; fix the row")
     return p2p
 
 

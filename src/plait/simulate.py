@@ -16,9 +16,9 @@ from plait.cost.comm import GroupShape
 from plait.cost.layer import BlockContext
 from plait.cost.memory import GRAD_BUCKET_BYTES, MemoryTerms, with_reserve
 from plait.cost.pipeline import (
-    MEGATRON_P2P_HOLD,
     PipelineResult,
     StageTimes,
+    p2p_hold,
     peak_weighted_in_flight,
     repeat_runs,
     simulate_pipeline,
@@ -309,7 +309,7 @@ def _simulate_pipelines(plan: Plan, all_costs: list[list[StageCost]], record: bo
     staged = []
     for pi, (pipe, costs) in enumerate(zip(plan.pipelines, all_costs, strict=True)):
         times = [StageTimes(c.forward, c.backward, c.send) for c in costs]
-        hold = MEGATRON_P2P_HOLD if plan.p2p == "megatron" else 0.0
+        hold = p2p_hold(plan.p2p)
         m, runs = plan.run_micro_batches(pi), plan.schedule_runs
         res = repeat_runs(simulate_pipeline(times, m, plan.schedule, plan.chunks, record=record, hold=hold),
                           runs)

@@ -30,6 +30,8 @@ from functools import lru_cache
 from itertools import accumulate
 from operator import itemgetter
 
+from plait.plan import SYNC_P2P
+
 __all__ = [
     "MEGATRON_P2P_HOLD",
     "SCHEDULES",
@@ -39,6 +41,7 @@ __all__ = [
     "bubble_fraction",
     "clear_plan_cache",
     "ideal_bubble_fraction",
+    "p2p_hold",
     "peak_weighted_in_flight",
     "repeat_runs",
     "schedule_order",
@@ -56,6 +59,11 @@ one", Jiang et al., MegaScale, NSDI'24, Sec. 3.2). MegaScale's ablation measures
 synchronous exchanges cost 4.3% of that step; plait charges that configuration 4.1% with 3.0 (1.4% with the
 bandwidth time alone: NCCL's chunked, staged p2p copies and the rendezvous with the slower peer come on top).
 Chosen on that ablation, not on any row's error."""
+
+def p2p_hold(p2p: str) -> float:
+    """How long each op holds its device per second of its send's bandwidth time under Plan.p2p `p2p`
+    (dimensionless): MEGATRON_P2P_HOLD for synchronous exchanges, 0 for asynchronous ones."""
+    return MEGATRON_P2P_HOLD if p2p in SYNC_P2P else 0.0
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from plait.executable import tied_copies
 from plait.models import build_model
 from plait.models.hf_weights import load_hf_safetensors
 from plait.models.vision import IGNORE_INDEX, image_targets
-from plait.plan import Plan
+from plait.plan import SYNC_P2P, Plan
 from plait.runtime import checkpoint, memory, offload, swap
 from plait.runtime.data import SAMPLES_LOG_ENV, TokenSource, log_samples
 from plait.runtime.loop import lr_at, step_optimizers, train_loop
@@ -311,7 +311,7 @@ def _uneven_schedule(plan: Plan, spec: ModelSpec, chunks: list[torch.nn.Module],
         before, after = boundaries(plan, where.pipeline, chunk.index, spec, where.pp_group)
         parts[chunk.index] = UnevenSchedule(model, chunk.index, len(pipe.stages), before, after,
                                             plan.run_micro_batches(where.pipeline), loss_fn, plan.schedule,
-                                            timed, blocking=plan.p2p == "megatron")
+                                            timed, blocking=plan.p2p in SYNC_P2P)
     if plan.chunks == 1:
         return parts[where.chunks[0].index]
     return ChunkedSchedule(parts, where.group, where.pp, plan.run_micro_batches(where.pipeline), plan.chunks)
