@@ -118,6 +118,7 @@ def test_the_shorthand_prices_megatron_pipeline_exchanges_on_request() -> None:
     m = parse_inline("gpt:layers=8,hidden=64,heads=4,vocab=100")
     assert uniform_plan("pp=2,dp=4", m, C8, 128).p2p == "async"
     assert uniform_plan("pp=2,dp=4,p2p=megatron", m, C8, 128).p2p == "megatron"
+    assert uniform_plan("pp=2,dp=4,p2p=torch", m, C8, 128).p2p == "torch"
     expect_error(lambda: uniform_plan("pp=2,dp=4,p2p=sync", m, C8, 128), "p2p")
 
 
