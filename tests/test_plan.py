@@ -116,10 +116,21 @@ def test_uneven_layer_split_puts_fewer_layers_first() -> None:
 
 def test_the_shorthand_prices_megatron_pipeline_exchanges_on_request() -> None:
     m = parse_inline("gpt:layers=8,hidden=64,heads=4,vocab=100")
-    assert uniform_plan("pp=2,dp=4", m, C8, 128).p2p == "async"
+    assert uniform_plan("pp=2,dp=4,p2p=async", m, C8, 128).p2p == "async"
     assert uniform_plan("pp=2,dp=4,p2p=megatron", m, C8, 128).p2p == "megatron"
     assert uniform_plan("pp=2,dp=4,p2p=torch", m, C8, 128).p2p == "torch"
     expect_error(lambda: uniform_plan("pp=2,dp=4,p2p=sync", m, C8, 128), "p2p")
+
+
+def test_plans_are_priced_as_the_runtimes_schedules_exchange_by_default() -> None:
+    """torch's Schedule1F1B waits on each steady-state op's sends (p2p=torch); ScheduleGPipe, torch >= 2.10's
+    ScheduleInterleaved1F1B and the runtime's own schedules (here: fewer micro-batches than stages) do not."""
+    m = parse_inline("gpt:layers=8,hidden=64,heads=4,vocab=100")
+    assert uniform_plan("pp=2,dp=4", m, C8, 128).p2p == "torch"
+    assert uniform_plan("pp=2,dp=4,schedule=gpipe", m, C8, 128).p2p == "async"
+    assert uniform_plan("pp=2,dp=4,vpp=2", m, C8, 128).p2p == "async"
+    assert uniform_plan("pp=4,dp=2,gbs=6", m, C8, 128).p2p == "async"  # 3 micro-batches, 4 stages
+    assert uniform_plan("pp=1,dp=8", m, C8, 128).p2p == "async"
 
 
 def test_recut_chunks_moves_layers_between_the_chunks_of_an_interleaved_plan() -> None:

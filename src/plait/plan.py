@@ -45,8 +45,10 @@ schedules post each op's sends with the receives of the same step in one batch_i
 before computing on (torch v2.9.0 torch/distributed/pipelining/schedules.py: ScheduleInterleaved1F1B is a
 PipelineScheduleMulti, line 2304, whose _step_microbatches ends every time step with
 ``_wait_batch_p2p(_batch_p2p(ops))``, line 1730; v2.8.0 the same, lines 2090 and 1542; Schedule1F1B's steady
-state in every release: ``_wait_batch_p2p(_batch_p2p(fwd_sends + bwd_recvs))``). The same NCCL batched p2p
-and wait as Megatron-LM's, so the same hold."""
+state in every release read, 2.8.0 to 2.13.0: ``_wait_batch_p2p(_batch_p2p(fwd_sends + bwd_recvs))``, v2.9.0
+line 892). The same NCCL batched p2p and wait as Megatron-LM's, so the same hold. From torch 2.10
+ScheduleInterleaved1F1B is a _PipelineScheduleRuntime, whose sends are waited only at the end of the step
+(asynchronous), and ScheduleGPipe's sends always were."""
 Dispatcher = Literal["alltoall", "deepep"]
 Routing = Literal["random", "contiguous"]
 Offload = Literal["none", "optim", "params", "nvme"]
@@ -281,6 +283,15 @@ class Plan(BaseModel):
         pipe = self.pipelines[pipeline]
         return pipe.own_schedule(self.chunks, self.schedule_runs) or \
             (self.p2p == "megatron" and len(pipe.stages) > 1)
+
+    def runtime_p2p(self) -> P2p:
+        """How the runtime's schedules exchange this plan's activations (the p2p to price a plan that does not
+        ask for Megatron-LM's by): "torch" where torch's Schedule1F1B runs a pipeline of several stages (its
+        steady state is synchronous, see SYNC_P2P), else "async" (ScheduleGPipe, torch >= 2.10's
+        ScheduleInterleaved1F1B and the runtime's own schedules send without waiting)."""
+        one_chunk = self.schedule != "gpipe" and self.chunks == 1
+        return "torch" if one_chunk and any(len(p.stages) > 1 and not p.own_schedule(self.chunks, self.schedule_runs)
+                                            for p in self.pipelines) else "async"
 
     def run_micro_batches(self, pipeline: int) -> int:
         """Micro-batches of one of pipeline `pipeline`'s `schedule_runs` schedule runs a step."""
@@ -598,7 +609,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     shard (ZeRO's shard group, HSDP: 0 all of dp*cp), schedule_runs (pipeline schedules a step, see Plan),
     swap
     (share of saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
-    precision, grad_reduce (auto|fp32|bf16), p2p (async|megatron|torch), overlap. dp defaults to the devices left by
+    precision, grad_reduce (auto|fp32|bf16), p2p (runtime: as the runtime's schedules exchange, see Plan.runtime_p2p; async|megatron|torch), overlap. dp defaults to the devices left by
     tp*pp*cp; gbs to 4*pp micro-batches.
     """
     d = parse_strategy(text)
@@ -622,7 +633,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     precision = _choice(d, "precision", ("bf16", "fp16", "fp32"))
     cp_mode = _choice(d, "cp_mode", ("ulysses", "ring"))
     grad_reduce = _choice(d, "grad_reduce", ("auto", "fp32", "bf16"))
-    p2p = _choice(d, "p2p", ("async", "megatron", "torch"))
+    p2p = _choice(d, "p2p", ("runtime", "async", "megatron", "torch"))
     moe_comm = _choice(d, "moe_comm", ("alltoall", "lsh"))
     offload = _choice(d, "offload", ("none", "optim", "params", "nvme"))
     zero = _int(d, "zero", 0)
@@ -648,9 +659,11 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
                 dispatcher=_choice(d, "dispatcher", ("alltoall", "deepep")),  # type: ignore[arg-type]
                 routing=_choice(d, "routing", ("random", "contiguous")),  # type: ignore[arg-type]
                 grad_reduce=grad_reduce,  # type: ignore[arg-type]
-                p2p=p2p,  # type: ignore[arg-type]
+                p2p="async" if p2p == "runtime" else p2p,  # type: ignore[arg-type]
                 schedule_runs=_int(d, "schedule_runs", 1),
                 pipelines=(Pipeline(stages=tuple(stages), micro_batches=gbs // (mbs * dp),
                                     micro_batch_sequences=mbs * dp),))
+    if p2p == "runtime":
+        plan = plan.model_copy(update={"p2p": plan.runtime_p2p()})
     validate_plan(plan, model, cluster)
     return plan
