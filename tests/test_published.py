@@ -376,7 +376,8 @@ def test_moe_rows_the_constants_were_chosen_on() -> None:
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 22.0%, max 37.4% (23.3% before AutoModel's synchronous pipeline exchanges; before the schedule runs and layer split of AutoModel's DeepSeek-V3 23.7%, 37.4%;
+    """Median 22.0%, max 37.4% (23.3% before AutoModel's synchronous pipeline exchanges; before the schedule
+    runs and layer split of AutoModel's DeepSeek-V3 23.7%, 37.4%;
     before the experts' output bias 23.7%, 56.1%; before the AutoModel configs 17.8%,
     64.2%; before the dispatch terms 40.3%, 99.7%): GPT-OSS 120B (+37%), DeepSeek-V3 on 1024 GPUs (-30%: +18%
     while it was priced as per-micro-batch ZeRO-3 without recompute; its config recomputes every block and syncs FSDP once per step), Mixtral-8x7B (+16%),
@@ -425,9 +426,9 @@ def test_automodel_rows_run_as_their_configs_say() -> None:
     with the fake balanced gate (contiguous experts); DeepSeek-V3's layers_per_stage give vpp 7 and 4, the first
     stages holding the extra layers (generate_hf_model_fqn_per_model_part), and its 1024-GPU row's GA 4 calls the
     pipeline schedule four times a step (schedule_runs 4). Errors: Qwen3-30B -6.4% (was +0.6%), DeepSeek-V3 256
-    GPUs -14.9% (-20.1% with asynchronous pipeline exchanges, -17.7% with the extra layers last; +4.9% before the
-    configs), 1024 GPUs -27.8% (-30.4% with asynchronous exchanges, -27.8% with the extra layers last, -31.3% priced
-    as one schedule of 32 micro-batches; +18.0% before the configs)."""
+    GPUs -14.9% (-20.1% with asynchronous pipeline exchanges, -17.7% with the extra layers last; +4.9%
+    before the configs), 1024 GPUs -27.8% (-30.4% with asynchronous exchanges, -27.8% with the extra layers
+    last, -31.3% priced as one schedule of 32 micro-batches; +18.0% before the configs)."""
     auto = [(run, e) for run, e in MOE if "Automodel" in run.source]
     assert len(auto) == 3
     for run, _ in auto:
@@ -443,10 +444,10 @@ def test_automodel_rows_run_as_their_configs_say() -> None:
 
 
 def test_automodel_pipelines_exchange_as_torch_2_9_interleaved_1f1b_does() -> None:
-    """AutoModel's DeepSeek-V3 rows ran torch.distributed.pipelining's ScheduleInterleaved1F1B under torch 2.8.0
-    (Automodel 01926a5's uv.lock; pyproject torch<=2.9.0), a PipelineScheduleMulti that waits on every time
-    step's batched sends and receives before its next op (p2p=torch). Priced with asynchronous exchanges instead,
-    the rows are the -20.1% and -30.4% they were."""
+    """AutoModel's DeepSeek-V3 rows ran torch.distributed.pipelining's ScheduleInterleaved1F1B under torch
+    2.8.0 (Automodel 01926a5's uv.lock; pyproject torch<=2.9.0), a PipelineScheduleMulti that waits on every
+    time step's batched sends and receives before its next op (p2p=torch). Priced with asynchronous
+    exchanges instead, the rows are the -20.1% and -30.4% they were."""
     deep = sorted(((run, e) for run, e in MOE if "Automodel" in run.source and run.plan.pp > 1),
                   key=lambda item: item[0].cluster.world_size)
     assert [run.plan.p2p for run, _ in deep] == ["torch", "torch"]

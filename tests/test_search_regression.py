@@ -6,12 +6,12 @@ cases were recorded again when the head's own copy of a tied table, held in a se
 came to be priced (gpt3-1.3b on 8 GPUs +1.6%, gpt3-2.7b on 16 +0.2%, gpt3-6.7b on 16 +0.3%). Three were recorded again when recompute=attn_kept (keep
 the attention output, recompute the rest) joined the search space, each now using it on some layers:
 llama2-7b on 8 GPUs at 4096 tokens in 24 GiB -0.3%, llama3-70b on 128 at 32768 -6.5%, llama3-405b on 1024 at
-8192 -0.4%. Five were recorded again when plans that torch's Schedule1F1B runs came to be priced with its
-synchronous exchanges (p2p=torch, `Plan.runtime_p2p`): the same plans slower, llama2-7b on 8 GPUs at 4096 tokens in
-24 GiB +0.19%, llama2-70b on 64 in 48 GiB +0.25%, llama3-70b on 64 in 60 GiB +1.07%, llama3-405b on 1024 +2.97%;
-llama3-8b on 16 at 16384 in 40 GiB moved from 1F1B pp2 (now 8.769 s) to interleaved pp2 vpp2 (asynchronous
-sends from torch 2.10), +0.84% over the old 8.694 s. The cases up to 16 GPUs run here; `python
-benchmarks/search_regression.py` runs all recorded cases (up to 1,024 GPUs)."""
+8192 -0.4%. Five were recorded again when plans that torch's Schedule1F1B runs came to be priced with
+its synchronous exchanges (p2p=torch, `Plan.runtime_p2p`): the same plans slower, llama2-7b on 8 GPUs at
+4096 tokens in 24 GiB +0.19%, llama2-70b on 64 in 48 GiB +0.25%, llama3-70b on 64 in 60 GiB +1.07%,
+llama3-405b on 1024 +2.97%; llama3-8b on 16 at 16384 in 40 GiB moved from 1F1B pp2 (now 8.769 s) to
+interleaved pp2 vpp2 (asynchronous sends from torch 2.10), +0.84% over the old 8.694 s. The cases up to
+16 GPUs run here; `python benchmarks/search_regression.py` runs all recorded cases (up to 1,024 GPUs)."""
 
 from __future__ import annotations
 

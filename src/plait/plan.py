@@ -264,12 +264,12 @@ class Plan(BaseModel):
                              "or contiguous (top-k consecutive experts, NeMo AutoModel's fake balanced gate)")
     grad_reduce: GradReduce = Field("auto", description="precision gradients are reduced in: auto (the "
                                     "precision's gradient bytes: fp32 under bf16), fp32 or bf16 (FSDP's reduce_dtype)")
-    p2p: P2p = Field("async", description="how pipeline stages exchange activations: async (sends overlap compute), "
-                     "megatron (Megatron-LM without overlap_p2p_comm: synchronous exchanges, and a "
+    p2p: P2p = Field("async", description="how pipeline stages exchange activations: async (sends overlap "
+                     "compute), megatron (Megatron-LM without overlap_p2p_comm: synchronous exchanges, and a "
                      "tensor-parallel stage without sequence parallelism sends 1/tp of its activation per rank, "
-                     "all-gathered on arrival) or torch (torch.distributed.pipelining's synchronous exchanges: "
-                     "each op's sends batched with the step's receives and waited on before the next op, "
-                     "whole activations); the runtime runs all three")
+                     "all-gathered on arrival) or torch (torch.distributed.pipelining's synchronous "
+                     "exchanges: each op's sends batched with the step's receives and waited on before the "
+                     "next op, whole activations); the runtime runs all three")
     schedule_runs: int = Field(1, ge=1, description="pipeline schedules run one after another per optimizer "
                                "step, each over micro_batches / schedule_runs micro-batches with its own fill and "
                                "drain; gradients are synchronised once, after the last (NeMo AutoModel's "
@@ -290,8 +290,9 @@ class Plan(BaseModel):
         steady state is synchronous, see SYNC_P2P), else "async" (ScheduleGPipe, torch >= 2.10's
         ScheduleInterleaved1F1B and the runtime's own schedules send without waiting)."""
         one_chunk = self.schedule != "gpipe" and self.chunks == 1
-        return "torch" if one_chunk and any(len(p.stages) > 1 and not p.own_schedule(self.chunks, self.schedule_runs)
-                                            for p in self.pipelines) else "async"
+        torch_1f1b = any(len(p.stages) > 1 and not p.own_schedule(self.chunks, self.schedule_runs)
+                         for p in self.pipelines)
+        return "torch" if one_chunk and torch_1f1b else "async"
 
     def run_micro_batches(self, pipeline: int) -> int:
         """Micro-batches of one of pipeline `pipeline`'s `schedule_runs` schedule runs a step."""
@@ -609,7 +610,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     shard (ZeRO's shard group, HSDP: 0 all of dp*cp), schedule_runs (pipeline schedules a step, see Plan),
     swap
     (share of saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
-    precision, grad_reduce (auto|fp32|bf16), p2p (runtime: as the runtime's schedules exchange, see Plan.runtime_p2p; async|megatron|torch), overlap. dp defaults to the devices left by
+    precision, grad_reduce (auto|fp32|bf16), p2p (runtime, the default: as the runtime's schedules exchange,
+    Plan.runtime_p2p; async|megatron|torch), overlap. dp defaults to the devices left by
     tp*pp*cp; gbs to 4*pp micro-batches.
     """
     d = parse_strategy(text)
