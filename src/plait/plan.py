@@ -278,8 +278,8 @@ class Plan(BaseModel):
 
     def own_schedule(self, pipeline: int) -> bool:
         """Whether the runtime runs pipeline `pipeline` with its own schedule (`Pipeline.own_schedule`); every
-        pipeline of several stages does under p2p=megatron, whose blocking exchanges torch's schedules
-        lack."""
+        pipeline of several stages does under p2p=megatron, whose tensor-parallel scatter/gather and
+        blocking exchanges in every schedule torch's schedules lack."""
         pipe = self.pipelines[pipeline]
         return pipe.own_schedule(self.chunks, self.schedule_runs) or \
             (self.p2p == "megatron" and len(pipe.stages) > 1)
