@@ -333,7 +333,7 @@ def _plans(draw) -> tuple[Plan, object]:
     m = draw(st.integers(1, 8))
     plan = Plan(model=SMALL.name, seq_len=1024, global_batch=m * mbs, schedule=draw(st.sampled_from(["1f1b", "gpipe"])),
                 pipelines=(Pipeline(stages=tuple(stages), micro_batches=m, micro_batch_sequences=mbs),))
-    return plan, cluster
+    return plan.model_copy(update={"p2p": plan.runtime_p2p()}), cluster  # a config read back is priced so
 
 
 @settings(max_examples=60, deadline=None)
