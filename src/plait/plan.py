@@ -582,8 +582,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     """Build a uniform Megatron-style plan from the `--strategy` shorthand.
 
     Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
-    (none|selective|attn_kept|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel
-    and expert tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
+    (none|selective|attn_kept|gemm_kept|full), sp, zero, vpp (model chunks per device), ep and etp
+    (expert parallel and expert tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
     of the routed tokens), expert_load, dispatcher (alltoall|deepep) and routing (random|contiguous) (see Plan),
     shard (ZeRO's shard group, HSDP: 0 all of dp*cp), schedule_runs (pipeline schedules a step, see Plan),
     swap
