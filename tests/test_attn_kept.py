@@ -51,14 +51,20 @@ def test_recompute_time_is_the_forward_less_the_attention_core() -> None:
 
 
 def test_shorthand_and_search_space_take_it() -> None:
-    from plait.planner.space import block_strategies
+    from plait.planner.space import SpaceLimits, block_strategies
     from plait.plan import uniform_plan
+    from plait.spec.layers import RECOMPUTE_MODES
 
     model = PRESETS["llama2-7b"]
     plan = uniform_plan("tp=8,recompute=attn_kept", model, load_cluster("1x8xA800-80GB"), 4096)
     assert plan.pipelines[0].stages[0].strategies[0].short() == "dp1 tp8 rc=attn_kept"
     modes = {s.recompute for s in block_strategies(model.block, load_cluster("1x8xA800-80GB"), 8, 1, 4096)}
-    assert modes == {"none", "selective", "attn_kept", "full"}
+    assert modes == {"none", "selective", "attn_kept", "full"}  # gemm_kept only when asked for
+    limits = SpaceLimits(recompute=RECOMPUTE_MODES)
+    assert "gemm_kept" in {s.recompute for s in block_strategies(model.block, load_cluster("1x8xA800-80GB"), 8, 1,
+                                                                 4096, limits)}
+    assert uniform_plan("tp=8,recompute=gemm_kept", model, load_cluster("1x8xA800-80GB"), 4096).pipelines[0] \
+        .stages[0].strategies[0].short() == "dp1 tp8 rc=gemm_kept"
     projector = next(b for b in load_model("llava-llama3-8b").stack if b.kind == "projector")
     assert "attn_kept" not in {s.recompute for s in block_strategies(projector, load_cluster("1x8xA800-80GB"),
                                                                       8, 1, 4096)}
