@@ -2,10 +2,10 @@
 
 One process builds a tiny model with the runtime's own modules (`build_model`, `apply_ac`), counts what its
 first layer saves for backward with the swap meter (`runtime/swap.py`: saved-tensor hooks plus attn_kept's and
-gemm_kept's selective-checkpoint cache; each storage once, tensors with a token dimension), and compares bytes per token per
-layer with `cost/layer.block_activation_bytes` for every recompute mode. Where they differ, each cause is
-named in EXPLAINED with its bytes (docs/cost-model.md, "What a layer keeps for backward"); a new recompute
-mode adds its rows there.
+gemm_kept's selective-checkpoint cache; each storage once, tensors with a token dimension), and compares bytes
+per token per layer with `cost/layer.block_activation_bytes` for every recompute mode. Where they differ, each
+cause is named in EXPLAINED with its bytes (docs/cost-model.md, "What a layer keeps for backward"); a new
+recompute mode adds its rows there.
 """
 
 from __future__ import annotations

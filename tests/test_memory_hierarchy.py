@@ -311,14 +311,15 @@ def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
     model = load_model("tiny-llama")
     for text in ("dp=2,zero=1,swap=0.5", "dp=2,recompute=full,swap=1", "tp=2,sp=1,swap=0.5", "cp=2,swap=0.5",
                  "dp=2,recompute=selective,swap=1", "cp=2,cp_mode=ring,recompute=selective,swap=0.5",
-                 "dp=2,recompute=gemm_kept,swap=0.5", "tp=2,sp=1,recompute=gemm_kept", "cp=2,recompute=gemm_kept",
+                 "dp=2,recompute=gemm_kept,swap=0.5", "tp=2,sp=1,recompute=gemm_kept",
+                 "cp=2,recompute=gemm_kept",
                  "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim",
                  "dp=2,zero=1,offload=params", "dp=2,pp=2,zero=1,offload=optim", "dp=2,tp=2,zero=1,offload=params",
                  "dp=2,offload=optim", "dp=2,cp=2,zero=1,offload=params", "dp=2,zero=1,offload=nvme"):
         world = 4 if "dp=4" in text or "pp=2" in text or "tp=2" in text or "dp=2,cp=2" in text else 2
         assert unsupported(uniform_plan(text, model, local_ranks(world), 64), model) is None, text
     for text, needle in (("dp=2,offload=params", "use zero >= 1 or offload=optim"),
-                         ("cp=2,cp_mode=ring,recompute=gemm_kept", "use cp_mode=ulysses or another recompute"),
+                         ("cp=2,cp_mode=ring,recompute=gemm_kept", "use cp_mode=ulysses"),
                          ("dp=2,cp=2,offload=nvme", "use zero >= 1 or offload=optim")):
         world = 4 if ("tp=2" in text or "pp=2" in text or "cp=2" in text) and "dp=2" in text else 2
         reason = unsupported(uniform_plan(text, model, local_ranks(world), 64), model)

@@ -180,8 +180,9 @@ collectives and expert dispatch come again in backward."""
 def recompute_time(recompute: str, forward: float, attention: float, elementwise: float = 0.0) -> float:
     """Seconds of forward compute repeated in backward by `recompute`, of a layer whose forward computes for
     `forward` seconds, `attention` of them in the attention cores and `elementwise` in its memory-bound
-    kernels: none nothing, selective the cores, full the whole forward, attn_kept (MEMO) the forward less the cores
-    (their outputs are kept), gemm_kept the cores and the elementwise kernels (the GEMM outputs are kept)."""
+    kernels: none nothing, selective the cores, full the whole forward, attn_kept (MEMO) the forward less the
+    cores (their outputs are kept), gemm_kept the cores and the elementwise kernels (the GEMM outputs are
+    kept)."""
     return {"none": 0.0, "selective": attention, "attn_kept": max(0.0, forward - attention),
             "gemm_kept": attention + elementwise, "full": forward}[recompute]
 
