@@ -70,7 +70,7 @@ def test_shorthand_and_version_4_files(tmp_path: Path) -> None:
     path = tmp_path / "v4.json"
     path.write_text(json.dumps(raw))
     read = load_plan(path)
-    assert read.version == PLAN_VERSION == 6
+    assert read.version == PLAN_VERSION == 7
     assert (read.pipelines[0].stages[0].strategies[0].swap, read.pipelines[0].stages[0].strategies[0].offload) \
         == (0.0, "none")
 
