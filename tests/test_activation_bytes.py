@@ -1,11 +1,11 @@
 """The bytes a layer keeps for backward, as the runtime's real modules keep them, against the cost model's price.
 
 One process builds a tiny model with the runtime's own modules (`build_model`, `apply_ac`), counts what its
-first layer saves for backward with the swap meter (`runtime/swap.py`: saved-tensor hooks plus attn_kept's
-selective-checkpoint cache; each storage once, tensors with a token dimension), and compares bytes per token per
-layer with `cost/layer.block_activation_bytes` for every recompute mode. Where they differ, each cause is
-named in EXPLAINED with its bytes (docs/cost-model.md, "What a layer keeps for backward"); a new recompute
-mode adds its rows there.
+first layer saves for backward with the swap meter (`runtime/swap.py`: saved-tensor hooks plus attn_kept's and
+gemm_kept's selective-checkpoint cache; each storage once, tensors with a token dimension), and compares bytes
+per token per layer with `cost/layer.block_activation_bytes` for every recompute mode. Where they differ, each
+cause is named in EXPLAINED with its bytes (docs/cost-model.md, "What a layer keeps for backward"); a new
+recompute mode adds its rows there.
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ EXPLAINED: dict[tuple[str, str], list[str]] = {
     ("bf16", "selective"): _SELECTIVE + _AUTOCAST,
     ("fp32", "attn_kept"): [_LSE],
     ("bf16", "attn_kept"): [_LSE, "autocast keeps the layer input fp32"],
+    ("fp32", "gemm_kept"): [],
+    ("bf16", "gemm_kept"): ["autocast keeps the layer input fp32"],
     ("fp32", "full"): [],
     ("bf16", "full"): ["autocast keeps the layer input fp32"],
 }

@@ -51,14 +51,20 @@ def test_recompute_time_is_the_forward_less_the_attention_core() -> None:
 
 
 def test_shorthand_and_search_space_take_it() -> None:
-    from plait.planner.space import block_strategies
+    from plait.planner.space import SpaceLimits, block_strategies
     from plait.plan import uniform_plan
+    from plait.spec.layers import RECOMPUTE_MODES
 
     model = PRESETS["llama2-7b"]
     plan = uniform_plan("tp=8,recompute=attn_kept", model, load_cluster("1x8xA800-80GB"), 4096)
     assert plan.pipelines[0].stages[0].strategies[0].short() == "dp1 tp8 rc=attn_kept"
     modes = {s.recompute for s in block_strategies(model.block, load_cluster("1x8xA800-80GB"), 8, 1, 4096)}
-    assert modes == {"none", "selective", "attn_kept", "full"}
+    assert modes == {"none", "selective", "attn_kept", "full"}  # gemm_kept only when asked for
+    every = block_strategies(model.block, load_cluster("1x8xA800-80GB"), 8, 1, 4096,
+                             SpaceLimits(recompute=RECOMPUTE_MODES))
+    assert "gemm_kept" in {s.recompute for s in every}
+    assert uniform_plan("tp=8,recompute=gemm_kept", model, load_cluster("1x8xA800-80GB"), 4096).pipelines[0] \
+        .stages[0].strategies[0].short() == "dp1 tp8 rc=gemm_kept"
     projector = next(b for b in load_model("llava-llama3-8b").stack if b.kind == "projector")
     assert "attn_kept" not in {s.recompute for s in block_strategies(projector, load_cluster("1x8xA800-80GB"),
                                                                       8, 1, 4096)}
@@ -155,21 +161,26 @@ def _train_cases(tmp_path: Path, line: str, cases: dict[str, str], steps: int,
 
 
 def test_trains_with_tp_sp_and_ulysses_on_two_ranks_with_the_same_losses(tmp_path: Path) -> None:
+    """attn_kept, and gemm_kept (op-level selective checkpointing: GEMM outputs kept in checkpoint's cache,
+    cut by the swap) in the same launch: the losses of one process."""
     cases = {"one": "dp=1", "two": "dp=1,mbs=2,gbs=2", "dp": "dp=2,recompute=attn_kept,swap=1",
              "sp": "tp=2,sp=1,recompute=attn_kept,swap=0.5", "cp": "cp=2,recompute=attn_kept",
-             "sp_plain": "tp=2,sp=1,swap=0.5"}
+             "sp_plain": "tp=2,sp=1,swap=0.5", "dp_gemm": "dp=2,recompute=gemm_kept,swap=0.5",
+             "sp_gemm": "tp=2,sp=1,recompute=gemm_kept,swap=0.5", "cp_gemm": "cp=2,recompute=gemm_kept"}
     records = _train_cases(tmp_path, "plait keeps the attention output of tokens", cases, 4, ("one", "two"))
     base = {k: [r["loss"] for r in records[k]] for k in ("one", "two")}
     assert len(base["one"]) == len(base["two"]) == 4
-    for key, ref in (("dp", "two"), ("cp", "one")):  # two sequences a step over dp=2
+    # dp=2 holds two sequences a step: "two"
+    for key, ref in (("dp", "two"), ("cp", "one"), ("dp_gemm", "two"), ("cp_gemm", "one")):
         assert [r["loss"] for r in records[key]] == pytest.approx(base[ref], abs=1e-5), key
     # tp2+sp: the same losses as tp2+sp without recomputation, to the bit; both differ from one process by
     # up to 1.0e-5 (2e-6 relative) at the third step with this corpus (tp+sp's own fp32 reduction order)
-    assert [r["loss"] for r in records["sp"]] == [r["loss"] for r in records["sp_plain"]]
-    assert [r["loss"] for r in records["sp"]] == pytest.approx(base["one"], rel=1e-5)
+    for key in ("sp", "sp_gemm"):
+        assert [r["loss"] for r in records[key]] == [r["loss"] for r in records["sp_plain"]], key
+        assert [r["loss"] for r in records[key]] == pytest.approx(base["one"], rel=1e-5), key
     for r in records["dp"]:  # everything kept is swapped
         assert r["swap"]["resident_peak_bytes"] == 0 and r["swap"]["host_peak_bytes"] > 0
-    for r in records["sp"]:  # local shards cut token-wise, half each way
+    for r in records["sp"] + records["sp_gemm"] + records["dp_gemm"]:  # cut token-wise, half each way
         assert r["swap"]["resident_peak_bytes"] == pytest.approx(r["swap"]["host_peak_bytes"], rel=0.05)
 
 

@@ -107,6 +107,10 @@ def _ctx(model: ModelSpec, s: Strategy, seqs: int = 1, seq: int = 2048, prec: st
     (True, "selective", lambda s, b, h, a, t: 34 * s * b * h / t),
     (False, "full", lambda s, b, h, a, t: 2 * s * b * h),
     (True, "full", lambda s, b, h, a, t: 2 * s * b * h / t),
+    # gemm_kept: the input 2h (/t with sp), qkv 6h/t and MLP-up 8h/t sharded, the two row-parallel outputs
+    # 2h each whole on every rank (partial sums before the reduce)
+    (True, "gemm_kept", lambda s, b, h, a, t: s * b * h * (16 / t + 4)),
+    (False, "gemm_kept", lambda s, b, h, a, t: s * b * h * (2 + 14 / t + 4)),
 ])
 def test_activation_bytes_match_korthikanti(sp: bool, recompute: str, formula) -> None:
     t, b, s = 8, 4, 2048
@@ -227,3 +231,20 @@ def test_hsdp_shards_inside_the_node_and_all_reduces_the_shards_across_replicas(
     assert half.prec.reduce_bytes == 2 and BF16.reduce_bytes == 4
     assert hsdp_all_reduce(params, half) < hsdp_all_reduce(params, c)
     assert price(block, hsdp, half).time.zero_comm < h.time.zero_comm
+
+
+def test_gemm_kept_reruns_the_core_the_elementwise_kernels_and_the_forward_collectives() -> None:
+    """gemm_kept keeps the GEMM outputs: backward reruns the attention core and the elementwise kernels (the
+    forward less its GEMMs) and the forward's tensor-parallel collectives; HFU counts the cores' FLOPs."""
+    from plait.cost.price import recompute_flops_per_token
+
+    st = {rc: Strategy(tp=8, sp=True, recompute=rc) for rc in ("none", "selective", "gemm_kept", "full")}
+    t = {rc: block_time(GPT22B.block, s, _ctx(GPT22B, s)) for rc, s in st.items()}
+    # 22B at tp8+sp, one 2048-token sequence: the core 0.308 ms and the elementwise kernels 0.076 ms of a
+    # 1.493 ms forward (full recompute)
+    assert t["selective"].recompute == pytest.approx(0.3076e-3, rel=1e-3)
+    assert t["gemm_kept"].recompute == pytest.approx(0.3839e-3, rel=1e-3)
+    assert t["full"].recompute == pytest.approx(1.4935e-3, rel=1e-3)
+    assert t["gemm_kept"].tp_comm == t["full"].tp_comm == pytest.approx(1.5 * t["none"].tp_comm)
+    assert recompute_flops_per_token(GPT22B.block, "gemm_kept", 2048) == \
+        GPT22B.block.attention_flops_per_token(2048)

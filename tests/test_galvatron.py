@@ -372,6 +372,7 @@ def _one_stage(*strategies: Strategy, ranks=tuple(range(8)), **plan_fields) -> P
     (_one_stage(Strategy(dp=8, zero=3, offload="optim")), ["offloads the optimizer"]),
     (_one_stage(Strategy(dp=8, zero=1)), ["ZeRO-1"]),
     (_one_stage(Strategy(dp=8, recompute="selective")), ["selective"]),
+    (_one_stage(Strategy(dp=8, recompute="gemm_kept")), ["gemm_kept"]),
     (_one_stage(Strategy(dp=2, tp=2, cp=2)), ["cp2", "tp2"]),
     (_one_stage(Strategy(dp=4, cp=2, cp_mode="ring")), ["ring"]),
     (_one_stage(*[Strategy(dp=8, zero=0)] * 4, *[Strategy(dp=8, zero=2)] * 4), ["ZeRO-0 and ZeRO-2"]),

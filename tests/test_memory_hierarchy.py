@@ -70,7 +70,7 @@ def test_shorthand_and_version_4_files(tmp_path: Path) -> None:
     path = tmp_path / "v4.json"
     path.write_text(json.dumps(raw))
     read = load_plan(path)
-    assert read.version == PLAN_VERSION == 6
+    assert read.version == PLAN_VERSION == 7
     assert (read.pipelines[0].stages[0].strategies[0].swap, read.pipelines[0].stages[0].strategies[0].offload) \
         == (0.0, "none")
 
@@ -278,14 +278,17 @@ def test_token_swap_with_full_recompute_swaps_the_checkpoint_inputs() -> None:
         assert m["host_peak_bytes"] == pytest.approx(share * counted["resident_peak_bytes"], rel=0.05)
 
 
-def test_token_swap_with_selective_recompute_swaps_the_kept_gemm_outputs() -> None:
-    """Selective recomputation keeps its GEMM outputs in checkpoint's cache: the swap cuts them there too, so
-    `share` of every byte the layer keeps moves (the cost model's `swapped` of a selective layer)."""
-    base, counted = _swapped_run(0.0, recompute="selective")
+@pytest.mark.parametrize("recompute", ["selective", "gemm_kept"])
+def test_token_swap_with_selective_recompute_swaps_the_kept_gemm_outputs(recompute: str) -> None:
+    """Selective recomputation's kept tensors, and gemm_kept's GEMM outputs in checkpoint's cache: the swap
+    cuts them too, so `share` of every byte the layer keeps moves (the cost model's `swapped`), and the
+    gradients are those of no recomputation."""
+    base, counted = _swapped_run(0.0, recompute=recompute)
     plain, whole = _swapped_run(0.0)
     assert whole["resident_peak_bytes"] / 4 < counted["resident_peak_bytes"] < whole["resident_peak_bytes"]
+    assert max((base[n] - plain[n]).abs().max().item() for n in plain) <= 1e-6
     for share in (0.5, 1.0):
-        grads, m = _swapped_run(share, recompute="selective")
+        grads, m = _swapped_run(share, recompute=recompute)
         assert max((grads[n] - plain[n]).abs().max().item() for n in plain) <= 1e-6
         assert m["resident_peak_bytes"] / counted["resident_peak_bytes"] == pytest.approx(1 - share, abs=0.05)
         assert m["host_peak_bytes"] == pytest.approx(share * counted["resident_peak_bytes"], rel=0.05)
@@ -308,12 +311,15 @@ def test_runtime_refuses_what_it_cannot_swap_or_offload() -> None:
     model = load_model("tiny-llama")
     for text in ("dp=2,zero=1,swap=0.5", "dp=2,recompute=full,swap=1", "tp=2,sp=1,swap=0.5", "cp=2,swap=0.5",
                  "dp=2,recompute=selective,swap=1", "cp=2,cp_mode=ring,recompute=selective,swap=0.5",
+                 "dp=2,recompute=gemm_kept,swap=0.5", "tp=2,sp=1,recompute=gemm_kept",
+                 "cp=2,recompute=gemm_kept",
                  "dp=2,zero=3,offload=optim", "dp=4,zero=1,swap=1,offload=optim",
                  "dp=2,zero=1,offload=params", "dp=2,pp=2,zero=1,offload=optim", "dp=2,tp=2,zero=1,offload=params",
                  "dp=2,offload=optim", "dp=2,cp=2,zero=1,offload=params", "dp=2,zero=1,offload=nvme"):
         world = 4 if "dp=4" in text or "pp=2" in text or "tp=2" in text or "dp=2,cp=2" in text else 2
         assert unsupported(uniform_plan(text, model, local_ranks(world), 64), model) is None, text
     for text, needle in (("dp=2,offload=params", "use zero >= 1 or offload=optim"),
+                         ("cp=2,cp_mode=ring,recompute=gemm_kept", "use cp_mode=ulysses"),
                          ("dp=2,cp=2,offload=nvme", "use zero >= 1 or offload=optim")):
         world = 4 if ("tp=2" in text or "pp=2" in text or "cp=2" in text) and "dp=2" in text else 2
         reason = unsupported(uniform_plan(text, model, local_ranks(world), 64), model)

@@ -12,6 +12,7 @@ import pytest
 from helpers import expect_error
 
 from plait.errors import PlaitError
+from plait.spec.layers import GATED_MLP_SAVED
 from plait.spec.model import (
     LSE_BYTES,
     PRESETS,
@@ -220,7 +221,7 @@ def eager_gpt(heads: int, hidden: int, layers: int) -> ModelSpec:
 def layer_bytes(a: ActivationBytes, s: int, b: int, t: int = 1, sp: bool = False) -> float:
     """Bytes of one layer for one micro-batch on one device, following ActivationBytes' docstring."""
     rep_div = t if sp else 1
-    per_token = ((a.replicated + a.replicated_masks) / rep_div + a.sharded / t
+    per_token = ((a.replicated + a.replicated_masks) / rep_div + a.sharded / t + a.whole
                  + (a.quadratic_per_seq_token + a.sharded_quadratic_masks) * s / t)
     return s * b * per_token
 
@@ -310,6 +311,19 @@ def test_flash_llama_activation_terms_by_hand() -> None:
     assert m.activation_bytes("selective") == replace(a, sharded=a.sharded - LSE_BYTES * 8)
     assert m.activation_bytes("selective", ring=True) == a  # ring attention keeps its own
     assert m.activation_bytes("full") == ActivationBytes(2 * h, 0, 0, 0, 0)
+    # gemm_kept keeps the input and the GEMM outputs: qkv and gate/up sharded, attention-out and down whole
+    assert m.activation_bytes("gemm_kept") == ActivationBytes(2 * h, 2 * (q + 2 * kv) + 2 * 2 * f, 0, 0, 0,
+                                                              whole=2 * h + 2 * h)
+
+
+def test_gemm_kept_routed_experts_keep_their_gemm_outputs() -> None:
+    """A routed (token, expert) pair keeps its input and its expert's up projection (gate and up) under
+    gemm_kept; the router's logits are replicated, kept like the input."""
+    block = next(b for b in load_model("tiny-moe").stack if b.kind == "moe")
+    h, e = block.hidden, block.expert_ffn
+    assert block.routed_activation_bytes("gemm_kept") == (2 * h, 2 * 2 * e)
+    assert block.routed_activation_bytes("none") == (2 * h, GATED_MLP_SAVED * 2 * e)
+    assert block.activation_bytes("gemm_kept").replicated == 2 * h + 2 * block.experts
 
 
 def test_eager_without_dropout_has_no_masks() -> None:

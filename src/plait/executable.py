@@ -16,7 +16,8 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
             (reason := _expert_problem(plan, model)) is not None:
         return reason
     if (reason := _unsupported_sharding(plan, model)) is not None or \
-            (reason := _unsupported_hierarchy(plan, model)) is not None:
+            (reason := _unsupported_hierarchy(plan, model)) is not None or \
+            (reason := _unsupported_recompute(plan, model)) is not None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
@@ -86,6 +87,22 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
         if s.offload in PAGED and s.zero == 0 and s.dp * s.cp > 1:
             return (f"{s.short()}: offload={s.offload} pages the parameter shard with FSDP2, which needs ZeRO "
                     "over replicated weights; use zero >= 1 or offload=optim")
+    return None
+
+
+def _unsupported_recompute(plan: Plan, model: ModelSpec) -> str | None:
+    """gemm_kept (op-level selective checkpointing, `plait.runtime.parallelize.apply_ac`) keeps every GEMM
+    output in the checkpointed block: ring attention (`plait.runtime.ring`) multiplies its score blocks with
+    matmuls inside the block, so they would be kept too (s^2 bytes, not priced) and its K/V passes rerun;
+    refused there. Every other recompute mode runs with every strategy."""
+    for pipe in plan.pipelines:
+        for stage in pipe.stages:
+            for layer in range(*stage.layers):
+                s = stage.strategy(layer)
+                if s.recompute == "gemm_kept" and s.cp > 1 and s.cp_mode == "ring" and \
+                        layer < model.layers and model.stack[layer].has_attention:
+                    return (f"layer {layer} ({s.short()}): recompute=gemm_kept would keep ring attention's "
+                            "score blocks; use cp_mode=ulysses or another recompute mode")
     return None
 
 

@@ -318,7 +318,7 @@ def strategy_problem(s: Strategy, sequence_parallel: bool) -> str | None:
                 "parallelism or Ulysses sequence parallelism")
     if s.zero == 1:
         return "uses ZeRO-1, which Galvatron lacks (ddp, zero2 or zero3); use zero 0, 2 or 3"
-    if s.recompute in ("selective", "attn_kept"):
+    if s.recompute in ("selective", "attn_kept", "gemm_kept"):
         return f"uses {s.recompute} recomputation; Galvatron recomputes whole blocks or nothing"
     if s.ep > 1 or s.etp or s.moe_comm != "alltoall":
         return "lays out experts (ep, etp, LSH-MoE), which Galvatron 2.4.0 has no model or strategy for"

@@ -604,15 +604,14 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     """Build a uniform Megatron-style plan from the `--strategy` shorthand.
 
     Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
-    (none|selective|attn_kept|full), sp, zero, vpp (model chunks per device), ep and etp (expert parallel
-    and expert tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh: LSH-MoE compression
-    of the routed tokens), expert_load, dispatcher (alltoall|deepep) and routing (random|contiguous) (see Plan),
-    shard (ZeRO's shard group, HSDP: 0 all of dp*cp), schedule_runs (pipeline schedules a step, see Plan),
-    swap
-    (share of saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
-    precision, grad_reduce (auto|fp32|bf16), p2p (runtime, the default: as the runtime's schedules exchange,
-    Plan.runtime_p2p; async|megatron|torch), overlap. dp defaults to the devices left by
-    tp*pp*cp; gbs to 4*pp micro-batches.
+    (none|selective|attn_kept|gemm_kept|full), sp, zero, vpp (model chunks per device), ep and etp (expert
+    parallel and expert tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh:
+    LSH-MoE compression of the routed tokens), expert_load, dispatcher (alltoall|deepep) and routing
+    (random|contiguous) (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), schedule_runs (pipeline
+    schedules a step, see Plan), swap (share of saved activations swapped to host), offload
+    (none|optim|params|nvme), and optionally schedule, cp_mode, precision, grad_reduce (auto|fp32|bf16), p2p
+    (runtime, the default: as the runtime's schedules exchange, Plan.runtime_p2p; async|megatron|torch),
+    overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
     """
     d = parse_strategy(text)
     tp, pp, cp = _int(d, "tp", 1), _int(d, "pp", 1), _int(d, "cp", 1)

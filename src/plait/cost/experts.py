@@ -259,5 +259,5 @@ def routed_activation_bytes(block: Block, s: Strategy, tokens: float, ctx: Block
     if block.kind != "moe" or recompute in ("full", "attn_kept"):
         return 0.0
     scale = ctx.prec.activation / 2  # the layer formulas count 16-bit activations
-    per_pair_input, per_pair_hidden = block.routed_activation_bytes()
+    per_pair_input, per_pair_hidden = block.routed_activation_bytes(recompute)  # type: ignore[arg-type]
     return routed_pairs(block, s, tokens, ctx) * (per_pair_input + per_pair_hidden / s.expert_tp) * scale

@@ -4,7 +4,7 @@ Each term has a name. Compute: the block's GEMMs (column/row split by tensor par
 data and context parallelism), the attention core (flash or eager), and memory-bound elementwise work
 (norms, residual adds, dropout, activation functions, RoPE), whose replicated part is divided by the
 tensor-parallel degree only under sequence parallelism. Communication: Megatron tensor-parallel
-collectives (2 forward, 2 backward; repeated by full and attn_kept recompute), Ulysses all-to-alls
+collectives (2 forward, 2 backward; repeated by full, attn_kept and gemm_kept recompute), Ulysses all-to-alls
 or ring K/V passes for context parallelism, and ZeRO-2/3 per-micro-batch gathers and reduce-scatters that overlap with compute.
 With a profile, measured compute replaces the arithmetic, and what the runtime's tensor, Ulysses and ZeRO-3
 machinery was measured to add to a block replaces that dimension's analytic communication
@@ -172,17 +172,19 @@ def _attention_time(block: Block, s: Strategy, ctx: BlockContext) -> tuple[float
     return passes * f, passes * b
 
 
-REPEATS_FORWARD = ("full", "attn_kept")
+REPEATS_FORWARD = ("full", "attn_kept", "gemm_kept")
 """Recompute modes that run the layer's forward again outside the attention core, so its tensor-parallel
 collectives and expert dispatch come again in backward."""
 
 
-def recompute_time(recompute: str, forward: float, attention: float) -> float:
+def recompute_time(recompute: str, forward: float, attention: float, elementwise: float = 0.0) -> float:
     """Seconds of forward compute repeated in backward by `recompute`, of a layer whose forward computes for
-    `forward` seconds, `attention` of them in the attention cores: none nothing, selective the cores, full the
-    whole forward, attn_kept (MEMO) the forward less the cores (their outputs are kept)."""
+    `forward` seconds, `attention` of them in the attention cores and `elementwise` in its memory-bound
+    kernels: none nothing, selective the cores, full the whole forward, attn_kept (MEMO) the forward less the
+    cores (their outputs are kept), gemm_kept the cores and the elementwise kernels (the GEMM outputs are
+    kept)."""
     return {"none": 0.0, "selective": attention, "attn_kept": max(0.0, forward - attention),
-            "full": forward}[recompute]
+            "gemm_kept": attention + elementwise, "full": forward}[recompute]
 
 
 @lru_cache(maxsize=16384)
@@ -209,7 +211,8 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
         backward = cal.measured.seconds(timed.backward, tokens, seq, m.name)  # type: ignore[union-attr]
     ring = s.cp > 1 and s.cp_mode == "ring" and block.has_attention
     # selective leaves ring attention (its own autograd function) as it is: nothing runs again
-    recompute = 0.0 if ring and s.recompute == "selective" else recompute_time(s.recompute, forward, attn_f)
+    recompute = 0.0 if ring and s.recompute == "selective" else \
+        recompute_time(s.recompute, forward, attn_f, elem_f)
     if s.recompute != "none" and measured and \
             (with_rc := cal.measured.block(m.name, s.tp, s.recompute)) is not None:  # type: ignore[union-attr]
         recompute = max(0.0, cal.measured.seconds(with_rc.backward, tokens, seq, m.name) - backward)  # type: ignore[union-attr]
@@ -240,8 +243,10 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
             cp_fwd = max(0.0, (s.cp - 1) * step - attn_f * cal.overlap_efficiency)
             cp_bwd = max(0.0, 2 * (s.cp - 1) * step - attn_b * cal.overlap_efficiency)
     # attn_kept re-runs the Ulysses all-to-alls around the kept core (queries, keys and values for its
-    # backward; its output for the recomputed projection), not the ring's K/V passes, which feed the core.
-    repeats_cp = s.recompute == "full" or (s.recompute == "attn_kept" and s.cp_mode == "ulysses")
+    # backward; its output for the recomputed projection), not the ring's K/V passes, which feed the core;
+    # gemm_kept re-runs the Ulysses all-to-alls with the core (it does not run with ring attention).
+    repeats_cp = s.recompute == "full" or \
+        (s.recompute in ("attn_kept", "gemm_kept") and s.cp_mode == "ulysses")
     cp_recompute = cp_fwd if repeats_cp else 0.0
 
     # Expert parallelism: dispatch and combine, nothing overlapped; repeated by full recompute.
@@ -373,6 +378,6 @@ def block_activation_bytes(block: Block, s: Strategy, ctx: BlockContext, recompu
     replicated_div = s.tp if s.sp else 1
     scale = eb / 2  # the formulas count 16-bit activations
     per_token = ((a.replicated * scale + a.replicated_masks) / replicated_div
-                 + (a.sharded * scale + a.sharded_fp32) / s.tp
+                 + (a.sharded * scale + a.sharded_fp32) / s.tp + a.whole * scale
                  + (a.quadratic_per_seq_token * scale + a.sharded_quadratic_masks) * block.keys(ctx.seq_len) / s.tp)
     return tokens * per_token + experts.routed_activation_bytes(block, s, tokens, ctx, recompute or s.recompute)

@@ -192,11 +192,13 @@ def usable_memory(capacity: float, cal: Calibration, bucketed: bool = True) -> f
 def recompute_flops_per_token(block: Block, recompute: str, seq_len: int, ring: bool = False) -> float:
     """Forward FLOPs repeated per token of the sequence by recomputing `block` (full: the whole layer,
     selective: the attention cores, none under ring context parallelism (`ring`), whose attention is not run
-    again; attn_kept: all but the attention cores), for a run of `seq_len` tokens per sequence."""
+    again; attn_kept: all but the attention cores; gemm_kept: the attention cores, its GEMM outputs are kept),
+    for a run of `seq_len` tokens per sequence."""
     cores = 0.0 if ring else block.attention_flops_per_token(seq_len)
     per_own_token = {"full": block.flops_per_token(seq_len),
                      "attn_kept": block.gemm_flops_per_token(seq_len),
-                     "selective": cores}.get(recompute, 0.0)
+                     "selective": cores,
+                     "gemm_kept": block.attention_flops_per_token(seq_len)}.get(recompute, 0.0)
     return per_own_token * block.seq(seq_len) / seq_len
 
 

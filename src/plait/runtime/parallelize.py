@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from plait.models.llama import Attention
 from plait.models.moe import MoE
@@ -34,7 +35,7 @@ from plait.cost.offload import PAGED
 from plait.runtime.placement import Chunk
 from plait.runtime.relayout import Relayout
 from plait.runtime.ring import RingContext
-from plait.runtime.swap import apply_swap
+from plait.runtime.swap import apply_swap, cache_storage
 from plait.runtime.zero import paging, shard_unit
 from plait.runtime.ulysses import Ulysses
 
@@ -103,10 +104,35 @@ def layer_tp_plan(layer: nn.Module, sp: bool) -> dict[str, object]:
     return plan
 
 
+_GEMM_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+"""The GEMM kernels whose outputs `gemm_kept` keeps (nn.Linear dispatches to mm or addmm, batched ones to
+bmm)."""
+
+
+def _keep_gemm_outputs(_ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    """SAC policy of gemm_kept: keep the outputs of the block's GEMMs and recompute the rest (the attention
+    core, the elementwise work around it and the forward's collectives), as priced
+    (`Block._gemm_kept_bytes`, tests/test_activation_bytes.py). Keeping elementwise outputs instead trips over
+    in-place ops such as RMSNorm's `add_`."""
+    return CheckpointPolicy.MUST_SAVE if op in _GEMM_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _gemm_kept_contexts() -> tuple:
+    """gemm_kept's forward and recompute modes, keeping the GEMM outputs in a cache that the running block's
+    token-wise swap cuts (`plait.runtime.swap.cache_storage`)."""
+    caching, cached = create_selective_checkpoint_contexts(_keep_gemm_outputs)
+    caching.storage = cached.storage = cache_storage()
+    return caching, cached
+
+
+CONTEXTS = {"full": None, "attn_kept": recompute.contexts, "gemm_kept": _gemm_kept_contexts}
+"""The checkpoint_wrapper context of each recompute mode that checkpoints whole blocks (None: plain)."""
+
+
 def apply_ac(model: nn.Module, mode: str, layers: list[str]) -> None:
     """Recompute the named blocks' activations in backward (`full`), only their attention core
-    (`selective`: Megatron-LM's, `plait.models.recomputed`), or all but their attention core (`attn_kept`,
-    plait.runtime.recompute)."""
+    (`selective`: Megatron-LM's, `plait.models.recomputed`), all but their attention core (`attn_kept`,
+    plait.runtime.recompute), or all but their GEMMs (`gemm_kept`: op-level selective checkpointing)."""
     if mode == "none":
         return
     if mode == "selective":
@@ -116,7 +142,7 @@ def apply_ac(model: nn.Module, mode: str, layers: list[str]) -> None:
                     module.recompute_core = True
         return
     for name in layers:
-        context = {"context_fn": recompute.contexts} if mode == "attn_kept" else {}
+        context = {"context_fn": CONTEXTS[mode]} if CONTEXTS[mode] is not None else {}
         model.layers[name] = checkpoint_wrapper(model.layers[name], checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                 **context)
 

@@ -26,12 +26,14 @@ from plait.errors import PlaitError
 
 Kind = Literal["decoder", "moe", "encoder", "cross_decoder", "vision", "patch_embed", "projector"]
 KINDS: tuple[str, ...] = ("decoder", "moe", "encoder", "cross_decoder", "vision", "patch_embed", "projector")
-Recompute = Literal["none", "selective", "attn_kept", "full"]
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "attn_kept", "full")
+Recompute = Literal["none", "selective", "attn_kept", "gemm_kept", "full"]
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "attn_kept", "gemm_kept", "full")
 """Recompute modes: none; selective (Megatron-LM's, Korthikanti et al. 2022: only the attention core is recomputed,
 from its queries, keys and values; ring attention is not);
 attn_kept (MEMO, Zhao et al. SIGMOD 2025: everything but the attention core is recomputed, whose output and
-log-sum-exp are kept with the layer input); full (the whole layer is recomputed from its input)."""
+log-sum-exp are kept with the layer input); gemm_kept (op-level selective checkpointing as torchtitan runs it:
+the layer input and every GEMM output are kept, everything else is recomputed, the attention core included);
+full (the whole layer is recomputed from its input)."""
 Attention = Literal["flash", "eager", "triton"]
 """Attention kernel: "flash" (FlashAttention-2-class fused kernel, the default), "triton" (the Triton
 FlashAttention of flash_attn_triton.py, e.g. llm-foundry's `attn_impl: triton`), "eager" (unfused)."""
@@ -106,6 +108,9 @@ class ActivationBytes:
     sharded_fp32: float = 0.0
     """Bytes divided by the tensor-parallel degree that are fp32 whatever the activation dtype (ring
     attention's kept output and log-sum-exp under attn_kept)."""
+    whole: float = 0.0
+    """Bytes stored whole on every tensor-parallel rank even under sequence parallelism (a row-parallel
+    GEMM's partial sums, kept by gemm_kept before their reduce)."""
 
 
 @dataclass(frozen=True)
@@ -337,6 +342,8 @@ class Block:
             return self._ring_kept_bytes() if ring else self._attention_kept_bytes()
         if self.kind == "patch_embed":  # the patch pixels into the projection
             return ActivationBytes(2 * self.in_dim, 0, 0, 0, 0)
+        if recompute == "gemm_kept":
+            return self._gemm_kept_bytes()
         if self.kind == "projector":  # input, hidden pre- and post-activation
             return ActivationBytes(2 * self.in_dim, 2 * 2 * self.ffn, 0, 0, 0)
         drop_masks = 2 * h * MASK_BYTES if self.dropout else 0  # after attention and after the MLP
@@ -394,11 +401,34 @@ class Block:
         return ActivationBytes(2 * self.hidden, cores * 3 * 2 * wide, 0, 0, 0,
                                sharded_fp32=cores * (RING_KEPT_FP32 * wide + LSE_BYTES * self.heads))
 
-    def routed_activation_bytes(self) -> tuple[int, int]:
+    def _gemm_kept_bytes(self) -> ActivationBytes:
+        """Bytes per token under `gemm_kept` (op-level selective checkpointing, `runtime/parallelize.py`): the
+        layer input (for the recompute) and the output of each of its own GEMMs: column-parallel outputs
+        sharded by tp, replicated ones (a router, latent down-projections) like the input, row-parallel ones
+        whole on every rank (partial sums before their reduce). Everything else (norms, rotary, the attention
+        core, activations, dropout) is recomputed. Routed experts: `routed_activation_bytes`."""
+        replicated, sharded, whole = 2 * (self.in_dim if self.kind == "projector" else self.hidden), 0, 0
+        for g in self.gemms:
+            if g.rows == "routed":
+                continue
+            if g.split == "col":
+                sharded += 2 * g.n
+            elif g.split == "row":
+                whole += 2 * g.n
+            else:
+                replicated += 2 * g.n
+        return ActivationBytes(replicated, sharded, 0, 0, 0, whole=whole)
+
+    def routed_activation_bytes(self, recompute: Recompute = "none") -> tuple[int, int]:
         """(input, hidden) bytes a routed expert keeps for backward per (token, expert) pair, 16-bit: the
-        token's hidden state into the expert, and its MLP activations (GATED_MLP_SAVED, UNGATED_MLP_SAVED)."""
+        token's hidden state into the expert, and its MLP activations (GATED_MLP_SAVED, UNGATED_MLP_SAVED).
+        Under gemm_kept the expert GEMMs' outputs instead: the up projection(s) (hidden, split by etp) and the
+        down projection's partial sums (counted as input: whole on every etp rank)."""
         if self.kind != "moe":
             return 0, 0
+        if recompute == "gemm_kept":
+            up = next(g for g in self.gemms if g.name == "expert_up")
+            return 2 * self.hidden, 2 * up.n
         return 2 * self.hidden, (GATED_MLP_SAVED if self.gated_mlp else UNGATED_MLP_SAVED) * 2 * self.expert_ffn
 
     # ---- communication volumes (elements per token) ---------------------------------------
