@@ -99,7 +99,7 @@ def _unsupported_recompute(plan: Plan, model: ModelSpec) -> str | None:
         for stage in pipe.stages:
             for layer in range(*stage.layers):
                 s = stage.strategy(layer)
-                if s.recompute == "gemm_kept" and s.cp > 1 and s.cp_mode == "ring" and \
+                if s.recompute == "gemm_kept" and s.ring and \
                         layer < model.layers and model.stack[layer].has_attention:
                     return (f"layer {layer} ({s.short()}): recompute=gemm_kept would keep ring attention's "
                             "score blocks; use cp_mode=ulysses or another recompute mode")

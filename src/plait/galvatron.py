@@ -288,7 +288,7 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
                 schedule=_SCHEDULES[pipeline_type], precision=precision,  # type: ignore[arg-type]
                 pipelines=(Pipeline(stages=tuple(stages), micro_batches=chunks,
                                     micro_batch_sequences=global_bsz // chunks),))
-    plan = plan.model_copy(update={"p2p": plan.runtime_p2p()})  # priced as plait's runtime runs it
+    plan = plan.with_runtime_p2p()  # priced as plait's runtime runs it
     validate_plan(plan, model, cluster)
     vocab_tp, vocab_cp = (1, vtp) if vsp else (vtp, 1)
     note = _vocab_mismatch(plan, vocab_tp, vocab_cp, 3 if embed_sdp else _DP_TYPES[dp_type])

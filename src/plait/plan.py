@@ -119,6 +119,11 @@ class Strategy(BaseModel):
     def devices(self) -> int:
         return self.dp * self.tp * self.cp
 
+    @property
+    def ring(self) -> bool:
+        """Whether the layer's context parallelism runs ring attention (cp > 1, cp_mode ring)."""
+        return self.cp > 1 and self.cp_mode == "ring"
+
     def short(self) -> str:
         """Compact text such as `dp4 tp2 sp zero1 rc=full`."""
         parts = [f"dp{self.dp}", f"tp{self.tp}"]
@@ -293,6 +298,11 @@ class Plan(BaseModel):
         torch_1f1b = any(len(p.stages) > 1 and not p.own_schedule(self.chunks, self.schedule_runs)
                          for p in self.pipelines)
         return "torch" if one_chunk and torch_1f1b else "async"
+
+    def with_runtime_p2p(self) -> Plan:
+        """This plan with `p2p` as the runtime's schedules exchange (`runtime_p2p`): how planners price the
+        plans they emit."""
+        return self.model_copy(update={"p2p": self.runtime_p2p()})
 
     def run_micro_batches(self, pipeline: int) -> int:
         """Micro-batches of one of pipeline `pipeline`'s `schedule_runs` schedule runs a step."""
@@ -486,7 +496,7 @@ def kind_problem(s: Strategy, block: Block) -> str | None:
     if block.kind in TOKENLESS_KINDS and (s.sp or s.cp > 1):
         return (f"a {block.kind} layer carries the image and the text together and splits no tokens; use sp=0 "
                 "and cp=1 for the vision tower and projector")
-    if block.kind in BIDIRECTIONAL_KINDS and s.cp > 1 and s.cp_mode == "ring":
+    if block.kind in BIDIRECTIONAL_KINDS and s.ring:
         return (f"ring attention is causal self-attention only, and a {block.kind} layer attends both ways; use "
                 "cp_mode=ulysses")
     return None
@@ -665,6 +675,6 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
                 pipelines=(Pipeline(stages=tuple(stages), micro_batches=gbs // (mbs * dp),
                                     micro_batch_sequences=mbs * dp),))
     if p2p == "runtime":
-        plan = plan.model_copy(update={"p2p": plan.runtime_p2p()})
+        plan = plan.with_runtime_p2p()
     validate_plan(plan, model, cluster)
     return plan

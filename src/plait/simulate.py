@@ -265,8 +265,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
         priced.append((c, count, s, layer))
         kinds.append(block.kind)
         buffers = max(buffers, c.buffers)
-        recompute_flops += count * recompute_flops_per_token(block, s.recompute, plan.seq_len,
-                                                             ring=s.cp > 1 and s.cp_mode == "ring")
+        recompute_flops += count * recompute_flops_per_token(block, s.recompute, plan.seq_len, ring=s.ring)
     first_s, last_s = stage.strategy(stage.layers[0]), stage.strategy(stage.layers[1] - 1)
     pipelined = len(pipe.stages) > 1
     edges = []

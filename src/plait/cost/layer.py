@@ -177,13 +177,14 @@ REPEATS_FORWARD = ("full", "attn_kept", "gemm_kept")
 collectives and expert dispatch come again in backward."""
 
 
-def recompute_time(recompute: str, forward: float, attention: float, elementwise: float = 0.0) -> float:
+def recompute_time(recompute: str, forward: float, attention: float, elementwise: float = 0.0,
+                   ring: bool = False) -> float:
     """Seconds of forward compute repeated in backward by `recompute`, of a layer whose forward computes for
     `forward` seconds, `attention` of them in the attention cores and `elementwise` in its memory-bound
-    kernels: none nothing, selective the cores, full the whole forward, attn_kept (MEMO) the forward less the
-    cores (their outputs are kept), gemm_kept the cores and the elementwise kernels (the GEMM outputs are
-    kept)."""
-    return {"none": 0.0, "selective": attention, "attn_kept": max(0.0, forward - attention),
+    kernels: none nothing, selective the cores (nothing under ring attention, `ring`: its own autograd
+    function, left as it is), full the whole forward, attn_kept (MEMO) the forward less the cores (their
+    outputs are kept), gemm_kept the cores and the elementwise kernels (the GEMM outputs are kept)."""
+    return {"none": 0.0, "selective": 0.0 if ring else attention, "attn_kept": max(0.0, forward - attention),
             "gemm_kept": attention + elementwise, "full": forward}[recompute]
 
 
@@ -209,10 +210,7 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
         # one rank's share, attention included
         forward = cal.measured.seconds(timed.forward, tokens, seq, m.name)  # type: ignore[union-attr]
         backward = cal.measured.seconds(timed.backward, tokens, seq, m.name)  # type: ignore[union-attr]
-    ring = s.cp > 1 and s.cp_mode == "ring" and block.has_attention
-    # selective leaves ring attention (its own autograd function) as it is: nothing runs again
-    recompute = 0.0 if ring and s.recompute == "selective" else \
-        recompute_time(s.recompute, forward, attn_f, elem_f)
+    recompute = recompute_time(s.recompute, forward, attn_f, elem_f, ring=s.ring)
     if s.recompute != "none" and measured and \
             (with_rc := cal.measured.block(m.name, s.tp, s.recompute)) is not None:  # type: ignore[union-attr]
         recompute = max(0.0, cal.measured.seconds(with_rc.backward, tokens, seq, m.name) - backward)  # type: ignore[union-attr]
@@ -374,7 +372,7 @@ def block_activation_bytes(block: Block, s: Strategy, ctx: BlockContext, recompu
         if ctx.cal.memory is not None and not s.sp and block.kind != "moe" else None
     if on_gpu is not None:  # Galvatron's memory profile (cost/measured_memory.py)
         return tokens * on_gpu
-    a = block.activation_bytes(recompute or s.recompute, ring=s.cp > 1 and s.cp_mode == "ring")  # type: ignore[arg-type]
+    a = block.activation_bytes(recompute or s.recompute, ring=s.ring)  # type: ignore[arg-type]
     replicated_div = s.tp if s.sp else 1
     scale = eb / 2  # the formulas count 16-bit activations
     per_token = ((a.replicated * scale + a.replicated_masks) / replicated_div

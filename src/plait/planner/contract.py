@@ -293,7 +293,7 @@ def shape_parts(plan: Plan) -> tuple[str, ...]:
     features = {"zero": any(s.zero for s in strategies), "hsdp": any(s.shard for s in strategies),
                 "tp": any(s.tp > 1 for s in strategies), "sp": any(s.sp for s in strategies),
                 "cp": any(s.cp > 1 and s.cp_mode == "ulysses" for s in strategies),
-                "ring": any(s.cp > 1 and s.cp_mode == "ring" for s in strategies),
+                "ring": any(s.ring for s in strategies),
                 "ep": any(s.ep > 1 for s in strategies),
                 "etp": any(s.etp and s.etp != s.tp for s in strategies),
                 "lsh": any(s.moe_comm == "lsh" for s in strategies), "swap": any(s.swap for s in strategies),

@@ -302,11 +302,11 @@ class _Config:
                 ranks = tuple(range(d * self.n, (d + 1) * self.n))
                 stages.append(Stage(layers=(start, start + n_layers), ranks=ranks, strategies=strategies))
                 start += n_layers
-        plan = Plan(model=self.model.name, seq_len=self.seq_len, global_batch=self.global_batch,
+        return Plan(model=self.model.name, seq_len=self.seq_len, global_batch=self.global_batch,
                     schedule=self.schedule, chunks=self.chunks, precision=self.precision,  # type: ignore[arg-type]
                     expert_load=self.expert_load,
-                    pipelines=(Pipeline(stages=tuple(stages), micro_batches=self.m, micro_batch_sequences=self.mb),))
-        return plan.model_copy(update={"p2p": plan.runtime_p2p()})
+                    pipelines=(Pipeline(stages=tuple(stages), micro_batches=self.m, micro_batch_sequences=self.mb),)
+                    ).with_runtime_p2p()
 
 
 def _least_layer_bytes(cfg: _Config, device: int) -> float:

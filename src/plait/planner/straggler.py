@@ -413,7 +413,7 @@ def _assemble(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: Precis
         pipelines.append(Pipeline(stages=tuple(stages), micro_batches=m, micro_batch_sequences=t.mbs))
     plan = Plan(model=model.name, seq_len=seq_len, global_batch=global_batch, precision=precision,  # type: ignore[arg-type]
                 pipelines=tuple(pipelines))
-    plan = plan.model_copy(update={"p2p": plan.runtime_p2p()})
+    plan = plan.with_runtime_p2p()
     estimate = max(a * m + b for a, b, m in zip(slopes, intercepts, micro) if m) + \
         _sync_estimate(plan, model, cluster, cal, prec)
     label = f"tp{t.tp} pp{t.pp} mbs{t.mbs}" + (" rc=full" if t.recompute == "full" else "") + \
