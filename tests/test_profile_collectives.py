@@ -117,19 +117,21 @@ def test_real_measurement_with_two_ranks(quick_two_ranks):
     assert seconds < 60
     assert 100 * 2**20 < rank_bytes < 4 * 2**30  # a rank with torch and the runtime loaded
     assert sorted((c.op, c.ranks) for c in curves) == sorted([(op, 2) for op in GROUP_OPS] + [("p2p", 2)])
-    slower = 0
+    spiked = []
     for c in curves:
         assert c.nodes == 1
         assert c.latency_s >= 0
-        assert 0 < c.bandwidth < MAX_BANDWIDTH, c
+        assert 0 < c.bandwidth <= MAX_BANDWIDTH, c
         assert len(c.samples) == len(QUICK_SIZES)
         small, large = min(c.samples, key=lambda s: s.bytes), max(c.samples, key=lambda s: s.bytes)
         assert (small.bytes, large.bytes) == (min(QUICK_SIZES), max(QUICK_SIZES))
-        slower += large.seconds > small.seconds
-        assert c.at(large.bytes) > c.at(small.bytes)
         assert all(s.seconds > 0 for s in c.samples)
+        if large.seconds > small.seconds and c.bandwidth < MAX_BANDWIDTH:
+            assert c.at(large.bytes) > c.at(small.bytes)
+        else:  # no growth with size measured: the fit's documented clamp
+            spiked.append(c)
     # 1000x the bytes takes longer; one op may lose to a load spike on a shared 2-core machine
-    assert slower >= len(curves) - 1, curves
+    assert len(spiked) <= 1, spiked
     assert overlap.compute_slowdown >= 1.0 and overlap.comm_slowdown >= 1.0
     total = len(planned_items(2))
     assert calls[0] == (0, total) and calls[-1] == (total, total)
