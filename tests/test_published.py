@@ -357,8 +357,8 @@ MOE = _moe_errors()
 
 
 def test_moe_rows_are_collected_with_a_held_out_third() -> None:
-    assert len(MOE) == 13
-    assert sum(run.held_out for run, _ in MOE) == 4
+    assert len(MOE) == 14
+    assert sum(run.held_out for run, _ in MOE) == 5
     assert {run.cluster.gpu.name for run, _ in MOE} == {"H100-80GB"}
     assert {run.model.name for run, _ in MOE} == {"qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x7b", "mixtral-8x22b",
                                                    "gpt-oss-120b", "deepseek-v3"}
@@ -376,14 +376,15 @@ def test_moe_rows_the_constants_were_chosen_on() -> None:
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 22.0%, max 37.4% (23.3% before AutoModel's synchronous pipeline exchanges; before the schedule
+    """Median 27.3%, max 37.4% (22.0% before the NeMo 25.11 GPT-OSS row, +27.3%, was added; 23.3% before AutoModel's
+    synchronous pipeline exchanges; before the schedule
     runs and layer split of AutoModel's DeepSeek-V3 23.7%, 37.4%;
     before the experts' output bias 23.7%, 56.1%; before the AutoModel configs 17.8%,
     64.2%; before the dispatch terms 40.3%, 99.7%): GPT-OSS 120B (+37%), DeepSeek-V3 on 1024 GPUs (-30%: +18%
     while it was priced as per-micro-batch ZeRO-3 without recompute; its config recomputes every block and syncs FSDP once per step), Mixtral-8x7B (+16%),
     Megatron-FSDP Qwen3-235B (+11%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
-    assert statistics.median(errors) <= 0.221
+    assert statistics.median(errors) <= 0.274
     assert max(errors) <= 0.375
 
 
@@ -415,9 +416,11 @@ def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_over_30_percent_fast() -
     9-layer stage's micro-batch (plait's eager kernel), more than the ~63 ms the published rate leaves. The
     all-to-all dispatcher's four permutation passes over the routed copies (16 local experts) take 8 points:
     +51.4..56.1%. Megatron's unfused output bias of the experts (fp32 bias times probability per local expert,
-    `experts.expert_bias_time`) takes 18 points more: +33.2..37.4%."""
+    `experts.expert_bias_time`) takes 18 points more: +33.2..37.4%. NeMo 25.11's run at micro-batch 4 and global
+    batch 512 (8 micro-batches a pipeline, a larger bubble) is +27.3%: per micro-batch the stages run about 30%
+    longer than priced in both layouts, so what is missing scales with the work, not with the step."""
     errors = sorted(e for run, e in MOE if run.model.name == "gpt-oss-120b")
-    assert [round(e, 3) for e in errors] == [0.332, 0.334, 0.371, 0.374]
+    assert [round(e, 3) for e in errors] == [0.273, 0.332, 0.334, 0.371, 0.374]
 
 
 def test_automodel_rows_run_as_their_configs_say() -> None:
