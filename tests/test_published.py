@@ -357,11 +357,11 @@ MOE = _moe_errors()
 
 
 def test_moe_rows_are_collected_with_a_held_out_third() -> None:
-    assert len(MOE) == 14
-    assert sum(run.held_out for run, _ in MOE) == 5
+    assert len(MOE) == 16
+    assert sum(run.held_out for run, _ in MOE) == 7  # every third row, and every row found later
     assert {run.cluster.gpu.name for run, _ in MOE} == {"H100-80GB"}
     assert {run.model.name for run, _ in MOE} == {"qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x7b", "mixtral-8x22b",
-                                                   "gpt-oss-120b", "deepseek-v3"}
+                                                   "gpt-oss-20b", "gpt-oss-120b", "deepseek-v3"}
 
 
 def test_moe_rows_the_constants_were_chosen_on() -> None:
@@ -376,7 +376,8 @@ def test_moe_rows_the_constants_were_chosen_on() -> None:
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 27.3%, max 37.4% (22.0% before the NeMo 25.11 GPT-OSS row, +27.3%, was added; 23.3% before AutoModel's
+    """Median 16.2%, max 37.4% over 7 rows (27.3% over 5 before AutoModel's GPT-OSS 20B and 120B rows, +0.2% and
+    -8.4%, were added; 22.0% before the NeMo 25.11 GPT-OSS row, +27.3%; 23.3% before AutoModel's
     synchronous pipeline exchanges; before the schedule
     runs and layer split of AutoModel's DeepSeek-V3 23.7%, 37.4%;
     before the experts' output bias 23.7%, 56.1%; before the AutoModel configs 17.8%,
@@ -384,7 +385,7 @@ def test_moe_held_out_rows() -> None:
     while it was priced as per-micro-batch ZeRO-3 without recompute; its config recomputes every block and syncs FSDP once per step), Mixtral-8x7B (+16%),
     Megatron-FSDP Qwen3-235B (+11%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
-    assert statistics.median(errors) <= 0.274
+    assert statistics.median(errors) <= 0.163
     assert max(errors) <= 0.375
 
 
@@ -418,45 +419,50 @@ def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_over_30_percent_fast() -
     +51.4..56.1%. Megatron's unfused output bias of the experts (fp32 bias times probability per local expert,
     `experts.expert_bias_time`) takes 18 points more: +33.2..37.4%. NeMo 25.11's run at micro-batch 4 and global
     batch 512 (8 micro-batches a pipeline, a larger bubble) is +27.3%: per micro-batch the stages run about 30%
-    longer than priced in both layouts, so what is missing scales with the work, not with the step."""
-    errors = sorted(e for run, e in MOE if run.model.name == "gpt-oss-120b")
+    longer than priced in both layouts, so what is missing scales with the work, not with the step. The same model
+    on NeMo AutoModel (FSDP2, DeepEP, FlexAttention; 64 H100) is predicted within 8.4%, and GPT-OSS 20B there within
+    0.2%: what is missing belongs to Megatron-Bridge's path, not to the model's shape."""
+    errors = sorted(e for run, e in MOE if run.model.name == "gpt-oss-120b" and "Megatron-Bridge" in run.source)
     assert [round(e, 3) for e in errors] == [0.273, 0.332, 0.334, 0.371, 0.374]
 
 
 def test_automodel_rows_run_as_their_configs_say() -> None:
-    """NeMo AutoModel's benchmark configs recompute every block (activation_checkpointing), sync FSDP2 once per
-    step (enable_fsdp_optimizations, reshard_after_forward false: ZeRO-1's schedule), dispatch with DeepEP and route
-    with the fake balanced gate (contiguous experts); DeepSeek-V3's layers_per_stage give vpp 7 and 4, the first
-    stages holding the extra layers (generate_hf_model_fqn_per_model_part), and its 1024-GPU row's GA 4 calls the
-    pipeline schedule four times a step (schedule_runs 4). Errors: Qwen3-30B -6.4% (was +0.6%), DeepSeek-V3 256
-    GPUs -14.9% (-20.1% with asynchronous pipeline exchanges, -17.7% with the extra layers last; +4.9%
-    before the configs), 1024 GPUs -27.8% (-30.4% with asynchronous exchanges, -27.8% with the extra layers
-    last, -31.3% priced as one schedule of 32 micro-batches; +18.0% before the configs)."""
+    """NeMo AutoModel's benchmark configs recompute every block where activation_checkpointing is on, sync FSDP2
+    once per step where the MoE FSDP optimizations are on (reshard_after_forward false: ZeRO-1's schedule), dispatch
+    with DeepEP and route with the fake balanced gate (contiguous experts). DeepSeek-V3's layers_per_stage 2 give 32
+    virtual stages with the pipelining code of the table's time (ceil(61 / 2) + 1): vpp 8 as the table prints, the
+    first 29 stages holding two layers (generate_hf_model_fqn_per_model_part); its 1024-GPU row's GA 4 calls the
+    pipeline schedule four times a step (schedule_runs 4). GPT-OSS runs without those FSDP optimizations: 120B
+    re-gathers for backward (zero 3), 20B keeps the gathered weights (zero 2). Errors: Qwen3-30B -6.4%, DeepSeek-V3
+    256 GPUs -16.3% (-14.9% with the later code's vpp 7 and 28 stages), 1024 GPUs -27.7% (-27.8% with vpp 4), GPT-OSS
+    120B -8.4%, 20B +0.2%."""
     auto = [(run, e) for run, e in MOE if "Automodel" in run.source]
-    assert len(auto) == 3
+    assert len(auto) == 5
     for run, _ in auto:
-        s = run.plan.pipelines[0].stages[0].strategies[0]
-        assert (s.recompute, s.zero, run.plan.dispatcher, run.plan.routing) == ("full", 1, "deepep", "contiguous")
-    assert sorted((run.cluster.world_size, run.plan.chunks) for run, _ in auto) == [(8, 1), (256, 7), (1024, 4)]
-    runs = sorted((run.cluster.world_size, run.plan.schedule_runs) for run, _ in auto)
-    assert runs == [(8, 1), (256, 1), (1024, 4)]
-    cuts = {run.cluster.world_size: [b - a for a, b in (st.layers for st in run.plan.pipelines[0].stages)]
-            for run, _ in auto}
-    assert cuts[256] == [3] * 5 + [2] * 23 and cuts[1024] == [4] * 13 + [3] * 3
-    assert sorted(round(e, 3) for _, e in auto) == [-0.278, -0.149, -0.064]
+        assert (run.plan.dispatcher, run.plan.routing) == ("deepep", "contiguous")
+    shapes = sorted((run.model.name, run.cluster.world_size, run.plan.chunks, run.plan.schedule_runs,
+                     run.plan.pipelines[0].stages[0].strategies[0].recompute,
+                     run.plan.pipelines[0].stages[0].strategies[0].zero) for run, _ in auto)
+    assert shapes == [("deepseek-v3", 256, 8, 1, "full", 1), ("deepseek-v3", 1024, 8, 4, "full", 1),
+                      ("gpt-oss-120b", 64, 1, 1, "none", 3), ("gpt-oss-20b", 8, 1, 1, "full", 2),
+                      ("qwen3-30b-a3b", 8, 1, 1, "full", 1)]
+    for run, _ in auto:
+        if run.model.name == "deepseek-v3":
+            assert [b - a for a, b in (st.layers for st in run.plan.pipelines[0].stages)] == [2] * 29 + [1] * 3
+    assert sorted(round(e, 3) for _, e in auto) == [-0.277, -0.163, -0.084, -0.064, 0.002]
 
 
 def test_automodel_pipelines_exchange_as_torch_2_9_interleaved_1f1b_does() -> None:
     """AutoModel's DeepSeek-V3 rows ran torch.distributed.pipelining's ScheduleInterleaved1F1B under torch
     2.8.0 (Automodel 01926a5's uv.lock; pyproject torch<=2.9.0), a PipelineScheduleMulti that waits on every
     time step's batched sends and receives before its next op (p2p=torch). Priced with asynchronous
-    exchanges instead, the rows are the -20.1% and -30.4% they were."""
+    exchanges instead, the rows would be -22.4% and -32.9%."""
     deep = sorted(((run, e) for run, e in MOE if "Automodel" in run.source and run.plan.pp > 1),
                   key=lambda item: item[0].cluster.world_size)
     assert [run.plan.p2p for run, _ in deep] == ["torch", "torch"]
     free = [next(iter(relative_errors(run, simulate(run.plan.model_copy(update={"p2p": "async"}), run.model,
                                                     run.cluster, run.cal)).values()))[2] for run, _ in deep]
-    assert [round(e, 3) for e in free] == [-0.201, -0.304]
+    assert [round(e, 3) for e in free] == [-0.224, -0.329]
     assert all(e > f for (_, e), f in zip(deep, free, strict=True))
 
 
