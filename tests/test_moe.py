@@ -31,6 +31,7 @@ PUBLISHED = {
     "qwen3-30b-a3b": (30.5e9, 3.3e9),  # Qwen3 technical report, Table 2
     "qwen3-235b-a22b": (235e9, 22e9),
     "deepseek-v3": (671e9, 37e9),  # DeepSeek-V3 technical report: 671B total, 37B activated per token
+    "kimi-k2": (1.04e12, 32e9),  # Kimi K2 technical report: 1.04 trillion total, 32 billion activated
     "gpt-oss-20b": (20.9e9, 3.6e9),
     "gpt-oss-120b": (116.8e9, 5.1e9),
 }
@@ -60,6 +61,13 @@ QWEN3_30B = {  # Qwen/Qwen3-30B-A3B config.json
     "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
     "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False,
 }
+KIMI_K2 = {  # moonshotai/Kimi-K2-Base config.json (the fields plait reads)
+    "model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "intermediate_size": 18432, "vocab_size": 163840, "moe_intermediate_size": 2048,
+    "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+}
 GPT_OSS_120B = {  # openai/gpt-oss-120b config.json
     "model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
     "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 128,
@@ -70,7 +78,7 @@ GPT_OSS_120B = {  # openai/gpt-oss-120b config.json
 
 
 @pytest.mark.parametrize(("config", "preset"), [(DEEPSEEK_V3, "deepseek-v3"), (QWEN3_30B, "qwen3-30b-a3b"),
-                                                (GPT_OSS_120B, "gpt-oss-120b")])
+                                                (GPT_OSS_120B, "gpt-oss-120b"), (KIMI_K2, "kimi-k2")])
 def test_hf_configs_load_as_their_presets(config: dict, preset: str) -> None:
     m = from_hf_config(config, preset)
     assert m.params == PRESETS[preset].params and m.active_params == PRESETS[preset].active_params

@@ -357,11 +357,11 @@ MOE = _moe_errors()
 
 
 def test_moe_rows_are_collected_with_a_held_out_third() -> None:
-    assert len(MOE) == 16
-    assert sum(run.held_out for run, _ in MOE) == 7  # every third row, and every row found later
+    assert len(MOE) == 17
+    assert sum(run.held_out for run, _ in MOE) == 8  # every third row, and every row found later
     assert {run.cluster.gpu.name for run, _ in MOE} == {"H100-80GB"}
     assert {run.model.name for run, _ in MOE} == {"qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x7b", "mixtral-8x22b",
-                                                   "gpt-oss-20b", "gpt-oss-120b", "deepseek-v3"}
+                                                   "gpt-oss-20b", "gpt-oss-120b", "deepseek-v3", "kimi-k2"}
 
 
 def test_moe_rows_the_constants_were_chosen_on() -> None:
@@ -376,8 +376,8 @@ def test_moe_rows_the_constants_were_chosen_on() -> None:
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 16.2%, max 37.4% over 7 rows (27.3% over 5 before AutoModel's GPT-OSS 20B and 120B rows, +0.2% and
-    -8.4%, were added; 22.0% before the NeMo 25.11 GPT-OSS row, +27.3%; 23.3% before AutoModel's
+    """Median 18.7%, max 37.4% over 8 rows (16.2% over 7 before AutoModel's Kimi K2 row, -21.2%, was added; 27.3% over
+    5 before AutoModel's GPT-OSS 20B and 120B rows, +0.2% and -8.4%; 22.0% before the NeMo 25.11 GPT-OSS row, +27.3%; 23.3% before AutoModel's
     synchronous pipeline exchanges; before the schedule
     runs and layer split of AutoModel's DeepSeek-V3 23.7%, 37.4%;
     before the experts' output bias 23.7%, 56.1%; before the AutoModel configs 17.8%,
@@ -385,7 +385,7 @@ def test_moe_held_out_rows() -> None:
     while it was priced as per-micro-batch ZeRO-3 without recompute; its config recomputes every block and syncs FSDP once per step), Mixtral-8x7B (+16%),
     Megatron-FSDP Qwen3-235B (+11%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
-    assert statistics.median(errors) <= 0.163
+    assert statistics.median(errors) <= 0.188
     assert max(errors) <= 0.375
 
 
@@ -435,9 +435,9 @@ def test_automodel_rows_run_as_their_configs_say() -> None:
     pipeline schedule four times a step (schedule_runs 4). GPT-OSS runs without those FSDP optimizations: 120B
     re-gathers for backward (zero 3), 20B keeps the gathered weights (zero 2). Errors: Qwen3-30B -6.4%, DeepSeek-V3
     256 GPUs -16.3% (-14.9% with the later code's vpp 7 and 28 stages), 1024 GPUs -27.7% (-27.8% with vpp 4), GPT-OSS
-    120B -8.4%, 20B +0.2%."""
+    120B -8.4%, 20B +0.2%. Kimi K2 (DeepSeek-V3's layer, 384 experts; pp 8, vpp 4, two schedule runs) -21.2%."""
     auto = [(run, e) for run, e in MOE if "Automodel" in run.source]
-    assert len(auto) == 5
+    assert len(auto) == 6
     for run, _ in auto:
         assert (run.plan.dispatcher, run.plan.routing) == ("deepep", "contiguous")
     shapes = sorted((run.model.name, run.cluster.world_size, run.plan.chunks, run.plan.schedule_runs,
@@ -445,11 +445,11 @@ def test_automodel_rows_run_as_their_configs_say() -> None:
                      run.plan.pipelines[0].stages[0].strategies[0].zero) for run, _ in auto)
     assert shapes == [("deepseek-v3", 256, 8, 1, "full", 1), ("deepseek-v3", 1024, 8, 4, "full", 1),
                       ("gpt-oss-120b", 64, 1, 1, "none", 3), ("gpt-oss-20b", 8, 1, 1, "full", 2),
-                      ("qwen3-30b-a3b", 8, 1, 1, "full", 1)]
+                      ("kimi-k2", 256, 4, 2, "full", 1), ("qwen3-30b-a3b", 8, 1, 1, "full", 1)]
     for run, _ in auto:
-        if run.model.name == "deepseek-v3":
+        if run.model.name in ("deepseek-v3", "kimi-k2"):
             assert [b - a for a, b in (st.layers for st in run.plan.pipelines[0].stages)] == [2] * 29 + [1] * 3
-    assert sorted(round(e, 3) for _, e in auto) == [-0.277, -0.163, -0.084, -0.064, 0.002]
+    assert sorted(round(e, 3) for _, e in auto) == [-0.277, -0.212, -0.163, -0.084, -0.064, 0.002]
 
 
 def test_automodel_pipelines_exchange_as_torch_2_9_interleaved_1f1b_does() -> None:
@@ -457,7 +457,7 @@ def test_automodel_pipelines_exchange_as_torch_2_9_interleaved_1f1b_does() -> No
     2.8.0 (Automodel 01926a5's uv.lock; pyproject torch<=2.9.0), a PipelineScheduleMulti that waits on every
     time step's batched sends and receives before its next op (p2p=torch). Priced with asynchronous
     exchanges instead, the rows would be -22.4% and -32.9%."""
-    deep = sorted(((run, e) for run, e in MOE if "Automodel" in run.source and run.plan.pp > 1),
+    deep = sorted(((run, e) for run, e in MOE if "Automodel" in run.source and run.model.name == "deepseek-v3"),
                   key=lambda item: item[0].cluster.world_size)
     assert [run.plan.p2p for run, _ in deep] == ["torch", "torch"]
     free = [next(iter(relative_errors(run, simulate(run.plan.model_copy(update={"p2p": "async"}), run.model,

@@ -11,7 +11,7 @@ from plait.spec import stacks
 from plait.spec.model import ModelSpec, _t5
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek",
-               "deepseek_v2", "deepseek_v3", "gpt_oss")
+               "deepseek_v2", "deepseek_v3", "kimi_k2", "gpt_oss")
 """model_type values read as Llama-shaped decoders (RMS norms, rotary positions, gated MLPs)."""
 TEXT_TYPES = ("gpt2", "t5", *LLAMA_TYPES)
 
