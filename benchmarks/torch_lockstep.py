@@ -10,8 +10,9 @@ finished its own action. plait's simulator (`plait.cost.pipeline`) runs the same
 op start as soon as its input has arrived. This script builds the table with torch's own code and times it in
 lock step, beside plait's makespan with asynchronous exchanges and as plait prices these rows (`p2p=torch`:
 each op holds its device for MEGATRON_P2P_HOLD times its send), for forward:backward ratios of 1:2 (no recomputation) and 1:3 (full
-recomputation), at the shapes of the NeMo AutoModel DeepSeek-V3 rows of benchmarks/data/published_runs.json
-(pp 4, 8 micro-batches a schedule run, 7 and 4 chunks per rank) and a few smaller ones.
+recomputation), at the shapes of the NeMo AutoModel DeepSeek-V3 and Kimi K2 rows of
+benchmarks/data/published_runs.json (8 micro-batches a schedule run; pp 4 with 8 chunks per rank, pp 8 with 4)
+and a few others.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installed torch
     print(f"this torch has no pipelining schedules ({exc}); install torch>=2.8", file=sys.stderr)
     raise SystemExit(2) from None
 
-SHAPES = ((4, 7, 8), (4, 4, 8), (4, 2, 8), (2, 2, 4), (8, 2, 16))
-"""(pipeline ranks, chunks per rank, micro-batches per schedule run)."""
+SHAPES = ((4, 8, 8), (8, 4, 8), (4, 7, 8), (4, 4, 8), (4, 2, 8), (2, 2, 4), (8, 2, 16))
+"""(pipeline ranks, chunks per rank, micro-batches per schedule run): AutoModel's DeepSeek-V3 and Kimi K2 rows
+first, then other shapes."""
 RATIOS = ((1.0, 2.0), (1.0, 3.0))
 """(forward, backward) seconds of one chunk and micro-batch."""
 SEND_S = 0.02
