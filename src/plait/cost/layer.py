@@ -24,6 +24,7 @@ from plait.cost.memory import model_state_bytes
 from plait.cost.precision import PrecisionBytes
 from plait.plan import Strategy
 from plait.spec.cluster import Cluster
+from plait.spec.degrees import Degrees
 from plait.spec.layers import FUSED_ATTENTION, Block
 from plait.spec.model import ModelSpec
 
@@ -89,18 +90,26 @@ class BlockContext:
         """The context of strategy `s` on a stage's `ranks` (Megatron order: tp fastest, then cp, then dp;
         experts: etp, ep, edp); `dp_ranks` are the ranks sharing its weights (under HSDP cut into shard and
         replicate groups)."""
-        gpn, d = cluster.gpus_per_node, s.degrees
+        groups = _group_shapes(s.degrees, tuple(ranks), tuple(dp_ranks), cluster.gpus_per_node, model.has_experts)
+        return BlockContext(model, cluster, cal, prec, seq_len, seqs, *groups, expert_load, dispatcher, routing)
 
-        def shape(group: tuple[int, ...]) -> GroupShape:
-            return GroupShape.of(group, gpn) if len(group) > 1 else comm.SINGLE
 
-        tp_group = shape(d.group(ranks, "tp")) if s.tp > 1 else comm.SINGLE
-        cp_group = shape(d.group(ranks, "cp")) if s.cp > 1 else comm.SINGLE
-        shard_ranks, replica_ranks = d.split_data(dp_ranks)
-        experts = [shape(d.expert_group(ranks, dim)) if model.has_experts else comm.SINGLE  # type: ignore[arg-type]
-                   for dim in ("ep", "etp", "edp")]
-        return BlockContext(model, cluster, cal, prec, seq_len, seqs, tp_group, cp_group, shape(shard_ranks),
-                            shape(replica_ranks), *experts, expert_load, dispatcher, routing)
+@lru_cache(maxsize=65536)
+def _group_shapes(d: Degrees, ranks: tuple[int, ...], dp_ranks: tuple[int, ...], gpn: int, has_experts: bool
+                  ) -> tuple[GroupShape, ...]:
+    """(tp, cp, shard, replica, ep, etp, edp) group shapes of a strategy of degrees `d` on a stage's `ranks` with
+    data-parallel ranks `dp_ranks`, `gpn` GPUs a node (see BlockContext.for_ranks); the search asks for the same
+    stage under many strategies of the same degrees, so they are computed once."""
+
+    def shape(group: tuple[int, ...]) -> GroupShape:
+        return GroupShape.of(group, gpn) if len(group) > 1 else comm.SINGLE
+
+    tp_group = shape(d.group(ranks, "tp")) if d.tp > 1 else comm.SINGLE
+    cp_group = shape(d.group(ranks, "cp")) if d.cp > 1 else comm.SINGLE
+    shard_ranks, replica_ranks = d.split_data(dp_ranks)
+    expert_groups = tuple(shape(d.expert_group(ranks, dim)) if has_experts else comm.SINGLE  # type: ignore[arg-type]
+                          for dim in ("ep", "etp", "edp"))
+    return (tp_group, cp_group, shape(shard_ranks), shape(replica_ranks), *expert_groups)
 
 
 SUBLAYERS = {"decoder": 2, "moe": 2, "encoder": 2, "vision": 2, "cross_decoder": 3, "patch_embed": 1, "projector": 1}
