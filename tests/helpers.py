@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -70,3 +74,14 @@ def run_workers(configs, nproc: int = 2):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """The script benchmarks/`name`.py imported as a module (registered first: dataclasses look their module up
+    while the file runs)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" /
+                                                  f"{name}.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[name] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module

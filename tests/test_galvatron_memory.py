@@ -3,7 +3,6 @@ with what they measured (fixtures: Galvatron's shipped files under tests/data/ga
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 from plait.cost.calibration import calibration_for
 from plait.cost.comm import SINGLE
@@ -129,11 +129,7 @@ def test_cli_simulate_uses_the_memory_profile(tmp_path: Path):
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("galvatron_memory", ROOT / "benchmarks" / "galvatron_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("galvatron_memory")
 
 
 def test_galvatrons_own_model_on_its_profile():

@@ -8,6 +8,7 @@ import os
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from helpers import load_benchmark
 
 from plait.cost.pipeline import (
     PipelineResult,
@@ -419,13 +420,7 @@ def test_torch_lock_step_interleaved_is_priced_within_three_percent() -> None:
     DeepSeek-V3 and Kimi K2 rows' shapes (8 micro-batches; pp 4 with 8 chunks a rank, pp 8 with 4) plait's
     p2p=torch price is within 3% of it, and the lock step alone (no send time) costs about 1% over the
     dependency-driven order."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "torch_lockstep.py"
-    spec = importlib.util.spec_from_file_location("torch_lockstep", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("torch_lockstep")
     for p, v, m in ((4, 8, 8), (8, 4, 8)):
         for fwd, bwd in ((1.0, 2.0), (1.0, 3.0)):
             stages = [StageTimes(fwd, bwd, 0.02)] * (p * v)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -12,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 from plait.published import load_runs, relative_errors
 from plait.simulate import simulate
@@ -201,11 +201,7 @@ def test_llm_foundry_throughput_agrees_with_its_mfu_column() -> None:
 
 
 def _published_runs_script():
-    spec = importlib.util.spec_from_file_location("published_runs", ROOT / "benchmarks" / "published_runs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("published_runs")
 
 
 def test_breakdown_of_the_70b_run_on_64_a100_40gb() -> None:
