@@ -610,7 +610,23 @@ def _swap(d: dict[str, str]) -> float:
     return _number(d, "swap", "0", lambda v: 0.0 <= v <= 1.0, "a share from 0 to 1 of the saved activations")
 
 
-def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) -> Plan:
+@lru_cache(maxsize=4096)
+def _uniform_stages(layers: int, pp: int, vpp: int, strategy: Strategy) -> tuple[Stage, ...]:
+    """The stages of a uniform plan: `layers` split evenly into pp * vpp chunks, chunk j on device group
+    j mod pp (each of `strategy`'s devices, in rank order), all with `strategy` (cached: a baseline builds
+    the same stages for every micro-batch size)."""
+    per_group = strategy.devices
+    stages = []
+    start = 0
+    for j, n in enumerate(split_layers(layers, pp * vpp)):
+        group = j % pp
+        ranks = tuple(range(group * per_group, (group + 1) * per_group))
+        stages.append(Stage(layers=(start, start + n), ranks=ranks, strategies=(strategy,)))
+        start += n
+    return tuple(stages)
+
+
+def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int, validate: bool = True) -> Plan:
     """Build a uniform Megatron-style plan from the `--strategy` shorthand.
 
     Keys: tp, pp, dp, cp, mbs (sequences per data-parallel replica per micro-batch), gbs, recompute
@@ -621,7 +637,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
     schedules a step, see Plan), swap (share of saved activations swapped to host), offload
     (none|optim|params|nvme), and optionally schedule, cp_mode, precision, grad_reduce (auto|fp32|bf16), p2p
     (runtime, the default: as the runtime's schedules exchange, Plan.runtime_p2p; async|megatron|torch),
-    overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches.
+    overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches. Without `validate`
+    the plan is not checked against the model and cluster (for layouts valid by construction).
     """
     d = parse_strategy(text)
     tp, pp, cp = _int(d, "tp", 1), _int(d, "pp", 1), _int(d, "cp", 1)
@@ -656,14 +673,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
                         recompute=recompute, ep=_int(d, "ep", 1), etp=_int(d, "etp", 0),  # type: ignore[arg-type]
                         shard=_int(d, "shard", 0), moe_comm=moe_comm, swap=_swap(d),  # type: ignore[arg-type]
                         offload=offload)
-    per_group = tp * cp * dp
-    stages = []
-    start = 0
-    for j, n in enumerate(split_layers(model.layers, pp * vpp)):
-        group = j % pp
-        ranks = tuple(range(group * per_group, (group + 1) * per_group))
-        stages.append(Stage(layers=(start, start + n), ranks=ranks, strategies=(strategy,)))
-        start += n
+    stages = _uniform_stages(model.layers, pp, vpp, strategy)
     plan = Plan(model=model.name, seq_len=seq_len, global_batch=gbs, schedule=schedule, chunks=vpp,  # type: ignore[arg-type]
                 precision=precision, overlap_grad_reduce=_bool(d, "overlap", True),  # type: ignore[arg-type]
                 expert_load=_expert_load(d),
@@ -672,9 +682,10 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int) ->
                 grad_reduce=grad_reduce,  # type: ignore[arg-type]
                 p2p="async" if p2p == "runtime" else p2p,  # type: ignore[arg-type]
                 schedule_runs=_int(d, "schedule_runs", 1),
-                pipelines=(Pipeline(stages=tuple(stages), micro_batches=gbs // (mbs * dp),
+                pipelines=(Pipeline(stages=stages, micro_batches=gbs // (mbs * dp),
                                     micro_batch_sequences=mbs * dp),))
     if p2p == "runtime":
         plan = plan.with_runtime_p2p()
-    validate_plan(plan, model, cluster)
+    if validate:
+        validate_plan(plan, model, cluster)
     return plan

@@ -9,6 +9,7 @@ backward where the plan allows) and steps its optimizer. The iteration ends when
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 
 from plait.cost import comm
 from plait.cost.calibration import Calibration, calibration_for
@@ -190,6 +191,9 @@ def _optimizer_shards(plan: Plan, layer: int, s: Strategy, stage: Stage) -> int:
 def layer_runs(stage: Stage, model: ModelSpec) -> list[tuple[Strategy, Block, int, int]]:
     """(strategy, layer shape, count, first layer) of each run of consecutive layers of a stage that share
     both strategy and shape."""
+    if len(stage.strategies) == 1:
+        s = stage.strategies[0]
+        return [(s, block, count, layer) for block, count, layer in _shape_runs(model, *stage.layers)]
     runs: list[tuple[Strategy, Block, int, int]] = []
     for layer in range(*stage.layers):
         s, b = stage.strategy(layer), model.stack[layer]
@@ -198,6 +202,80 @@ def layer_runs(stage: Stage, model: ModelSpec) -> list[tuple[Strategy, Block, in
         else:
             runs.append((s, b, 1, layer))
     return runs
+
+
+def _layer_context(plan: Plan, pipe_index: int, stage: Stage, s: Strategy, layer: int, model: ModelSpec,
+                   cluster: Cluster, cal: Calibration, prec: PrecisionBytes) -> BlockContext:
+    """The context `layer` of `stage` (in pipeline `pipe_index`) is priced in with strategy `s`."""
+    return _across_pipelines(
+        BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, plan.pipelines[pipe_index].per_replica(s),
+                               s, stage.ranks, _dp_ranks(plan, layer, s, stage.ranks), plan.expert_load,
+                               plan.dispatcher, plan.routing), plan, layer, s, stage)
+
+
+def _rank_pattern(ranks: tuple[int, ...], gpus_per_node: int) -> tuple[int, ...]:
+    """What of a stage's ranks its group shapes depend on: for consecutive ranks, the first one's place in its
+    node and their number (the shapes repeat node by node), else the ranks themselves."""
+    first = ranks[0]
+    if ranks == tuple(range(first, first + len(ranks))):
+        return (first % gpus_per_node, len(ranks))
+    return ranks
+
+
+@dataclass(frozen=True)
+class Floor:
+    """What a plan takes at least, from its layers alone (no embedding, head, re-layout, send, bubble,
+    synchronisation or transient buffers): never above what `price_plan` and `finish` give, and far cheaper
+    (each layer shape priced once per strategy and rank pattern, from the cache), so that a baseline can skip
+    pricing plans that cannot win or cannot fit."""
+
+    seconds: float  # the busiest device group's micro-batches' layer forward and backward; 0 where CPU ranks
+    # share cores (see `PricedPlan.lower_bound_s`)
+    peak_bytes: float  # the largest device group's layer model states and saved activations at the schedule's
+    # peak, with the allocator's reserve
+
+
+def plan_floor(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration) -> Floor:
+    """The plan's `Floor`."""
+    prec = plan_precision(plan.precision, plan.grad_reduce)
+    single = len(plan.pipelines) == 1  # then a layer's price depends on its shape, strategy and ranks alone
+    priced: dict[tuple, LayerCost] = {}  # (strategy, shape, rank pattern[, pipeline, layer]) -> price
+    seconds = peak = 0.0
+    for pi, pipe in enumerate(plan.pipelines):
+        pp = len(pipe.stages) // plan.chunks
+        states, saved = [0.0] * pp, [[0.0] * plan.chunks for _ in range(pp)]
+        for d in range(pp):
+            busy = 0.0
+            for k, stage in enumerate(pipe.stages[d::pp]):
+                chunk_s = 0.0
+                pattern = _rank_pattern(stage.ranks, cluster.gpus_per_node)
+                for s, block, count, layer in layer_runs(stage, model):
+                    key = (s, block, pattern) if single else (s, block, pattern, pi, layer)
+                    if key not in priced:
+                        priced[key] = price(block, s, _layer_context(plan, pi, stage, s, layer, model, cluster,
+                                                                     cal, prec))
+                    c = priced[key]
+                    chunk_s += count * c.micro_batch_s
+                    saved[d][k] += count * c.activation
+                    states[d] += count * c.states
+                busy += chunk_s * _slowest(stage.ranks, cluster)
+            seconds = max(seconds, pipe.micro_batches * busy)
+        alive = peak_weighted_in_flight(plan.schedule, pp, plan.run_micro_batches(pi), plan.chunks, saved)
+        peak = max(peak, *(with_reserve(states[d], 0.0, 0.0, alive[d], 0.0, cal).total for d in range(pp)))
+    return Floor(0.0 if cal.measured is not None else seconds, peak)
+
+
+@lru_cache(maxsize=16384)
+def _shape_runs(model: ModelSpec, start: int, end: int) -> tuple[tuple[Block, int, int], ...]:
+    """(layer shape, count, first layer) of each run of consecutive layers of one shape in [start, end)."""
+    runs: list[tuple[Block, int, int]] = []
+    for layer in range(start, end):
+        b = model.stack[layer]
+        if runs and runs[-1][0] == b:
+            runs[-1] = (b, runs[-1][1] + 1, runs[-1][2])
+        else:
+            runs.append((b, 1, layer))
+    return tuple(runs)
 
 
 def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec, cluster: Cluster,
@@ -224,10 +302,7 @@ def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec,
     def context(s: Strategy, layer: int) -> BlockContext:
         if single and s in contexts:
             return contexts[s]
-        ctx = contexts[s] = _across_pipelines(
-            BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, pipe.per_replica(s), s, stage.ranks,
-                                   _dp_ranks(plan, layer, s, stage.ranks), plan.expert_load, plan.dispatcher,
-                                   plan.routing), plan, layer, s, stage)
+        ctx = contexts[s] = _layer_context(plan, pipe_index, stage, s, layer, model, cluster, cal, prec)
         return ctx
 
     # Layers of one shape and strategy cost the same wherever they sit (with one pipeline): count them once.

@@ -10,16 +10,18 @@ from collections.abc import Callable, Iterator
 from itertools import product
 from dataclasses import dataclass
 
-from plait.cost.calibration import Calibration
+from plait.cost.calibration import Calibration, calibration_for
 from plait.errors import PlaitError
 from plait.plan import Plan, Strategy, strategy_problem, uniform_plan
 from plait.planner.space import divisors, expert_layouts
-from plait.simulate import PricedPlan, Report, finish, price_plan
+from plait.simulate import Floor, PricedPlan, Report, finish, plan_floor, price_plan
 from plait.spec.cluster import Cluster
 from plait.spec.model import ModelSpec
 
 BASELINES = ("dp", "zero3", "megatron-grid")
 Progress = Callable[[int, int], None]  # (done, total)
+PROGRESS_EVERY = 64
+"""Layouts between two progress reports of a baseline."""
 
 
 @dataclass(frozen=True)
@@ -109,38 +111,61 @@ def run_baseline(kind: str, model: ModelSpec, cluster: Cluster, seq_len: int, gl
                  progress: Progress | None = None, cal: Calibration | None = None,
                  accept: Callable[[Plan], bool] | None = None, expert_load: float = 1.0
                  ) -> tuple[Candidate | None, int]:
-    """The best plan of a baseline (among those `accept` allows) and the number of plans priced.
+    """The best plan of a baseline (among those `accept` allows; it sees every layout) and the number of
+    plans priced.
 
-    Every layout is priced (stage costs and memory, no schedule simulated); the fitting ones are then
-    simulated in order of their lower bound until the bound passes the fastest simulated, which finds the
-    plan a full enumeration would (ties go to the earlier layout)."""
-    groups = list(grid_layouts(model, cluster, seq_len, global_batch, kind, expert_load))
-    fitting: list[tuple[float, int, PricedPlan, str]] = []
-    leanest: tuple[float, int, PricedPlan, str] | None = None  # least peak memory of those that do not fit
-    order = 0  # enumeration order of the layouts priced
-    for i, group in enumerate(groups):
+    Layouts are priced (stage costs and memory) in order of their time floor (`plan_floor`, far cheaper
+    than pricing), skipping those whose memory floor cannot fit, and simulated when they fit and their
+    lower bound can still win, until the floor passes the fastest simulated; this finds the plan a full
+    enumeration would (ties go to the earlier layout). When nothing fits, the one of least peak memory is
+    returned (a layout whose memory floor is above the least peak found is not priced)."""
+    cal = cal or calibration_for(cluster.gpu.name)
+    capacity = cluster.gpu.memory_bytes
+    layouts: list[tuple[Floor, int, Plan, str]] = []  # (floor, enumeration order, plan, text)
+    for group in grid_layouts(model, cluster, seq_len, global_batch, kind, expert_load):
         for text in group:
-            plan = uniform_plan(text, model, cluster, seq_len)
+            plan = uniform_plan(text, model, cluster, seq_len, validate=False)  # valid by construction
             if accept is not None and not accept(plan):
                 break
-            priced = price_plan(plan, model, cluster, cal, validate=False)
-            order += 1
-            if not priced.fits:
-                if leanest is None or priced.peak_bytes < leanest[0]:
-                    leanest = (priced.peak_bytes, order, priced, text)
+            floor = plan_floor(plan, model, cluster, cal)
+            layouts.append((floor, len(layouts), plan, text))
+            if floor.peak_bytes > capacity:
                 break  # larger micro-batches need more memory
-            fitting.append((priced.lower_bound_s(), order, priced, text))
-        if progress:
-            progress(i + 1, len(groups))
+    layouts.sort(key=lambda x: (x[0].seconds, x[1]))
     best: tuple[float, int, PricedPlan, str] | None = None  # (seconds, order, priced, text) of the fastest
-    for bound, index, priced, text in sorted(fitting, key=lambda f: (f[0], f[1])):
-        if best is not None and bound > best[0]:
+    leanest: tuple[float, int, PricedPlan, str] | None = None  # least peak memory of those that do not fit
+    priced_count = 0
+
+    def price(plan: Plan) -> PricedPlan:
+        nonlocal priced_count
+        priced_count += 1
+        return price_plan(plan, model, cluster, cal, validate=False)
+
+    for done, (floor, order, plan, text) in enumerate(layouts, start=1):
+        if best is not None and floor.seconds > best[0]:
             break
-        seconds = finish(priced, detail=False).iteration_time_s
-        if best is None or (seconds, index) < best[:2]:
-            best = (seconds, index, priced, text)
+        if floor.peak_bytes > capacity:
+            continue  # cannot fit: priced below only if nothing fits
+        priced = price(plan)
+        if not priced.fits:
+            if leanest is None or (priced.peak_bytes, order) < leanest[:2]:
+                leanest = (priced.peak_bytes, order, priced, text)
+        elif best is None or priced.lower_bound_s() <= best[0]:
+            seconds = finish(priced, detail=False).iteration_time_s
+            if best is None or (seconds, order) < best[:2]:
+                best = (seconds, order, priced, text)
+        if progress and done % PROGRESS_EVERY == 0:
+            progress(done, len(layouts))
+    if best is None:  # nothing fits: the closest to fitting, of every layout
+        for floor, order, plan, text in layouts:
+            if floor.peak_bytes > capacity and (leanest is None or floor.peak_bytes < leanest[0]):
+                priced = price(plan)
+                if leanest is None or (priced.peak_bytes, order) < leanest[:2]:
+                    leanest = (priced.peak_bytes, order, priced, text)
+    if progress:
+        progress(len(layouts), len(layouts))
     chosen = best or leanest  # the fastest that fits, else the closest to fitting
     if chosen is None:
-        return None, order
+        return None, priced_count
     _, _, priced, text = chosen
-    return Candidate(priced.plan, finish(priced), f"{kind}: {text}"), order
+    return Candidate(priced.plan, finish(priced), f"{kind}: {text}"), priced_count

@@ -42,6 +42,9 @@ DP_SLACK = 0.01
 """Fraction of a stage's memory budget the layer DP may leave unused to bound its work: the strategies it
 picks are at least as fast as the exact optimum under (1 - DP_SLACK) of the budget, and their summed bytes
 never exceed the budget."""
+BOUND_SLACK = 0.05
+"""Share of the pooled memory budget the configuration bound's knapsack may merge away (it is solved on the
+budget enlarged by that share, so it stays a bound): coarser than DP_SLACK, since it only orders and skips."""
 BUDGET_GRAIN = 1e6
 """Bytes a stage budget is floored to before the layer DP, so that nearby budgets share one cached solution
 (which fits each of them)."""
@@ -181,11 +184,45 @@ class _Config:
         over the devices bounds the largest by C / (1 - (1 - 1/m)^pp) for any cut (interleaved: m C / pp,
         and C). 0 where stages may price differently (ranks not aligned to nodes, slowed devices) or
         CPU ranks share cores."""
-        gpn = self.cluster.gpus_per_node
-        if self.cal.measured is not None or self.cluster.speed or (self.n % gpn and gpn % self.n):
+        if not self._bounded:
             return 0.0
         fastest = [min((p.mb_time for p in pool), default=math.inf) for pool in self.priced]
-        total = sum(fastest[k] for k in self.kind_of_layer)
+        return self._pipelined(sum(fastest[k] for k in self.kind_of_layer))
+
+    def fitting_bound_s(self, capacity: float) -> float:
+        """`lower_bound_s` with each layer's strategy chosen to fit memory: the least summed seconds per
+        micro-batch of strategies whose bytes (at the smallest activation multiple of any device) fit the
+        device groups' budgets pooled, a relaxation of what every stage's layer DP must fit (never below
+        `lower_bound_s`). The pooled problem is solved with BOUND_SLACK on the budget enlarged by that
+        share, so its answer is at most the exact optimum under the pooled budget."""
+        if not self._bounded:
+            return 0.0
+        multiple = min(_activation_multiple(self, d) for d in range(self.pp))
+        pooled = sum(self.budget(d, capacity) for d in range(self.pp))
+        column: dict[Strategy, int] = {}
+        for pool in self.priced:
+            for p in pool:
+                column.setdefault(p.strategy, len(column))
+        seconds = np.full((len(self.priced), len(column)), np.inf)
+        nbytes = np.zeros_like(seconds)
+        for k, pool in enumerate(self.priced):
+            for p in pool:
+                seconds[k, column[p.strategy]], nbytes[k, column[p.strategy]] = p.mb_time, _block_bytes(p, multiple)
+        rows = list(self.kind_of_layer)
+        sol = solve_layers_pareto(seconds[rows], nbytes[rows], np.zeros((len(column), len(column))),
+                                  pooled / (1 - BOUND_SLACK), slack=BOUND_SLACK) if pooled > 0 else None
+        return math.inf if sol is None else max(self._pipelined(sol.time), self.lower_bound_s())
+
+    @property
+    def _bounded(self) -> bool:
+        """Whether the bounds hold: stages priced alike (ranks aligned to nodes, no slowed devices) and
+        CPU ranks not sharing cores."""
+        gpn = self.cluster.gpus_per_node
+        return self.cal.measured is None and not self.cluster.speed and not (self.n % gpn and gpn % self.n)
+
+    def _pipelined(self, total: float) -> float:
+        """Seconds an iteration takes at least with `total` seconds of layers per micro-batch (see
+        `lower_bound_s`)."""
         if self.chunks == 1:
             return total / (1 - (1 - 1 / self.m) ** self.pp)
         return max(total, self.m * total / self.pp)
@@ -279,9 +316,11 @@ class _Config:
         mems = np.stack([rows[k][1] for k in kinds])
         if self.uniform:  # switching strategy inside a stage is forbidden
             trans = np.array([[0.0 if a == b else np.inf for b in strategies] for a in strategies])
-        else:
-            layouts = [Layout.of(s) for s in strategies]
-            trans = np.array([[self.relayout(a, b) for b in layouts] for a in layouts])
+        else:  # priced once per pair of distinct layouts
+            index: dict[Layout, int] = {}
+            of = np.array([index.setdefault(Layout.of(s), len(index)) for s in strategies])
+            distinct = list(index)
+            trans = np.array([[self.relayout(a, b) for b in distinct] for a in distinct])[of][:, of]
         sol = solve_layers_pareto(times, mems, trans, budget, slack=DP_SLACK)
         if sol is None:
             return None
@@ -496,7 +535,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
                 configs.append((pp, m, "interleaved", 2))
     cfgs = [_Config(model, cluster, cal, seq_len, global_batch, pp, m, schedule, chunks, precision, limits,
                     expert_load) for pp, m, schedule, chunks in configs]
-    bounds = [cfg.lower_bound_s() for cfg in cfgs]
+    bounds = [cfg.fitting_bound_s(capacity) if cfg.any_priced else math.inf for cfg in cfgs]
     # Configurations in order of their lower bound; one whose bound exceeds the fastest plan found cannot
     # give the result. Ties between equally fast plans go to the earlier configuration, as in plain order.
     best: tuple[tuple[bool, float], int, Candidate] | None = None

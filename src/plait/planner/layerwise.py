@@ -396,26 +396,26 @@ def _extend(front: _Front, t: np.ndarray, mem: np.ndarray, trans: np.ndarray, li
 def _class_survivors(time: np.ndarray, memory: np.ndarray, cls: np.ndarray, limit: float, merge: float,
                      slowest: float) -> tuple[np.ndarray, np.ndarray]:
     """`_survivors` over the candidates of each class of rows together: ``(rows, cols)`` into
-    ``time``/``memory`` ``(R, F)`` of the kept ones."""
-    n_rows, width = time.shape
-    _, group, counts = np.unique(cls, return_inverse=True, return_counts=True)
-    group = group.reshape(-1)
-    by_group = np.argsort(group, kind="stable")
+    ``time``/``memory`` ``(R, F)`` of the kept ones, by class, memory ascending in a class. Each row's own
+    survivors are found first (a candidate its own row drops, its class drops too), so only those are
+    sorted into their class's list."""
+    rows, cols = _survivors(time, memory, limit, merge, slowest)
+    if len(rows) == 0:
+        return rows, cols
+    group = np.unique(cls[rows], return_inverse=True)[1].reshape(-1)
+    kept_memory = memory[rows, cols]
+    order = np.lexsort((kept_memory, group))  # by class, then memory; ties in row order
+    counts = np.bincount(group)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    slot = np.empty(n_rows, dtype=np.intp)
-    slot[by_group] = np.arange(n_rows) - starts[group[by_group]]
-    members = np.full((len(counts), counts.max()), -1, dtype=np.intp)  # [group, slot] -> row
-    members[group, slot] = np.arange(n_rows)
-    cells = slot[:, None] * width + np.arange(width)[None, :]
-    flat_memory = np.full((len(counts), counts.max() * width), np.inf)
+    by_class = group[order]
+    slot = np.arange(len(order)) - starts[by_class]
+    flat_memory = np.full((len(counts), counts.max()), np.inf)  # [class, slot], memory ascending
     flat_time = np.full_like(flat_memory, np.inf)
-    flat_memory[group[:, None], cells] = memory
-    flat_time[group[:, None], cells] = time
-    sort = np.argsort(flat_memory, axis=1, kind="stable")
-    g, k = _survivors(np.take_along_axis(flat_time, sort, axis=1), np.take_along_axis(flat_memory, sort, axis=1),
-                      limit, merge, slowest)
-    cell = sort[g, k]
-    return members[g, cell // width], cell % width
+    flat_memory[by_class, slot] = kept_memory[order]
+    flat_time[by_class, slot] = time[rows, cols][order]
+    g, k = _survivors(flat_time, flat_memory, limit, merge, slowest)
+    pick = order[starts[g] + k]
+    return rows[pick], cols[pick]
 
 
 def _chain(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, budget: float, merge: float, upper: float
