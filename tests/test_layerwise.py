@@ -457,3 +457,43 @@ def test_pareto_halves_free_layers_and_handles_edges():
 def test_pareto_bad_input_is_rejected(memory, budget, slack):
     with pytest.raises(PlaitError):
         solve_layers_pareto(np.ones((2, 2)), memory, np.zeros((2, 2)), budget, slack=slack)
+
+
+def _class_survivors_by_hand(time: np.ndarray, memory: np.ndarray, cls: np.ndarray, limit: float, merge: float,
+                             slowest: float) -> list[tuple[int, int]]:
+    """What a class's list keeps, one candidate at a time: every candidate of the class's rows in order of
+    memory (ties in row, then column order), kept when faster than all before it, within `limit` and `slowest`,
+    and the last such of its `merge`-wide memory bucket."""
+    kept: list[tuple[int, int]] = []
+    for c in sorted(set(cls.tolist())):
+        cells = sorted((memory[r, k], r, k) for r in range(len(cls)) if cls[r] == c
+                       for k in range(time.shape[1]))
+        best = math.inf
+        front = []
+        for m, r, k in cells:
+            if time[r, k] < best and m <= limit and time[r, k] <= slowest:
+                front.append((r, k))
+            best = min(best, time[r, k])
+        for i, (r, k) in enumerate(front):
+            bucket = (lambda x: math.floor(x / merge)) if merge > 0 else (lambda x: x)
+            if i + 1 == len(front) or bucket(memory[front[i + 1]]) != bucket(memory[r, k]):
+                kept.append((r, k))
+    return kept
+
+
+def test_class_survivors_keep_what_one_list_per_class_keeps() -> None:
+    """The class lists are merged from each row's own survivors; they keep exactly what sorting every
+    candidate of a class into one list keeps (the rows arrive memory-ascending, as a front's extensions do)."""
+    rng = np.random.default_rng(7)
+    for _ in range(3000):
+        rows, width = int(rng.integers(1, 7)), int(rng.integers(1, 20))
+        memory = np.sort(rng.integers(0, 40, (rows, width)) / rng.choice([1, 3]), axis=1).astype(float)
+        time = rng.integers(0, 25, (rows, width)).astype(float) if rng.random() < 0.5 \
+            else rng.random((rows, width)) * 25
+        time[rng.random((rows, width)) < 0.1] = math.inf
+        cls = rng.integers(0, 3, rows)
+        limit, slowest = rng.choice([math.inf, 25.0]), rng.choice([math.inf, 18.0])
+        merge = rng.choice([0.0, 1.0, 4.0, 0.37])
+        got = layerwise._class_survivors(time, memory, cls, limit, merge, slowest)
+        expected = _class_survivors_by_hand(time, memory, cls, limit, merge, slowest)
+        assert list(zip(*(a.tolist() for a in got))) == expected

@@ -21,8 +21,8 @@ IDS = [f"{c[0]}-{c[1] * 8}gpu" for c in CASES]
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_grid_floors_never_exceed_the_price_and_pruning_keeps_the_best(case: tuple) -> None:
     """Every layout's floor (seconds and bytes) is at most what pricing and simulating it give, and the
-    baseline, which prices in floor order and skips what cannot fit or win, finds the fastest layout of the
-    enumeration (each group cut after its first micro-batch size that does not fit) with fewer plans priced."""
+    baseline, which prices in floor order and skips what cannot fit or win, finds the fastest layout of
+    the enumeration (each group cut after its first micro-batch size that does not fit), pricing fewer."""
     name, nodes, gpu, seq, gbs = case
     model, cluster = PRESETS[name], dgx(nodes, 8, gpu)
     cal = calibration_for(cluster.gpu.name)
