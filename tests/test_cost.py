@@ -162,6 +162,12 @@ def test_model_state_bytes_per_zero_stage() -> None:
     assert model_state_bytes(p, dp, 3, BF16, offload=True) == (2e9 / 8, 4e9 / 8, 12e9 / 8)
     fp32 = PRECISIONS["fp32"]
     assert model_state_bytes(p, dp, 3, fp32) == (4e9 / 8, 4e9 / 8, 8e9 / 8)
+    # Pure bf16 (AutoModel): no master copy; bf16 weights, gradients and Adam moments, 8 bytes per parameter.
+    pure = PRECISIONS["bf16-pure"]
+    assert model_state_bytes(p, dp, 0, pure) == (2e9, 2e9, 4e9)
+    assert model_state_bytes(p, dp, 1, pure) == (2e9, 2e9, 4e9 / 8)
+    assert model_state_bytes(p, dp, 2, pure) == (2e9, 2e9 / 8, 4e9 / 8)
+    assert model_state_bytes(p, dp, 3, pure) == (2e9 / 8, 2e9 / 8, 4e9 / 8)
 
 
 def test_block_time_terms() -> None:

@@ -178,6 +178,10 @@ def test_galvatron_out_searches_only_what_galvatron_runs_when_asked(tmp_path) ->
     assert "launch Galvatron with --mixed_precision bf16 --sequence-parallel" in " ".join(shown.stdout.split())
     lone = runner.invoke(app, [*base, "--galvatron-sequence-parallel"])
     assert lone.exit_code == 2 and "give it with --galvatron-expressible" in lone.stderr
+    written = out.read_text()  # Galvatron has no pure bf16: refused in one line, the file left as it was
+    pure = runner.invoke(app, [*base, "--galvatron-expressible", "--precision", "bf16-pure"])
+    assert pure.exit_code == 2 and "not bf16-pure" in pure.stderr and len(pure.stderr.strip().splitlines()) == 1
+    assert out.read_text() == written
     strategy = runner.invoke(app, ["simulate", "--model", "llama2-7b", "--cluster", "1x8xA100-80GB",
                                    "--strategy", "tp=2,dp=4,gbs=64", "--galvatron-sequence-parallel"])
     assert strategy.exit_code == 2 and "sp=1" in strategy.stderr

@@ -96,6 +96,8 @@ MIB = 2**20
 
 _DP_TYPES = {"ddp": 0, "zero2": 2, "zero3": 3}
 _SCHEDULES = {"pipedream_flush": "1f1b", "gpipe": "gpipe"}
+GALVATRON_PRECISIONS = ("bf16", "fp16", "fp32")
+"""Galvatron's --mixed_precision choices (mixed precision over fp32 master weights, or fp32)."""
 _PRECISION_TOKEN = re.compile(r"_(bf16|fp16|fp32)(?=_|\.json$|$)")
 
 
@@ -248,7 +250,7 @@ def load_galvatron_config(path: str | Path, model: ModelSpec, cluster: Cluster, 
     if precision is None:
         token = _PRECISION_TOKEN.search(path.name)
         precision = token.group(1) if token else "bf16"
-    if precision not in PRECISIONS:
+    if precision not in GALVATRON_PRECISIONS:
         raise PlaitError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
     if chunks < 1 or global_bsz < 1:
         raise PlaitError(f"{where}: global_bsz={global_bsz} and chunks={chunks} must be positive integers; fix the "
@@ -347,6 +349,9 @@ def galvatron_problem(plan: Plan, model: ModelSpec, sequence_parallel: bool | No
         return "Galvatron has no interleaved (virtual) pipeline; use schedule 1f1b or gpipe with chunks=1"
     if not plan.overlap_grad_reduce:
         return "Galvatron always overlaps gradient reduction with backward; set overlap_grad_reduce=true"
+    if plan.precision not in GALVATRON_PRECISIONS:
+        return (f"Galvatron trains in {', '.join(GALVATRON_PRECISIONS)} (--mixed_precision), not "
+                f"{plan.precision}; plan with another --precision")
     pipe = plan.pipelines[0]
     pp = len(pipe.stages)
     per_stage = len(pipe.stages[0].ranks)

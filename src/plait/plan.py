@@ -35,7 +35,7 @@ from plait.spec.layers import RECOMPUTE_MODES, Block
 from plait.spec.model import ModelSpec, Recompute
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
-Precision = Literal["bf16", "fp16", "fp32"]
+Precision = Literal["bf16", "fp16", "fp32", "bf16-pure"]
 GradReduce = Literal["auto", "fp32", "bf16"]
 MoeComm = Literal["alltoall", "lsh"]
 P2p = Literal["async", "megatron", "torch"]
@@ -658,7 +658,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int, va
         raise PlaitError(f"--strategy: gbs={gbs} is not a multiple of mbs*dp = {mbs * dp}; change gbs")
     recompute = _choice(d, "recompute", RECOMPUTE_MODES)
     schedule = _choice(d, "schedule", ("gpipe", "1f1b", "interleaved"), "interleaved" if vpp > 1 else "1f1b")
-    precision = _choice(d, "precision", ("bf16", "fp16", "fp32"))
+    precision = _choice(d, "precision", ("bf16", "fp16", "fp32", "bf16-pure"))
     cp_mode = _choice(d, "cp_mode", ("ulysses", "ring"))
     grad_reduce = _choice(d, "grad_reduce", ("auto", "fp32", "bf16"))
     p2p = _choice(d, "p2p", ("runtime", "async", "megatron", "torch"))

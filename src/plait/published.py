@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import get_args
 
 from plait.cost.calibration import Calibration, calibration_for, megatron_fsdp
+from plait.cost.precision import PRECISIONS
 from plait.errors import PlaitError
 from plait.plan import P2p, Plan, recut_chunks, uniform_plan
 from plait.simulate import Report, simulate
@@ -103,7 +104,7 @@ def load_runs(path: str | Path) -> tuple[list[PublishedRun], list[tuple[str, str
     skipped: list[tuple[str, str]] = []
     for row in rows:
         precision = row["layout"].get("precision", "bf16")
-        if precision not in ("bf16", "fp16", "fp32"):
+        if precision not in PRECISIONS:
             skipped.append((row["source"], f"precision {precision} is not modelled"))
             continue
         gpus = row["gpus"]

@@ -33,7 +33,7 @@ MAX_MEMORY_GIB = 2.0**20
 """Largest --memory-gib (1 PiB per device)."""
 MAX_GLOBAL_BATCH = 65536
 """Largest `plan --global-batch`, sequences (the search's time and memory grow with it)."""
-PRECISIONS = ("bf16", "fp16", "fp32")
+PRECISIONS = ("bf16", "fp16", "fp32", "bf16-pure")
 
 # Options that several commands take, with the same flags and help text.
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama:/t5: spec")]
@@ -81,7 +81,7 @@ def optional_output(value: str | None, default_name: str, option: str) -> Path |
 
 def check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
-        raise PlaitError(f"--precision must be bf16, fp16 or fp32, got {precision!r}")
+        raise PlaitError(f"--precision must be bf16, fp16, fp32 or bf16-pure, got {precision!r}")
 
 
 def draw_picture(draw: Callable[[], None], path: str) -> None:

@@ -105,7 +105,8 @@ def plan_cmd(
         m, c, cal = load_inputs(model, cluster, memory_gib, slow, profile, galvatron_profile, seq_len)
         seq = seq_len if seq_len is not None else m.max_seq_len
         _check_options(seq, global_batch, baseline, precision, expert_load)
-        _check_galvatron(galvatron_expressible, galvatron_sp, baseline, bool(slow), lsh)
+        _check_galvatron(galvatron_expressible, galvatron_file is not None, galvatron_sp, baseline, bool(slow),
+                         lsh, precision)
         problem = _Problem(m, c, cal, seq, global_batch, precision, expert_load, lsh,
                            galvatron_expressible, galvatron_sp)
         found = _find(problem, baseline, compare, bool(slow), host_memory, collected)
@@ -120,9 +121,15 @@ def plan_cmd(
     _print_result(problem, chosen, found, baseline, compare, plan_file, page_path, galvatron_file)
 
 
-def _check_galvatron(expressible: bool, sequence_parallel: bool, baseline: str | None, slow: bool, lsh: bool
-                     ) -> None:
-    """--galvatron-expressible restricts the search; options that plan otherwise are refused with it."""
+def _check_galvatron(expressible: bool, exported: bool, sequence_parallel: bool, baseline: str | None, slow: bool,
+                     lsh: bool, precision: str) -> None:
+    """--galvatron-expressible restricts the search; options that plan otherwise are refused with it, and so
+    is a precision Galvatron does not train in (with it or --galvatron-out)."""
+    from plait.galvatron import GALVATRON_PRECISIONS
+
+    if (expressible or exported) and precision not in GALVATRON_PRECISIONS:
+        raise PlaitError(f"Galvatron trains in {', '.join(GALVATRON_PRECISIONS)}, not {precision}; drop "
+                         "--precision or the Galvatron options")
     if sequence_parallel and not expressible:
         raise PlaitError("--galvatron-sequence-parallel says how Galvatron will run the searched plan; give it "
                          "with --galvatron-expressible")

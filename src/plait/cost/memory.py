@@ -42,8 +42,6 @@ class MemoryTerms:
         return asdict(self)
 
 
-MASTER_WEIGHT_BYTES = 4
-"""Bytes per parameter of the fp32 master copy that mixed precision counts in `PrecisionBytes.optimizer`."""
 
 
 def model_state_bytes(params: float, dp: int, zero: int, prec: PrecisionBytes, offload: bool = False
@@ -51,12 +49,12 @@ def model_state_bytes(params: float, dp: int, zero: int, prec: PrecisionBytes, o
     """(weights, gradients, optimizer) bytes of `params` parameters replicated over `dp` devices. Under ZeRO-3
     with 16-bit compute weights and the optimizer on the device, no sharded 16-bit copy is kept: PyTorch FSDP's
     sharded flat parameter holds the fp32 values, and each all-gather casts them to `param_dtype` (FSDP
-    MixedPrecision; FSDP2 MixedPrecisionPolicy), so the weights are the master copy (MASTER_WEIGHT_BYTES) and
+    MixedPrecision; FSDP2 MixedPrecisionPolicy), so the weights are the master copy (`PrecisionBytes.master`) and
     the optimizer keeps only the Adam moments: 4 + 4 + 8 = 16 bytes per parameter in bf16, as ZeRO-3's 16, not
-    Megatron's 18. An `offload`ed optimizer takes the master copy to the host, and the 16-bit shard stays."""
-    if zero >= 3 and not offload and prec.param < MASTER_WEIGHT_BYTES:
-        return (params * MASTER_WEIGHT_BYTES / dp, params * prec.grad / dp,
-                params * (prec.optimizer - MASTER_WEIGHT_BYTES) / dp)
+    Megatron's 18. An `offload`ed optimizer takes the master copy to the host, and the 16-bit shard stays.
+    Without a master copy (fp32, pure bf16) the sharded weights are the compute weights."""
+    if zero >= 3 and not offload and prec.master:
+        return (params * prec.master / dp, params * prec.grad / dp, params * (prec.optimizer - prec.master) / dp)
     weights = params * prec.param / (dp if zero >= 3 else 1)
     grads = params * prec.grad / (dp if zero >= 2 else 1)
     optimizer = params * prec.optimizer / (dp if zero >= 1 else 1)

@@ -13,7 +13,9 @@ class PrecisionBytes:
     """Storage of one training precision.
 
     Mixed precision (Micikevicius et al. 2018; Megatron; FSDP2 MixedPrecisionPolicy): 16-bit weights and
-    activations, fp32 main gradients, fp32 master weights and Adam moments (4 + 4 + 4 bytes).
+    activations, fp32 main gradients, fp32 master weights and Adam moments (4 + 4 + 4 bytes). Pure bf16
+    (a model cast to bf16 whose optimizer steps its bf16 parameters, as NeMo AutoModel trains): no master
+    copy, bf16 gradients and Adam moments (2 + 2 + 2 + 2 bytes a parameter).
     """
 
     activation: int  # bytes per activation element
@@ -22,6 +24,7 @@ class PrecisionBytes:
     optimizer: int  # bytes per parameter of optimizer state (master copy + Adam moments)
     optimizer_traffic: int  # bytes moved through HBM per parameter by one fused Adam step
     reduce: int = 0  # bytes per gradient element on the wire of data-parallel reductions (0: `grad`)
+    master: int = 4  # bytes per parameter of the fp32 master copy counted in `optimizer` (0: the weights are it)
 
     @property
     def reduce_bytes(self) -> int:
@@ -39,7 +42,9 @@ PRECISIONS: dict[str, PrecisionBytes] = {
     # Megatron keeps fp16 gradients in 16 bits unless told otherwise (accumulate_allreduce_grads_in_fp32).
     "fp16": PrecisionBytes(activation=2, param=2, grad=2, optimizer=12, optimizer_traffic=28),
     # fp32: weights are the master copy; Adam reads grad 4, read+write param 8, m 8, v 8.
-    "fp32": PrecisionBytes(activation=4, param=4, grad=4, optimizer=8, optimizer_traffic=28),
+    "fp32": PrecisionBytes(activation=4, param=4, grad=4, optimizer=8, optimizer_traffic=28, master=0),
+    # Pure bf16: the bf16 weights are stepped in place; Adam reads grad 2, read+write param 4, m 4, v 4.
+    "bf16-pure": PrecisionBytes(activation=2, param=2, grad=2, optimizer=4, optimizer_traffic=14, master=0),
 }
 
 
