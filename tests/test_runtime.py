@@ -339,6 +339,52 @@ def test_bf16_tracks_fp32(tmp_path, text, reference) -> None:
         assert abs(got - want) / want < 0.03
 
 
+PURE = {"dp=2,gbs=4": "tiny-llama", "dp=2,zero=3,gbs=4": "tiny-llama", "tp=2,sp=1,gbs=4": "tiny-llama",
+        "pp=2,mbs=1,gbs=4": "tiny-llama", "cp=2,gbs=4": "tiny-llama", "dp=2,ep=2,gbs=4": "tiny-moe"}
+"""Pure-bf16 cases: data (ZeRO-0 and 3), tensor, pipeline, context and expert parallelism."""
+PURE_TOLERANCE = 0.005
+"""Relative loss difference pure bf16 may show from one process over STEPS steps: bf16 sums in another order."""
+
+
+def test_pure_bf16_trains_bf16_states_and_matches_one_process(tmp_path, text, reference) -> None:
+    """--dtype bf16-pure casts the model to bf16 and steps it there: each rank holds 2 bytes a parameter of
+    weights and of gradients and 4 of Adam moments, what `plait simulate` prices for precision=bf16-pure, and
+    every parallel dimension trains to the one-process pure-bf16 losses within bf16's rounding, which track
+    fp32's as bf16 autocast does."""
+    from plait.simulate import simulate
+    from plait.spec.cluster import local_ranks
+
+    pure = {"dtype": "bf16-pure"}
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = train_together(tmp_path / "one", text, 1, {m: (m, "dp=1,gbs=4") for m in PURE.values()},
+                         {m: pure for m in PURE.values()})
+    proc, losses = train_together(tmp_path / "two", text, 2, {st: (m, st) for st, m in PURE.items()},
+                                  {st: pure for st in PURE})
+    for strategy, model in PURE.items():
+        want = _losses(one, model)
+        got = _losses((proc, losses), strategy)
+        worst = max(abs(a - b) / b for a, b in zip(got, want))
+        assert worst <= PURE_TOLERANCE, (strategy, got, want)
+        if model == "tiny-llama":
+            assert all(abs(a - b) / b < 0.03 for a, b in zip(got, reference[(model, 4)]))
+            spec = PRESETS[model]
+            plan = uniform_plan(f"{strategy},precision=bf16-pure", spec, local_ranks(2), SEQ)
+            predicted = simulate(plan, spec, local_ranks(2))
+            for rank, t in enumerate(proc.first_records[strategy]["memory_terms"]):
+                p = next(d for d in predicted.devices if rank in d.ranks).memory
+                for term, expected in (("weights", p.weights), ("grads", p.gradients), ("optim", p.optimizer)):
+                    assert t[term] == pytest.approx(expected, rel=0.02, abs=4096), (strategy, rank, term)
+
+
+def test_pure_bf16_refuses_an_offloaded_optimizer(tmp_path, text) -> None:
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", "tiny-llama", "--strategy", "dp=1,gbs=2,offload=optim",
+           "--nproc", "1", "--steps", "1", "--seq-len", str(SEQ), "--dtype", "bf16-pure"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "offload=optim" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_starts_from_hugging_face_weights(tmp_path, text) -> None:
     """--hf-checkpoint: the first loss is the loss of the saved weights, whatever the plan."""
     import torch

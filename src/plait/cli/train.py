@@ -73,7 +73,7 @@ StepsOpt = Annotated[int, typer.Option("--steps", help="optimizer steps")]
 GlobalBatchOpt = Annotated[int | None, typer.Option("--global-batch", "-b", help="sequences per step")]
 SeedOpt = Annotated[int, typer.Option("--seed")]
 LrOpt = Annotated[float, typer.Option("--lr", help="peak learning rate")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="fp32 | bf16")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="fp32 | bf16 (autocast over fp32 weights) | bf16-pure")]
 MetricsOutOpt = Annotated[str | None, typer.Option("--metrics-out", help="JSON lines, one per step")]
 CheckpointEveryOpt = Annotated[int, typer.Option("--checkpoint-every", help="steps between checkpoints")]
 MaxRestartsOpt = Annotated[int, typer.Option("--max-restarts", help="torchrun restarts after a failure")]
@@ -108,7 +108,7 @@ def train_cmd(
         _train_tasks(tasks, nproc, steps, seed, lr, metrics_out, timeout, {
             "--model": model, "--plan": plan, "--strategy": strategy, "--data": data, "--varlen": varlen,
             "--nnodes": nnodes > 1, "--slurm": slurm, "--adaptive": adaptive, "--hf-checkpoint": hf_checkpoint,
-            "--global-batch": global_batch, "--seq-len": seq_len},
+            "--global-batch": global_batch, "--seq-len": seq_len, "--dtype": dtype != "fp32"},
             {"checkpoint_dir": checkpoint_dir, "checkpoint_every": checkpoint_every, "resume_from": resume_from})
     with one_line_errors():
         if not model:
@@ -239,22 +239,17 @@ def _check_data(data: Path | None) -> None:
         raise PlaitError(f"data file {str(data)!r} does not exist; give a text file or omit --data")
 
 
-def _check_dtype(dtype: str) -> None:
-    if dtype not in ("fp32", "bf16"):
-        raise PlaitError(f"--dtype must be fp32 or bf16, got {dtype!r}")
-
-
 def _train_config(p: Plan, m: ModelSpec, model: str, world: int, *, steps: int, seed: int, lr: float, dtype: str,
                   data: Path | None, metrics_file: Path | None, checkpoint_dir: Path | None, checkpoint_every: int,
                   timeout: float, resume_from: Path | None, hf_checkpoint: Path | None, adaptive: bool,
                   inject_slow: str | None, profile: Path | None, switch_via: str = "network",
                   replan_degrees: str = "any"):
     """The TrainConfig of a run with plan `p` (PlaitError on bad options)."""
-    from plait.runtime.preflight import check_replan_degrees, check_switch_via
-    from plait.runtime.train import TrainConfig
+    from plait.runtime.preflight import check_dtype, check_replan_degrees, check_switch_via
+    from plait.runtime.train import TrainConfig, plan_offloads
 
     _check_data(data)
-    _check_dtype(dtype)
+    check_dtype(dtype, plan_offloads(p))
     cfg = TrainConfig(model=model, plan=json.loads(p.model_dump_json()), steps=steps, seed=seed, lr=lr,
                       dtype=dtype, data=str(data) if data else None,
                       metrics_out=str(metrics_file) if metrics_file else None,
@@ -323,6 +318,7 @@ def _varlen_config(m, model: str, method: str, world: int, steps: int, global_ba
     from importlib.resources import files
 
     from plait.planner.varlen import load_lengths
+    from plait.runtime.preflight import check_dtype
     from plait.runtime.train import TrainConfig
     from plait.runtime.varlen import check_config
 
@@ -330,7 +326,9 @@ def _varlen_config(m, model: str, method: str, world: int, steps: int, global_ba
         raise PlaitError("--varlen plans the layout of every step itself; drop --plan/--strategy")
     if steps <= 0 or world <= 0 or (global_batch is not None and global_batch <= 0):
         raise PlaitError("--steps, --nproc and --global-batch must be positive")
-    _check_dtype(dtype)
+    check_dtype(dtype)
+    if dtype == "bf16-pure":
+        raise PlaitError("--varlen trains in fp32 or bf16 (autocast); drop --dtype bf16-pure")
     _check_data(data)
     path = str(lengths) if lengths else str(files("plait") / "data" / "wikipedia-lengths-10k.txt")
     load_lengths(path)

@@ -27,6 +27,9 @@ RANK_BASE_BYTES = 300 * 2**20
 SWITCH_VIA = ("network", "dcp")
 """How a plan switch moves state (`plait.runtime.stragglers`): from old to new owners over the network, or a
 DCP save and resharded load."""
+DTYPES = ("fp32", "bf16", "bf16-pure")
+"""What `plait train --dtype` trains in: fp32; bf16 autocast over fp32 weights and optimizer (mixed precision);
+pure bf16 (bf16 weights, gradients and Adam moments, no fp32 master)."""
 REPLAN_DEGREES = ("any", "keep")
 """What a live re-plan may change (`plait.runtime.stragglers`): any degree, or keep the current tp and pp
 degrees."""
@@ -41,6 +44,16 @@ def check_numbers(*, lr: float, seed: int, timeout_s: float) -> None:
         raise PlaitError(f"--seed must be an integer from 0 to 2^63-1, got {seed}")
     if not (math.isfinite(timeout_s) and 0 < timeout_s <= 86400):
         raise PlaitError(f"--timeout must be a number of seconds in (0, 86400], got {timeout_s}")
+
+
+def check_dtype(dtype: str, offloads: set[str] | frozenset[str] = frozenset()) -> None:
+    """Refuse a --dtype outside DTYPES, and pure bf16 with an offloaded optimizer (`offloads`: the plan's
+    strategies' offload choices), which steps fp32 master weights on the host."""
+    if dtype not in DTYPES:
+        raise PlaitError(f"--dtype must be {', '.join(DTYPES[:-1])} or {DTYPES[-1]}, got {dtype!r}")
+    if dtype == "bf16-pure" and (offloaded := set(offloads) - {"none"}):
+        raise PlaitError(f"--dtype bf16-pure keeps no fp32 master weights, which offload={min(offloaded)} steps "
+                         "on the host; train it with --dtype fp32 or bf16")
 
 
 def check_replan_degrees(value: str) -> None:

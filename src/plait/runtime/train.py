@@ -29,7 +29,7 @@ from plait.models import build_model
 from plait.models.hf_weights import load_hf_safetensors
 from plait.models.vision import IGNORE_INDEX, image_targets
 from plait.plan import SYNC_P2P, Plan
-from plait.runtime import checkpoint, memory, offload, swap
+from plait.runtime import checkpoint, memory, offload, preflight, swap
 from plait.runtime.data import SAMPLES_LOG_ENV, TokenSource, log_samples
 from plait.runtime.loop import lr_at, step_optimizers, train_loop
 from plait.runtime.optim import make_optimizer
@@ -64,7 +64,7 @@ class TrainConfig:
     lr: float = 3e-4
     warmup: int = 2
     clip: float = 1.0
-    dtype: str = "fp32"
+    dtype: str = "fp32"  # fp32; bf16: autocast over fp32 weights; bf16-pure: bf16 weights, gradients, moments
     data: str | None = None  # a text file, or a token file (.bin/.npy; datasets are tokenized into one first)
     data_dtype: str | None = None  # a .bin token file's element type (default: from its name, else uint16)
     metrics_out: str | None = None
@@ -100,12 +100,13 @@ class TrainConfig:
 
 
 def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_checkpoint: str | None = None,
-                 hand_sync: bool = False) -> tuple[list[torch.nn.Module], list[GradientSync]]:
-    """This rank's model chunks: the full model initialised from `seed`, cut to each chunk's layers, then
-    parallelised with the chunk's strategies; and the gradients that need a manual sync (`hand_sync`:
-    every data-parallel reduction after the backward, none inside it)."""
+                 hand_sync: bool = False, dtype: torch.dtype | None = None
+                 ) -> tuple[list[torch.nn.Module], list[GradientSync]]:
+    """This rank's model chunks: the full model initialised from `seed`, cut to each chunk's layers, cast to
+    `dtype` (None: left in fp32), then parallelised with the chunk's strategies; and the gradients that need
+    a manual sync (`hand_sync`: every data-parallel reduction after the backward, none inside it)."""
     stages = plan.pipelines[where.pipeline].stages
-    reduce = REDUCE_DTYPES[plan.grad_reduce]
+    reduce = reduce_dtype(plan.grad_reduce, dtype)
     chunks = []
     manual_sync: list[GradientSync] = []
     for chunk in where.chunks:
@@ -126,6 +127,8 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
             _untie(model)
         if hf_checkpoint:
             load_hf_safetensors(model, hf_checkpoint)
+        if dtype is not None:
+            model.to(dtype)
         accumulated = 1 if where.pp > 1 else plan.pipelines[where.pipeline].micro_batches
         synced = parallelize_chunk(model, chunk, plan.seq_len, pipelined=where.pp > 1 or hand_sync,
                                    grad_accumulation=accumulated, reduce_dtype=reduce)
@@ -135,6 +138,24 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
     if where.replicas:
         manual_sync += _replica_sync(chunks, where, plan, spec.layers)
     return chunks, manual_sync
+
+
+PARAM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": None, "bf16-pure": torch.bfloat16}
+"""The dtype each `--dtype` casts the model to (None: fp32 weights; bf16 then autocasts the math)."""
+
+
+def plan_offloads(plan: Plan) -> set[str]:
+    """The offload choices of a plan's strategies."""
+    return {s.offload for pipe in plan.pipelines for stage in pipe.stages for s in stage.strategies}
+
+
+def reduce_dtype(grad_reduce: str, params: torch.dtype | None) -> torch.dtype | None:
+    """The dtype gradients cross the wire in for a plan's `grad_reduce` with weights of dtype `params` (None:
+    fp32): bf16 weights' gradients are upcast for an fp32 reduction (FSDP2's reduce_dtype, as the price's
+    `grad_reduce` fp32 counts them), fp32 ones already are."""
+    if grad_reduce == "fp32" and params is not None:
+        return torch.float32
+    return REDUCE_DTYPES[grad_reduce]
 
 
 @dataclass(frozen=True)
@@ -355,7 +376,8 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
     loss = loss_function(spec, plan.seq_len)
     if where.idle:
         return Placed(plan, where, [], [], [], None, [], loss)
-    chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint, hand_sync)
+    chunks, manual_sync = build_chunks(spec, plan, where, cfg.seed, cfg.hf_checkpoint, hand_sync,
+                                       PARAM_DTYPES[cfg.dtype])
     sliced = bool(where.replicas)  # checkpoints and switches see whole moments (`replica_zero.whole_view`)
     shards = replica_shards(chunks, where, plan, spec.layers) if sliced else [[] for _ in chunks]
     optimizers = [make_optimizer(optimizer_params(m, s), cfg.lr, _hosted(m, c, s), nvme_dir(cfg, where.rank, c.index))
@@ -441,8 +463,7 @@ def run(cfg: TrainConfig, report=None, before_step=None) -> list[dict]:
     if (cfg.adaptive or cfg.inject_slow) and "moe" in spec.kind_counts():
         raise PlaitError(f"re-planning around stragglers does not move MoE experts yet ({spec.name}); drop "
                          "--adaptive and --inject-slow")
-    if cfg.dtype not in ("fp32", "bf16"):
-        raise PlaitError(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
+    preflight.check_dtype(cfg.dtype, plan_offloads(plan))
     torch.manual_seed(cfg.seed)
     reserve = memory.current_bytes()  # before any model state
     adaptive = Adaptive(cfg, spec, world) if cfg.adaptive or cfg.inject_slow else None
@@ -462,7 +483,8 @@ class PlanSteps:
         self.start, self.reserve = start, reserve
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.clock = adaptive.clock if adaptive else None
-        # bf16: fp32 master weights and optimizer, bf16 autocast for the forward (and so the backward) math.
+        # bf16: fp32 master weights and optimizer, bf16 autocast for the forward (and so the backward) math;
+        # bf16-pure: the weights themselves are bf16 (`PARAM_DTYPES`), no autocast.
         self.autocast = torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16,
                                        enabled=cfg.dtype == "bf16")
         self.samples_log = os.environ.get(SAMPLES_LOG_ENV)
