@@ -8,8 +8,10 @@ backward where the plan allows) and steps its optimizer. The iteration ends when
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
+from typing import TypeVar
 
 from plait.cost import comm
 from plait.cost.calibration import Calibration, calibration_for
@@ -191,16 +193,25 @@ def _optimizer_shards(plan: Plan, layer: int, s: Strategy, stage: Stage) -> int:
 def layer_runs(stage: Stage, model: ModelSpec) -> list[tuple[Strategy, Block, int, int]]:
     """(strategy, layer shape, count, first layer) of each run of consecutive layers of a stage that share
     both strategy and shape."""
+    start, end = stage.layers
     if len(stage.strategies) == 1:
         s = stage.strategies[0]
-        return [(s, block, count, layer) for block, count, layer in _shape_runs(model, *stage.layers)]
-    runs: list[tuple[Strategy, Block, int, int]] = []
-    for layer in range(*stage.layers):
-        s, b = stage.strategy(layer), model.stack[layer]
-        if runs and runs[-1][0] == s and runs[-1][1] == b:
-            runs[-1] = (s, b, runs[-1][2] + 1, runs[-1][3])
+        return [(s, block, count, layer) for block, count, layer in _shape_runs(model, start, end)]
+    pairs = ((stage.strategy(layer), model.stack[layer]) for layer in range(start, end))
+    return [(s, block, count, layer) for (s, block), count, layer in _run_lengths(pairs, start)]
+
+
+T = TypeVar("T")
+
+
+def _run_lengths(items: Iterable[T], first: int) -> list[tuple[T, int, int]]:
+    """(item, count, index of its first) of each run of equal consecutive `items`, indexed from `first`."""
+    runs: list[tuple[T, int, int]] = []
+    for i, item in enumerate(items, start=first):
+        if runs and runs[-1][0] == item:
+            runs[-1] = (item, runs[-1][1] + 1, runs[-1][2])
         else:
-            runs.append((s, b, 1, layer))
+            runs.append((item, 1, i))
     return runs
 
 
@@ -268,14 +279,7 @@ def plan_floor(plan: Plan, model: ModelSpec, cluster: Cluster, cal: Calibration)
 @lru_cache(maxsize=16384)
 def _shape_runs(model: ModelSpec, start: int, end: int) -> tuple[tuple[Block, int, int], ...]:
     """(layer shape, count, first layer) of each run of consecutive layers of one shape in [start, end)."""
-    runs: list[tuple[Block, int, int]] = []
-    for layer in range(start, end):
-        b = model.stack[layer]
-        if runs and runs[-1][0] == b:
-            runs[-1] = (b, runs[-1][1] + 1, runs[-1][2])
-        else:
-            runs.append((b, 1, layer))
-    return tuple(runs)
+    return tuple(_run_lengths(model.stack[start:end], start))
 
 
 def _stage_cost(plan: Plan, pipe_index: int, stage_index: int, model: ModelSpec, cluster: Cluster,

@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from plait.cost.precision import PRECISIONS as PRICED_PRECISIONS
 from plait.errors import PlaitError
 from plait.io import json_line, output_path
 from plait.plan import Plan, load_plan, uniform_plan, validate_plan
@@ -33,7 +34,8 @@ MAX_MEMORY_GIB = 2.0**20
 """Largest --memory-gib (1 PiB per device)."""
 MAX_GLOBAL_BATCH = 65536
 """Largest `plan --global-batch`, sequences (the search's time and memory grow with it)."""
-PRECISIONS = ("bf16", "fp16", "fp32", "bf16-pure")
+PRECISIONS = tuple(PRICED_PRECISIONS)
+"""--precision choices: those the cost model prices."""
 
 # Options that several commands take, with the same flags and help text.
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="preset, config.json path, or gpt:/llama:/t5: spec")]
@@ -81,7 +83,7 @@ def optional_output(value: str | None, default_name: str, option: str) -> Path |
 
 def check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
-        raise PlaitError(f"--precision must be bf16, fp16, fp32 or bf16-pure, got {precision!r}")
+        raise PlaitError(f"--precision must be {', '.join(PRECISIONS[:-1])} or {PRECISIONS[-1]}, got {precision!r}")
 
 
 def draw_picture(draw: Callable[[], None], path: str) -> None:

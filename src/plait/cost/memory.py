@@ -42,8 +42,6 @@ class MemoryTerms:
         return asdict(self)
 
 
-
-
 def model_state_bytes(params: float, dp: int, zero: int, prec: PrecisionBytes, offload: bool = False
                       ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes of `params` parameters replicated over `dp` devices. Under ZeRO-3

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -199,18 +199,13 @@ class _Config:
             return 0.0
         multiple = min(_activation_multiple(self, d) for d in range(self.pp))
         pooled = sum(self.budget(d, capacity) for d in range(self.pp))
-        column: dict[Strategy, int] = {}
-        for pool in self.priced:
-            for p in pool:
-                column.setdefault(p.strategy, len(column))
-        seconds = np.full((len(self.priced), len(column)), np.inf)
-        nbytes = np.zeros_like(seconds)
-        for k, pool in enumerate(self.priced):
-            for p in pool:
-                seconds[k, column[p.strategy]], nbytes[k, column[p.strategy]] = p.mb_time, _block_bytes(p, multiple)
-        rows = list(self.kind_of_layer)
-        sol = solve_layers_pareto(seconds[rows], nbytes[rows], np.zeros((len(column), len(column))),
-                                  pooled / (1 - BOUND_SLACK), slack=BOUND_SLACK) if pooled > 0 else None
+        pools = dict(enumerate(self.priced))
+        costs = {k: [(p.mb_time, _block_bytes(p, multiple)) for p in pool] for k, pool in pools.items()}
+        strategies, seconds, nbytes = _cost_rows(pools, costs, {k: range(len(c)) for k, c in costs.items()},
+                                                 self.kind_of_layer)
+        free = np.zeros((len(strategies), len(strategies)))
+        sol = solve_layers_pareto(seconds, nbytes, free, pooled / (1 - BOUND_SLACK), slack=BOUND_SLACK) \
+            if pooled > 0 else None
         return math.inf if sol is None else max(self._pipelined(sol.time), self.lower_bound_s())
 
     @property
@@ -297,23 +292,7 @@ class _Config:
             return None
         costs = {k: [(p.mb_time * self.m + p.sync, _block_bytes(p, act_mult)) for p in pool]
                  for k, pool in pools.items()}
-        strategies: list[Strategy] = []  # every kept strategy of any kind, in first-seen order
-        column: dict[Strategy, int] = {}
-        for k, pool in pools.items():
-            for i in pareto_front(costs[k]):
-                column.setdefault(pool[i].strategy, len(column))
-        strategies = list(column)
-        rows = {}
-        for k, pool in pools.items():
-            t = np.full(len(strategies), np.inf)
-            mem = np.zeros(len(strategies))
-            for p, (seconds, nbytes) in zip(pool, costs[k], strict=True):
-                j = column.get(p.strategy)
-                if j is not None:
-                    t[j], mem[j] = seconds, nbytes
-            rows[k] = (t, mem)
-        times = np.stack([rows[k][0] for k in kinds])
-        mems = np.stack([rows[k][1] for k in kinds])
+        strategies, times, mems = _cost_rows(pools, costs, {k: pareto_front(c) for k, c in costs.items()}, kinds)
         if self.uniform:  # switching strategy inside a stage is forbidden
             trans = np.array([[0.0 if a == b else np.inf for b in strategies] for a in strategies])
         else:  # priced once per pair of distinct layouts
@@ -346,6 +325,26 @@ class _Config:
                     expert_load=self.expert_load,
                     pipelines=(Pipeline(stages=tuple(stages), micro_batches=self.m, micro_batch_sequences=self.mb),)
                     ).with_runtime_p2p()
+
+
+def _cost_rows(pools: dict[int, list[_Priced]], costs: dict[int, list[tuple[float, float]]],
+               keep: dict[int, Iterable[int]], kinds: Sequence[int]
+               ) -> tuple[list[Strategy], np.ndarray, np.ndarray]:
+    """The layer DP's columns and rows: the strategies `keep` names of any kind (indices into its pool, first
+    seen first), and for each layer of `kinds` the (seconds, bytes) of its kind's `costs` in those columns
+    (inf seconds where its kind has no such strategy)."""
+    column: dict[Strategy, int] = {}
+    for k, pool in pools.items():
+        for i in keep[k]:
+            column.setdefault(pool[i].strategy, len(column))
+    rows = {}
+    for k, pool in pools.items():
+        t, mem = np.full(len(column), np.inf), np.zeros(len(column))
+        for p, (seconds, nbytes) in zip(pool, costs[k], strict=True):
+            if (j := column.get(p.strategy)) is not None:
+                t[j], mem[j] = seconds, nbytes
+        rows[k] = (t, mem)
+    return list(column), np.stack([rows[k][0] for k in kinds]), np.stack([rows[k][1] for k in kinds])
 
 
 def _least_layer_bytes(cfg: _Config, device: int) -> float:
