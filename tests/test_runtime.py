@@ -385,6 +385,20 @@ def test_pure_bf16_refuses_an_offloaded_optimizer(tmp_path, text) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "tiny-llama", "--varlen", "flexsp", "--dtype", "bf16-pure"], "drop --dtype bf16-pure"),
+    (["--tasks", "src/plait/data/tiny-tasks.yaml", "--dtype", "bf16"], "--dtype"),
+    (["--model", "tiny-llama", "--strategy", "dp=1,gbs=2", "--dtype", "fp8"], "bf16-pure"),
+])
+def test_dtypes_a_run_cannot_train_in_are_refused_before_launch(args, needle) -> None:
+    """--varlen trains in fp32 or bf16, a task file in fp32; an unknown --dtype names the choices."""
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--nproc", "1", "--steps", "1", *args]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_starts_from_hugging_face_weights(tmp_path, text) -> None:
     """--hf-checkpoint: the first loss is the loss of the saved weights, whatever the plan."""
     import torch
