@@ -15,7 +15,7 @@ from plait.cost.calibration import calibration_for
 from plait.cost.layer import BlockContext, block_time
 from plait.cost.precision import PRECISIONS
 from plait.errors import PlaitError
-from plait.cost.price import price
+from plait.cost.price import Held, price
 from plait.plan import Strategy, uniform_plan
 from plait.planner.baselines import run_baseline
 from plait.planner.engine import search
@@ -141,6 +141,21 @@ def test_expert_layout_is_validated() -> None:
     plan = uniform_plan("dp=8,ep=8,gbs=64,expert_load=1.2", m, cluster, 4096)
     assert plan.expert_load == 1.2
     expect_error(lambda: uniform_plan("dp=8,expert_load=0.5", m, cluster, 4096), "expert_load must be")
+
+
+def test_the_optimizer_steps_each_part_over_its_own_shard_group() -> None:
+    m = PRESETS["mixtral-8x7b"]
+    b = m.stack[0]
+    s = Strategy(dp=8, ep=8, zero=1)  # experts: ep 8, edp 1 (whole on each rank); the rest sharded over dp 8
+    c = price(b, s, _context(m, s))
+    dense = b.params - experts.expert_params(b)
+    assert c.updated == pytest.approx(dense / 8 + experts.expert_params(b) / 8)
+    assert c.optimizer == pytest.approx(c.updated * PRECISIONS["bf16"].optimizer)  # the state kept is stepped
+    held = Held(c, 4, s, replicas=8)
+    assert held.local_params == pytest.approx(4 * c.updated)
+    # without ZeRO every rank steps all it holds
+    whole = price(b, Strategy(dp=8, ep=8), _context(m, Strategy(dp=8, ep=8)))
+    assert whole.updated == pytest.approx(whole.params)
 
 
 def test_expert_load_slows_the_experts() -> None:

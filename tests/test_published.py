@@ -361,18 +361,20 @@ def test_moe_rows_are_collected_with_a_held_out_third() -> None:
 
 
 def test_moe_rows_the_constants_were_chosen_on() -> None:
-    """benchmarks/published_runs.py: median 12.1%, max 37.1% (before the experts' output bias: 12.1%, 55.8%; before
+    """benchmarks/published_runs.py: median 12.1%, max 36.8% (37.1% before the optimizer stepped the experts over
+    their own shard group; before the experts' output bias: 12.1%, 55.8%; before
     the permutation passes, DeepEP's dispatch and the AutoModel rows' configs: 14.8%, 63.8%; before the dispatch
     and launch terms: 29.8%, 62.8%). The four GPT-OSS 120B rows (Megatron-Bridge, 64 H100) are predicted 33-37% too
     fast, the Mixtral-8x22B rows 10-11% too
     fast and DeepSeek-V3 on 256 GPUs 20% too fast; the issue's bar (median <= 10%, max <= 20%) is not met."""
     errors = [abs(e) for run, e in MOE if not run.held_out]
     assert statistics.median(errors) <= 0.125
-    assert max(errors) <= 0.372
+    assert max(errors) <= 0.369
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 18.7%, max 37.4% over 8 rows (16.2% over 7 before AutoModel's Kimi K2 row, -21.2%, was added; 27.3% over
+    """Median 18.4%, max 37.2% over 8 rows (18.7%, 37.4% before the optimizer stepped the experts over their own
+    shard group; 16.2% over 7 before AutoModel's Kimi K2 row, -21.2%, was added; 27.3% over
     5 before AutoModel's GPT-OSS 20B and 120B rows, +0.2% and -8.4%; 22.0% before the NeMo 25.11 GPT-OSS row, +27.3%; 23.3% before AutoModel's
     synchronous pipeline exchanges; before the schedule
     runs and layer split of AutoModel's DeepSeek-V3 23.7%, 37.4%;
@@ -381,8 +383,8 @@ def test_moe_held_out_rows() -> None:
     while it was priced as per-micro-batch ZeRO-3 without recompute; its config recomputes every block and syncs FSDP once per step), Mixtral-8x7B (+16%),
     Megatron-FSDP Qwen3-235B (+11%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
-    assert statistics.median(errors) <= 0.188
-    assert max(errors) <= 0.375
+    assert statistics.median(errors) <= 0.185
+    assert max(errors) <= 0.373
 
 
 def test_megatron_fsdp_expert_gathers_hide_behind_the_token_exchange_too() -> None:
@@ -413,13 +415,14 @@ def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_over_30_percent_fast() -
     9-layer stage's micro-batch (plait's eager kernel), more than the ~63 ms the published rate leaves. The
     all-to-all dispatcher's four permutation passes over the routed copies (16 local experts) take 8 points:
     +51.4..56.1%. Megatron's unfused output bias of the experts (fp32 bias times probability per local expert,
-    `experts.expert_bias_time`) takes 18 points more: +33.2..37.4%. NeMo 25.11's run at micro-batch 4 and global
-    batch 512 (8 micro-batches a pipeline, a larger bubble) is +27.3%: per micro-batch the stages run about 30%
+    `experts.expert_bias_time`) takes 18 points more: +33.2..37.4%; the optimizer stepping the experts' own shard
+    (edp 2, not dp 16) +33.0..37.2%. NeMo 25.11's run at micro-batch 4 and global
+    batch 512 (8 micro-batches a pipeline, a larger bubble) is +26.9%: per micro-batch the stages run about 30%
     longer than priced in both layouts, so what is missing scales with the work, not with the step. The same model
     on NeMo AutoModel (FSDP2, DeepEP, FlexAttention; 64 H100) is predicted within 8.4%, and GPT-OSS 20B there within
     0.2%: what is missing belongs to Megatron-Bridge's path, not to the model's shape."""
     errors = sorted(e for run, e in MOE if run.model.name == "gpt-oss-120b" and "Megatron-Bridge" in run.source)
-    assert [round(e, 3) for e in errors] == [0.273, 0.332, 0.334, 0.371, 0.374]
+    assert [round(e, 3) for e in errors] == [0.269, 0.33, 0.332, 0.368, 0.372]
 
 
 def test_automodel_rows_run_as_their_configs_say() -> None:
@@ -429,9 +432,9 @@ def test_automodel_rows_run_as_their_configs_say() -> None:
     virtual stages with the pipelining code of the table's time (ceil(61 / 2) + 1): vpp 8 as the table prints, the
     first 29 stages holding two layers (generate_hf_model_fqn_per_model_part); its 1024-GPU row's GA 4 calls the
     pipeline schedule four times a step (schedule_runs 4). GPT-OSS runs without those FSDP optimizations: 120B
-    re-gathers for backward (zero 3), 20B keeps the gathered weights (zero 2). Errors: Qwen3-30B -6.4%, DeepSeek-V3
-    256 GPUs -16.3% (-14.9% with the later code's vpp 7 and 28 stages), 1024 GPUs -27.7% (-27.8% with vpp 4), GPT-OSS
-    120B -8.4%, 20B +0.2%. Kimi K2 (DeepSeek-V3's layer, 384 experts; pp 8, vpp 4, two schedule runs) -21.2%."""
+    re-gathers for backward (zero 3), 20B keeps the gathered weights (zero 2). Errors: Qwen3-30B -6.3%, DeepSeek-V3
+    256 GPUs -16.2% (-14.9% with the later code's vpp 7 and 28 stages), 1024 GPUs -27.7% (-27.8% with vpp 4), GPT-OSS
+    120B -8.2%, 20B +0.3%. Kimi K2 (DeepSeek-V3's layer, 384 experts; pp 8, vpp 4, two schedule runs) -21.0%."""
     auto = [(run, e) for run, e in MOE if "Automodel" in run.source]
     assert len(auto) == 6
     for run, _ in auto:
@@ -445,21 +448,21 @@ def test_automodel_rows_run_as_their_configs_say() -> None:
     for run, _ in auto:
         if run.model.name in ("deepseek-v3", "kimi-k2"):
             assert [b - a for a, b in (st.layers for st in run.plan.pipelines[0].stages)] == [2] * 29 + [1] * 3
-    assert sorted(round(e, 3) for _, e in auto) == [-0.277, -0.212, -0.163, -0.084, -0.064, 0.002]
+    assert sorted(round(e, 3) for _, e in auto) == [-0.277, -0.21, -0.162, -0.082, -0.063, 0.003]
 
 
 def test_automodel_rows_train_in_pure_bf16_and_fit() -> None:
     """AutoModel casts its MoE models to bf16 and steps the bf16 parameters (no fp32 master, bf16 Adam moments:
     8 bytes a parameter, `bf16-pure`), reducing gradients in fp32. Priced so, every one of its rows fits the
     80 GB it ran on; priced as mixed precision (a fp32 master and moments) four did not (98.5, 82.7, 88.0 and
-    88.2 GiB), with the same times to 0.1%."""
+    88.2 GiB), with the same times to 0.5% (the bf16 optimizer step moves fewer bytes)."""
     auto = [run for run, _ in MOE if "Automodel" in run.source]
     assert {(run.plan.precision, run.plan.grad_reduce) for run in auto} == {("bf16-pure", "fp32")}
     for run in auto:
         report = run.report()
         assert report.fits, (run.model.name, report.peak_memory_gib)
         mixed = simulate(run.plan.model_copy(update={"precision": "bf16"}), run.model, run.cluster, cal=run.cal)
-        assert report.iteration_time_s == pytest.approx(mixed.iteration_time_s, rel=2e-3)
+        assert report.iteration_time_s == pytest.approx(mixed.iteration_time_s, rel=5e-3)
         assert report.peak_memory_gib < mixed.peak_memory_gib
     over = [run.model.name for run in auto if not simulate(run.plan.model_copy(update={"precision": "bf16"}),
                                                               run.model, run.cluster, cal=run.cal).fits]
@@ -470,19 +473,19 @@ def test_automodel_pipelines_exchange_as_torch_2_9_interleaved_1f1b_does() -> No
     """AutoModel's DeepSeek-V3 rows ran torch.distributed.pipelining's ScheduleInterleaved1F1B under torch
     2.8.0 (Automodel 01926a5's uv.lock; pyproject torch<=2.9.0), a PipelineScheduleMulti that waits on every
     time step's batched sends and receives before its next op (p2p=torch). Priced with asynchronous
-    exchanges instead, the rows would be -22.4% and -32.9%."""
+    exchanges instead, the rows would be -22.2% and -32.9%."""
     deep = sorted(((run, e) for run, e in MOE if "Automodel" in run.source and run.model.name == "deepseek-v3"),
                   key=lambda item: item[0].cluster.world_size)
     assert [run.plan.p2p for run, _ in deep] == ["torch", "torch"]
     free = [next(iter(relative_errors(run, simulate(run.plan.model_copy(update={"p2p": "async"}), run.model,
                                                     run.cluster, run.cal)).values()))[2] for run, _ in deep]
-    assert [round(e, 3) for e in free] == [-0.224, -0.329]
+    assert [round(e, 3) for e in free] == [-0.222, -0.329]
     assert all(e > f for (_, e), f in zip(deep, free, strict=True))
 
 
 def test_megatron_rows_printed_after_the_causal_flop_count_are_compared_with_it() -> None:
     """Megatron-LM counts causal attention cores at half since MR !2789 (2025-03-06); the ModelZoo's Mixtral-8x22B
-    figures come from its 25.06 container: plait's model TFLOP/s are scaled by 0.9663 (+15-16% became +10-11%).
+    figures come from its 25.06 container: plait's model TFLOP/s are scaled by 0.9663 (+15-16% became +9.6-10.8%).
     The Mixtral-8x7B figure (MCore v0.9, 2024) keeps the whole count."""
     from plait.published import causal_mfu
 
@@ -493,7 +496,7 @@ def test_megatron_rows_printed_after_the_causal_flop_count_are_compared_with_it(
     (_, ours, _), = relative_errors(run, report).values()
     assert ours == pytest.approx(report.model_tflops_per_gpu * causal_mfu(report, run.model, 4096) / report.mfu)
     assert round(ours / report.model_tflops_per_gpu, 4) == 0.9663
-    assert sorted(round(e, 3) for _, e in causal) == [0.098, 0.11]
+    assert sorted(round(e, 3) for _, e in causal) == [0.096, 0.108]
 
 
 def test_megatron_fsdp_row_runs_at_its_infiniband_time() -> None:

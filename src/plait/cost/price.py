@@ -53,6 +53,8 @@ class LayerCost:
     host: float = 0.0  # bytes in host memory: offloaded optimizer state and fp32 gradients (cost/offload.py)
     swapped: float = 0.0  # bytes of saved activations swapped to host per micro-batch in flight
     nvme: float = 0.0  # bytes on the node's NVMe: model states under offload="nvme" (cost/offload.py)
+    updated: float = 0.0  # parameters this device's optimizer steps: each part's ZeRO shard (an MoE layer's
+    # routed experts over the expert data-parallel group, the rest over the data-parallel group)
 
     @property
     def states(self) -> float:
@@ -78,7 +80,7 @@ def _states_and_sync(params: float, s: Strategy, ctx: BlockContext, group: comm.
     optimizer state of a layer held alike shards over every pipeline (`BlockContext.pipeline_dp`)."""
     group = group or ctx.dp_group
     w, g, o = model_state_bytes(params, group.size, s.zero, ctx.prec, offload=s.offload != "none")
-    if ctx.pipeline_dp and group == ctx.dp_group and ctx.pipeline_dp < group.size:  # across pipelines
+    if _across_pipelines(ctx, group):
         w, g, own_o = model_state_bytes(params, ctx.pipeline_dp, s.zero, ctx.prec, offload=s.offload != "none")
         o = o if ctx.states_alike else own_o
     reduce_t, gather_t = comm.gradient_sync(params, s.zero, group, ctx.prec.reduce_bytes, ctx.prec.param,
@@ -86,6 +88,23 @@ def _states_and_sync(params: float, s: Strategy, ctx: BlockContext, group: comm.
     if s.zero == 1 and group == ctx.dp_group:
         reduce_t += hsdp_all_reduce(params, ctx)
     return w, g, o, reduce_t, gather_t
+
+
+def _across_pipelines(ctx: BlockContext, group: comm.GroupShape) -> bool:
+    """Whether several pipelines shard `group`'s parameters within each pipeline's stage
+    (`_states_and_sync`)."""
+    return bool(ctx.pipeline_dp) and group == ctx.dp_group and ctx.pipeline_dp < group.size
+
+
+def updated_params(params: float, s: Strategy, ctx: BlockContext, group: comm.GroupShape | None = None
+                   ) -> float:
+    """Parameters of `params` shared by `group` (default: the data-parallel group) that this device's
+    optimizer steps: its optimizer-state shard from ZeRO-1 on, as `_states_and_sync` lays the state out."""
+    group = group or ctx.dp_group
+    if s.zero < 1:
+        return params
+    shards = ctx.pipeline_dp if _across_pipelines(ctx, group) and not ctx.states_alike else group.size
+    return params / shards
 
 
 @lru_cache(maxsize=16384)
@@ -111,7 +130,8 @@ def price(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
     return LayerCost(time=block_time(block, s, ctx), params=params, weights=w, gradients=g, optimizer=o,
                      activation=offload.resident_activation(activation, s), working=working, buffers=gathered,
                      grad_reduce=reduce_t, param_gather=gather_t, host=host, nvme=nvme,
-                     swapped=offload.swapped_activation(activation, s))
+                     swapped=offload.swapped_activation(activation, s),
+                     updated=sum(updated_params(held, s, ctx, group) for held, group in parts))
 
 
 def _shards(s: Strategy, ctx: BlockContext) -> int:
@@ -148,7 +168,8 @@ def price_edge(edge: Edge, s: Strategy, ctx: BlockContext, pipelined: bool = Fal
     gather_t += offload.weights_back_time(params, s, ctx.cluster, ctx.prec, _shards(s, ctx))
     return LayerCost(time=time, params=params, weights=w, gradients=g, optimizer=o, activation=0.0,
                      working=working, buffers=offload.paged_buffers(params, s, ctx.prec, 0.0),
-                     grad_reduce=reduce_t, param_gather=gather_t, host=host, nvme=nvme)
+                     grad_reduce=reduce_t, param_gather=gather_t, host=host, nvme=nvme,
+                     updated=updated_params(params, s, ctx))
 
 
 def _measured_states(kind: str, s: Strategy, ctx: BlockContext) -> float:
@@ -253,8 +274,8 @@ class Held:
 
     @property
     def local_params(self) -> float:
-        """Parameters this device's optimizer updates (its ZeRO shard)."""
-        return self.count * self.cost.params / (self.replicas if self.strategy.zero >= 1 else 1)
+        """Parameters this device's optimizer updates (its ZeRO shards, `LayerCost.updated`)."""
+        return self.count * self.cost.updated
 
 
 def optimizer_time(held: list[Held], ctx: BlockContext) -> float:
