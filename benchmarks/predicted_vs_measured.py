@@ -2,6 +2,7 @@
 
     python benchmarks/predicted_vs_measured.py                     # profile, then 39 runs (~35 minutes)
     python benchmarks/predicted_vs_measured.py --profile p.json    # reuse a profile of the same model
+    python benchmarks/predicted_vs_measured.py --moe               # a mixture-of-experts model
     python benchmarks/predicted_vs_measured.py --report benchmarks/data/predicted_vs_measured.json  # print again
 
 It profiles the model (`plait profile`, or `--profile`), predicts every plan's step time and peak memory with
@@ -46,6 +47,15 @@ CASES: list[tuple[int, str]] = [  # (ranks, strategy); "mixed" is a per-layer pl
     (2, "pp=2,mbs=1,schedule=gpipe"), (2, "dp=2,recompute=full"), (2, "mixed"),
     (4, "dp=4"), (4, "dp=2,tp=2"), (4, "pp=2,dp=2,mbs=1"), (4, "dp=4,zero=3,recompute=full"),
 ]
+MOE_MODEL = ("llama:layers=4,hidden=256,heads=4,kv_heads=2,ffn=688,vocab=512,experts=8,top_k=2,"
+             "expert_ffn=256,dense_first=1")
+"""One dense layer, then three of 8 SwiGLU experts (top 2), profiled per expert-parallel width."""
+MOE_CASES: list[tuple[int, str]] = [
+    (2, "dp=2"), (2, "dp=2,ep=2"), (2, "tp=2,sp=1"), (2, "pp=2,mbs=1"), (2, "dp=2,ep=2,recompute=full"),
+    (4, "dp=4,ep=4"), (4, "dp=4,ep=2"), (4, "dp=2,tp=2,sp=1"), (4, "pp=2,dp=2,ep=2,mbs=1"),
+]
+SETS = {"dense": (MODEL, CASES), "moe": (MOE_MODEL, MOE_CASES)}
+"""The model and plans of each comparison."""
 SEARCH_RANKS = 4
 ROUNDS = 3
 """Runs of every plan, each in a job of its own; a plan's time is the median (and the best) of them."""
@@ -60,13 +70,14 @@ def mixed_plan(model: str) -> Plan:
                                     micro_batch_sequences=GBS),))
 
 
-def measure(plan: Plan, steps: int, skip: int, tmp: Path) -> tuple[float, float, dict[str, float]]:
+def measure(plan: Plan, model: str, steps: int, skip: int, tmp: Path
+            ) -> tuple[float, float, dict[str, float]]:
     """(median seconds per step after `skip` steps, rank 0's peak resident bytes, rank 0's memory terms at
-    the first step) of a real run in a job of its own."""
+    the first step) of a real run of `model` in a job of its own."""
     path, metrics = tmp / "plan.json", tmp / "metrics.jsonl"
     plan.save(path)
-    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", MODEL, "--plan", str(path), "--steps", str(steps),
-           "--metrics-out", str(metrics)]
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", model, "--plan", str(path), "--steps",
+           str(steps), "--metrics-out", str(metrics)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"training failed: {proc.stderr[-1500:]}")
@@ -117,7 +128,9 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, help="a profile of MODEL on this machine (default: measure one)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--skip", type=int, default=4)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "data" / "predicted_vs_measured.json")
+    ap.add_argument("--moe", action="store_true", help=f"compare plans of {MOE_MODEL} instead of {MODEL}")
+    ap.add_argument("--out", type=Path, help="where to save the comparison (default: "
+                                             "data/predicted_vs_measured[_moe].json beside this script)")
     ap.add_argument("--report", type=Path, help="print a saved comparison (the --out of an earlier run) again")
     args = ap.parse_args()
     if args.report is not None:
@@ -127,17 +140,20 @@ def main() -> None:
             raise SystemExit(2)
         report(json.loads(args.report.read_text()))
         return
+    model, plans = SETS["moe" if args.moe else "dense"]
+    name = f"predicted_vs_measured{'_moe' if args.moe else ''}.json"
+    out = args.out or Path(__file__).parent / "data" / name
     tmp = Path(tempfile.mkdtemp())
     profile_path = args.profile
     if profile_path is None:
         profile_path = tmp / "profile.json"
-        subprocess.run([sys.executable, "-m", "plait.cli", "profile", "--model", MODEL, "--nproc", "4", "--out",
-                        str(profile_path)], check=True)
+        subprocess.run([sys.executable, "-m", "plait.cli", "profile", "--model", model, "--nproc", "4",
+                        "--out", str(profile_path)], check=True)
     profile = load_profile(profile_path)
-    spec = load_model(MODEL)
+    spec = load_model(model)
     search_plan = searched_plan(profile, spec)
     search_label = f"searched: {describe(search_plan)}"
-    cases = [*CASES, (SEARCH_RANKS, search_label)]
+    cases = [*plans, (SEARCH_RANKS, search_label)]
     rows = []
     for ranks, text in cases:
         cluster, cal = calibrate(profile, profiled_cluster(profile, f"1x{ranks}x{profile.device.gpu_type}"))
@@ -153,7 +169,7 @@ def main() -> None:
                      "predicted_bytes": rank0.memory.total, "predicted_terms": rank0.memory.as_dict(), "runs": []})
     for round_ in range(ROUNDS):  # every plan once per round, in alternating order: drift hits all alike
         for row in rows if round_ % 2 == 0 else rows[::-1]:
-            time_s, memory, terms = measure(row["plan_json"], args.steps, args.skip, tmp)
+            time_s, memory, terms = measure(row["plan_json"], model, args.steps, args.skip, tmp)
             row["runs"].append(time_s)
             if round_ == 0:
                 row["measured_bytes"], row["measured_terms"] = memory, terms
@@ -163,11 +179,11 @@ def main() -> None:
     for row in rows:
         del row["plan_json"]
     search_row = rows.pop()
-    data = {"model": MODEL, "seq_len": SEQ, "global_batch": GBS, "profile": profile_path.name, "rows": rows,
+    data = {"model": model, "seq_len": SEQ, "global_batch": GBS, "profile": profile_path.name, "rows": rows,
             "searched": {"plan": search_row["plan"], "predicted_s": search_row["predicted_s"],
                          "runs": search_row["runs"]}}
     data["summary"] = report(data)
-    write_atomically(args.out, json.dumps(data, indent=1) + "\n")
+    write_atomically(out, json.dumps(data, indent=1) + "\n")
 
 
 AGGREGATES = {"median": statistics.median, "best": min}

@@ -13,7 +13,7 @@ from helpers import expect_error
 from plait.cost import comm
 from plait.cost.comm import GroupShape
 from plait.cost.head import head_time
-from plait.cost.layer import BlockContext, block_activation_bytes, block_time
+from plait.cost.layer import BlockContext, block_activation_bytes, block_time, measured_ep
 from plait.cost.measured import calibrate, profiled_cluster
 from plait.cost.precision import PRECISIONS
 from plait.cost.profile_file import (
@@ -88,6 +88,10 @@ def test_profile_needs_two_ranks() -> None:
     proc = subprocess.run([sys.executable, "-m", "plait.cli", "profile", "--model", "tiny-llama", "--nproc", "1"],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2 and "--nproc" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "plait.cli", "profile", "--model", "tiny-llama", "--dtype",
+                           "fp16"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "--dtype must be fp32 or bf16" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def _synthetic() -> Profile:
@@ -129,6 +133,82 @@ def test_the_cost_model_prefers_measured_costs() -> None:
     with pytest.raises(PlaitError, match="one node"):
         profiled_cluster(p, "2x2xCPU")
     assert profiled_cluster(p, "1x8xA100-80GB") is None
+
+
+def test_mixture_of_experts_layers_are_priced_from_their_measured_shards() -> None:
+    """tiny-moe: its dense first layer is the trunk (shape ""), its MoE layers are found by their fingerprint
+    and expert-parallel width; the busiest rank's extra load is priced on top, unmeasured widths fall back."""
+    spec = PRESETS["tiny-moe"]
+    dense, moe = spec.stack[0], spec.stack[1]
+    assert dense == spec.block and moe.kind == "moe" and moe.fingerprint != dense.fingerprint
+    base = _synthetic()
+    curve = Curve(intercept_s=2e-4, per_token_s=3e-6)
+    moe_layers = tuple(LayerProfile(model="tiny-moe", tp=1, shape=moe.fingerprint, ep=ep, forward=curve,
+                                    backward=curve.model_copy(update={"per_token_s": 5e-6 / ep}),
+                                    activation_bytes_per_token=2000.0 / ep) for ep in (1, 2))
+    trunk = tuple(lp.model_copy(update={"model": "tiny-moe"}) for lp in base.layers)
+    p = base.model_copy(update={"layers": trunk + moe_layers})
+    cluster, cal = calibrate(p, profiled_cluster(p, "1x2xCPU"))
+    prec = PRECISIONS["fp32"]
+    tokens = 2 * 64
+
+    def ctx(s: Strategy, load: float = 1.0) -> BlockContext:
+        return BlockContext.for_ranks(spec, cluster, cal, prec, 64, 2, s, (0, 1), (0, 1), expert_load=load)
+
+    for ep in (1, 2):
+        s = Strategy(dp=2, ep=ep)
+        t = block_time(moe, s, ctx(s))
+        assert t.forward == pytest.approx(2e-4 + 3e-6 * tokens)
+        assert t.backward == pytest.approx(2e-4 + 5e-6 / ep * tokens)
+        assert block_activation_bytes(moe, s, ctx(s)) == pytest.approx(2000.0 / ep * tokens)
+        assert (t.ep_comm > 0) == (ep > 1)  # the token exchange stays priced from the collectives
+    assert block_time(dense, Strategy(dp=2), ctx(Strategy(dp=2))).forward == pytest.approx(
+        1e-4 + 1e-6 * tokens + 1e-9 * tokens * 64)
+    s = Strategy(dp=2, ep=2)
+    loaded = block_time(moe, s, ctx(s, load=1.5))
+    assert loaded.forward > block_time(moe, s, ctx(s)).forward  # the busiest rank's extra rows, analytic
+    assert block_activation_bytes(moe, s, ctx(s, load=1.5)) > 2000.0 / 2 * tokens
+    unmeasured = Strategy(tp=2, sp=True)  # no tp=2 shard of the MoE layer in this profile
+    assert block_time(moe, unmeasured, ctx(unmeasured)).forward != pytest.approx(2e-4 + 3e-6 * tokens)
+    # with its tp=2 shard and the trunk timed under tp=2: the MoE layer's attention machinery is the trunk's
+    trunk_tp = trunk[0].model_copy(update={"tp": 2})
+    moe_tp = moe_layers[0].model_copy(update={"tp": 2})
+    timed = Curve(intercept_s=5e-3, per_token_s=2e-5)
+    tp_run = StrategyProfile(model="tiny-moe", kind="tp", group=2, ranks=2, forward=timed, backward=timed)
+    p2 = p.model_copy(update={"layers": (*p.layers, trunk_tp, moe_tp), "strategies": (tp_run,)})
+    cluster2, cal2 = calibrate(p2, profiled_cluster(p2, "1x2xCPU"))
+    s = Strategy(tp=2)
+    c2 = BlockContext.for_ranks(spec, cluster2, cal2, prec, 64, 2, s, (0, 1), (0,))
+    dense_t, moe_t = block_time(dense, s, c2), block_time(moe, s, c2)
+    assert moe_t.forward == pytest.approx(2e-4 + 3e-6 * tokens)
+    assert moe_t.tp_comm == pytest.approx(dense_t.tp_comm) and moe_t.tp_comm > 0
+    # experts split otherwise than the attention: the shard of the same rows per expert and FLOPs
+    assert [measured_ep(Strategy(**kw)) for kw in ({"dp": 2, "ep": 2}, {"dp": 2, "tp": 2, "ep": 2},
+                                                  {"dp": 2, "tp": 2, "ep": 4, "etp": 1},
+                                                  {"dp": 4, "tp": 4, "ep": 2, "etp": 1})] == [2, 2, 2, 0]
+
+
+def test_profiling_a_mixture_of_experts_model_measures_each_layer_and_expert_shard(tmp_path) -> None:
+    out = tmp_path / "moe.json"
+    cmd = [sys.executable, "-m", "plait.cli", "profile", "--nproc", "2", "--quick", "--model"]
+    proc = subprocess.run([*cmd, "tiny-moe", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    p = load_profile(out)
+    spec = PRESETS["tiny-moe"]
+    moe = spec.stack[1].fingerprint
+    assert {(lp.shape, lp.tp, lp.ep) for lp in p.layers} == {
+        (shape, tp, ep) for tp in (1, 2) for shape, ep in (("", 1), (moe, 1), (moe, 2))}
+    assert {sp.kind for sp in p.strategies} >= {"none", "tp", "zero3"}  # timed on a stack of the trunk layer
+    assert f"layer {moe}" in proc.stdout
+    cluster, cal = calibrate(p, profiled_cluster(p, "1x2xCPU"))
+    plan = uniform_plan("dp=2,ep=2,gbs=4,precision=fp32", spec, cluster, 128)
+    report = simulate(plan, spec, cluster, cal=cal)
+    assert report.iteration_time_s > 0
+    bad = subprocess.run([*cmd, "tiny-t5", "--out", str(tmp_path / "t5.json")], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and "profile its text model" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "t5.json").exists()
 
 
 def test_measured_strategies_and_optimizer_replace_the_analytic_terms() -> None:

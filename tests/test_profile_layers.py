@@ -169,6 +169,33 @@ def test_gpt_with_tied_head_and_learned_positions() -> None:
     assert {e.part for e in edges} == {"embedding", "head"}
 
 
+def test_bf16_layers_keep_half_the_bytes_and_price_bf16_plans_as_measured() -> None:
+    """`--dtype bf16`: the layers in bf16 keep about 60% of fp32's bytes for backward (RMSNorm computes in fp32
+    and keeps fp32 tensors, attention's log-sum-exp is fp32); a bf16 plan takes a bf16 profile's bytes as they are, an fp32 one
+    twice."""
+    from plait.cost.layer import BlockContext, block_activation_bytes
+    from plait.cost.measured import calibrate, profiled_cluster
+    from plait.cost.precision import PRECISIONS
+    from plait.cost.profile_file import CollectiveCurve, Device, Profile
+    from plait.plan import Strategy
+
+    spec = load_model("tiny-llama")
+    kw = {"tps": (1,), "recompute": ("none",), "points": ((1, 32), (2, 32), (1, 64)), "quick": True}
+    (fp32,), _ = measure_layers(spec, **kw)
+    (bf16,), edges = measure_layers(spec, dtype="bf16", **kw)
+    assert 0.5 < bf16.activation_bytes_per_token / fp32.activation_bytes_per_token < 0.7
+    device = Device(kind="cpu", gpu_type="CPU", name="test", memory_bytes=2**33, peak_flops=1e11,
+                    memory_bandwidth=1e10, torch="2.13")
+    link = CollectiveCurve(op="all_reduce", ranks=2, latency_s=1e-4, bandwidth=1e9)
+    profile = Profile(dtype="bf16", device=device, layers=(bf16,), edges=tuple(edges), collectives=(link,))
+    cluster, cal = calibrate(profile, profiled_cluster(profile, "1x2xCPU"))
+    assert cal.measured.element_bytes == 2
+    for precision, factor in (("bf16", 1.0), ("fp32", 2.0)):
+        ctx = BlockContext.for_ranks(spec, cluster, cal, PRECISIONS[precision], 64, 2, Strategy(), (0,), (0,))
+        assert block_activation_bytes(spec.block, Strategy(), ctx) == pytest.approx(
+            factor * 2 * 64 * bf16.activation_bytes_per_token)
+
+
 def test_skips_widths_that_do_not_divide_the_heads() -> None:
     assert measure_layers(load_model("tiny-llama"), tps=(3,)) == ([], [])  # heads=4, kv_heads=2
 

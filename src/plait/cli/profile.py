@@ -22,6 +22,8 @@ def profile_cmd(
     quick: Annotated[bool, typer.Option("--quick", help="fewer sizes and repetitions (seconds, not minutes)")] = False,
     gpu_type: Annotated[str | None, typer.Option(
         "--gpu-type", help="the cluster device type the profile applies to (default: CPU, or the CUDA name)")] = None,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="measure the layers in fp32, or in bf16 (as bf16 training computes them)")] = "fp32",
 ) -> None:
     """Measure this machine and the runtime's parallel strategies on it; write a profile for --profile."""
     import time
@@ -34,7 +36,7 @@ def profile_cmd(
         bar, update = search_progress("measuring {}")
         t0 = time.perf_counter()
         with bar:
-            result = profile(m, nproc, quick=quick, gpu_type=gpu_type, progress=update)
+            result = profile(m, nproc, quick=quick, gpu_type=gpu_type, progress=update, dtype=dtype)
         result.save(profile_file)
     print_profile(result)
     out.print(f"profiled in {time.perf_counter() - t0:.0f} s; written to {profile_file}")
@@ -43,7 +45,8 @@ def profile_cmd(
 def print_profile(p) -> None:
     """Device, layer curves and collective curves of a profile, as tables."""
     d = p.device
-    out.print(f"[bold]{d.name}[/] ({d.kind}, applies to device type {d.gpu_type}): {d.peak_flops / 1e9:,.1f} GFLOP/s "
+    out.print(f"[bold]{d.name}[/] ({d.kind}, applies to device type {d.gpu_type}; {p.dtype}): "
+              f"{d.peak_flops / 1e9:,.1f} GFLOP/s "
               f"per rank, copy {d.memory_bandwidth / 1e9:,.1f} GB/s, {d.memory_bytes / GIB:,.1f} GiB per rank, "
               f"process {p.process_bytes / 2**20:,.0f} MiB")
     _print_layers(p)
@@ -64,14 +67,16 @@ def print_profile(p) -> None:
 
 def _print_layers(p) -> None:
     layers = Table(title="layers (one micro-batch on one rank)", box=box.SIMPLE_HEAD)
-    for col in ("part", "tp", "recompute", "fwd us/token", "bwd us/token", "fwd ns/token/seq", "act bytes/token"):
+    for col in ("part", "tp", "ep", "recompute", "fwd us/token", "bwd us/token", "fwd ns/token/seq",
+                "act bytes/token"):
         layers.add_column(col, justify="right" if col not in ("part", "recompute") else "left")
-    for lp in p.layers:
-        layers.add_row(f"block of {lp.model}", str(lp.tp), lp.recompute, f"{lp.forward.per_token_s * 1e6:.2f}",
+    for lp in p.layers:  # the trunk decoder layer, or another layer by its shape's fingerprint
+        part = f"layer {lp.shape}" if lp.shape else f"block of {lp.model}"
+        layers.add_row(part, str(lp.tp), str(lp.ep), lp.recompute, f"{lp.forward.per_token_s * 1e6:.2f}",
                        f"{lp.backward.per_token_s * 1e6:.2f}", f"{lp.forward.per_token_seq_s * 1e9:.3f}",
                        f"{lp.activation_bytes_per_token:,.0f}")
     for e in p.edges:
-        layers.add_row(f"{e.part} of {e.model}", str(e.tp), "-", f"{e.forward.per_token_s * 1e6:.2f}",
+        layers.add_row(f"{e.part} of {e.model}", str(e.tp), "-", "-", f"{e.forward.per_token_s * 1e6:.2f}",
                        f"{e.backward.per_token_s * 1e6:.2f}", f"{e.forward.per_token_seq_s * 1e9:.3f}", "-")
     out.print(layers)
 

@@ -21,6 +21,7 @@ expansion back to the pairs cost time on the sending rank.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from plait.cost import comm
@@ -174,6 +175,30 @@ def experts_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) ->
     # least its launches' host time (forward: one GEMM per weight; backward: data and weight gradients).
     launch = local * calls * EXPERT_GEMM_HOST_S
     return max(fwd, launch), max(bwd, 2 * launch)
+
+
+def extra_load_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> tuple[float, float]:
+    """(forward, backward) seconds the busiest rank's extra routed tokens (`expert_load` over 1) add to its
+    experts' GEMMs and permutation passes: what a measured layer, whose router spread the tokens about evenly,
+    lacks (0 at balanced load or without experts)."""
+    if block.kind != "moe" or ctx.expert_load == 1.0:
+        return 0.0, 0.0
+    even = replace(ctx, expert_load=1.0)
+    terms = (experts_time, permute_time, expert_bias_time)
+    loaded = [sum(pair) for pair in zip(*(t(block, s, tokens, ctx) for t in terms), strict=True)]
+    balanced = [sum(pair) for pair in zip(*(t(block, s, tokens, even) for t in terms), strict=True)]
+    return loaded[0] - balanced[0], loaded[1] - balanced[1]
+
+
+def extra_load_activation_bytes(block: Block, s: Strategy, tokens: float, ctx: BlockContext, recompute: str
+                                ) -> float:
+    """Bytes the busiest rank's extra routed tokens (`expert_load` over 1) keep for backward beyond a measured
+    layer's (see `extra_load_time`)."""
+    if block.kind != "moe" or ctx.expert_load == 1.0:
+        return 0.0
+    even = replace(ctx, expert_load=1.0)
+    return (routed_activation_bytes(block, s, tokens, ctx, recompute)
+            - routed_activation_bytes(block, s, tokens, even, recompute))
 
 
 def expert_sync_window(block: Block, s: Strategy, ctx: BlockContext, group: comm.GroupShape,

@@ -22,6 +22,7 @@ from plait.cost.comm import GroupShape
 from plait.cost.compute import eager_attention_time, elementwise_time, flash_attention_time, gemm_time
 from plait.cost.memory import model_state_bytes
 from plait.cost.precision import PrecisionBytes
+from plait.cost.profile_file import LayerProfile
 from plait.plan import Strategy
 from plait.spec.cluster import Cluster
 from plait.spec.degrees import Degrees
@@ -132,8 +133,33 @@ def _elementwise_bytes_per_token(block: Block, s: Strategy, eb: int) -> float:
 
 
 def measured_block(block: Block, ctx: BlockContext) -> bool:
-    """Whether the profile's block timings apply to `block`: the profiler measures the model's trunk layer."""
+    """Whether `block` is the model's trunk decoder layer, which the profile also times under each parallel
+    strategy as the runtime runs it (`measured_overheads`)."""
     return ctx.cal.measured is not None and block == ctx.model.block
+
+
+def measured_layer(block: Block, s: Strategy, ctx: BlockContext, recompute: str = "none"
+                   ) -> LayerProfile | None:
+    """The profile's timing of `block`'s shard under `s` (its tensor-parallel width; an MoE layer's
+    expert-parallel one, `measured_ep`), or None where the profile did not measure it. A layer is found by its
+    shape: the trunk decoder layer, or any other the profiler measured (`Block.fingerprint`). LSH-MoE's
+    compression is not measured: its layers are priced analytically."""
+    measured = ctx.cal.measured
+    if measured is None or (block.kind == "moe" and s.moe_comm == "lsh"):
+        return None
+    ep = measured_ep(s) if block.kind == "moe" else 1
+    shape = "" if block == ctx.model.block else block.fingerprint
+    return measured.block(ctx.model.name, s.tp, recompute, shape, ep) if ep else None
+
+
+def measured_ep(s: Strategy) -> int:
+    """The profiled expert-parallel width whose MoE shard computes what a rank of `s` does (0: none). The
+    profiler splits each expert as tp splits the attention (etp = tp); a rank of (tp, ep, etp) has E/ep experts
+    of width F/etp, each taking T k ep etp / (tp E) rows of its tp group's T tokens, and the shard of
+    ep' = ep etp / tp has the same rows per expert and the same FLOPs (E/ep' experts of width F/tp): the same
+    work in GEMMs of another split, exact when etp = tp."""
+    width, rest = divmod(s.ep * s.expert_tp, s.tp)
+    return width if width >= 1 and not rest else 0
 
 
 def _gemms_time(block: Block, s: Strategy, tokens: float, memory_tokens: float, ctx: BlockContext
@@ -181,6 +207,10 @@ def _attention_time(block: Block, s: Strategy, ctx: BlockContext) -> tuple[float
     return passes * f, passes * b
 
 
+ATTENTION_MACHINERY = ("tp", "cp")
+"""Dimensions whose runtime machinery (DTensor tensor parallelism, Ulysses) a measured MoE layer takes from the
+trunk decoder layer's strategy timings: its attention runs the same; its experts exchange tokens over their own
+groups (priced from the collectives), and ZeRO-3 gathers its own (larger) weights, priced analytically."""
 REPEATS_FORWARD = ("full", "attn_kept", "gemm_kept")
 """Recompute modes that run the layer's forward again outside the attention core, so its tensor-parallel
 collectives and expert dispatch come again in backward."""
@@ -213,16 +243,19 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     elem_f = elementwise_time(tokens * _elementwise_bytes_per_token(block, s, eb), ctx.cluster.gpu, cal, kernels=8)
     forward = fwd_gemm + expert_f + attn_f + elem_f
     backward = bwd_gemm + expert_b + attn_b + 2 * elem_f
-    measured = measured_block(block, ctx)
     m = ctx.model
-    if measured and (timed := cal.measured.block(m.name, s.tp)) is not None:  # type: ignore[union-attr]
-        # one rank's share, attention included
-        forward = cal.measured.seconds(timed.forward, tokens, seq, m.name)  # type: ignore[union-attr]
-        backward = cal.measured.seconds(timed.backward, tokens, seq, m.name)  # type: ignore[union-attr]
+    if (timed := measured_layer(block, s, ctx)) is not None:
+        # one rank's share, attention included; an MoE layer's routed tokens as balanced as the profiler's
+        # router spread them, the busiest rank's extra load (`expert_load`) priced on top
+        extra_f, extra_b = experts.extra_load_time(block, s, tokens, ctx)
+        measured = cal.measured
+        assert measured is not None
+        forward = measured.seconds(timed.forward, tokens, seq, m.name) + extra_f
+        backward = measured.seconds(timed.backward, tokens, seq, m.name) + extra_b
     recompute = recompute_time(s.recompute, forward, attn_f, elem_f, ring=s.ring)
-    if s.recompute != "none" and measured and \
-            (with_rc := cal.measured.block(m.name, s.tp, s.recompute)) is not None:  # type: ignore[union-attr]
-        recompute = max(0.0, cal.measured.seconds(with_rc.backward, tokens, seq, m.name) - backward)  # type: ignore[union-attr]
+    if s.recompute != "none" and (with_rc := measured_layer(block, s, ctx, s.recompute)) is not None:
+        measured_rc = cal.measured.seconds(with_rc.backward, tokens, seq, m.name)  # type: ignore[union-attr]
+        recompute = max(0.0, measured_rc - (backward - extra_b))
 
     # Tensor parallelism: per pass one all-reduce per sublayer (or, with sp, an all-gather and a
     # reduce-scatter of the same total traffic) of the full hidden state of the device's tokens.
@@ -230,7 +263,9 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     act_bytes = tokens * block.tp_comm_elements_per_token * eb
     sublayers = SUBLAYERS[block.kind] - (1 if block.kind == "moe" and not block.ffn else 0)
     tp_fwd = tp_bwd = sublayers * comm.all_reduce(act_bytes, ctx.tp_group, ctx.cluster, cal)
-    runtime = measured_overheads(s, ctx) if measured else {}
+    runtime = measured_overheads(s, ctx) if measured_block(block, ctx) else {}
+    if timed is not None and block.kind == "moe":  # its attention's machinery, as timed on the trunk layer
+        runtime = {dim: t for dim, t in measured_overheads(s, ctx).items() if dim in ATTENTION_MACHINERY}
     if "tp" in runtime:
         tp_fwd, tp_bwd = runtime["tp"]
 
@@ -364,19 +399,16 @@ def measured_overheads(s: Strategy, ctx: BlockContext, part: str = "block") -> d
     return out
 
 
-MEASURED_ACTIVATION_BYTES = 4
-"""Bytes per element of the activations a profile counts (`plait profile` measures fp32 blocks)."""
-
-
 def block_activation_bytes(block: Block, s: Strategy, ctx: BlockContext, recompute: str | None = None) -> float:
     """Bytes `block` keeps for backward for one micro-batch on one device (Korthikanti's terms)."""
     eb = ctx.prec.activation
     seq = block.seq(ctx.seq_len)
     tokens = ctx.seqs * seq / s.cp
-    measured = ctx.cal.measured.block(ctx.model.name, s.tp, recompute or s.recompute) \
-        if measured_block(block, ctx) else None  # type: ignore[union-attr]
-    if measured is not None and not s.sp:  # measured in fp32: 16-bit keeps half (masks aside)
-        return tokens * measured.activation_bytes_per_token * eb / MEASURED_ACTIVATION_BYTES
+    measured = measured_layer(block, s, ctx, recompute or s.recompute)
+    if measured is not None and not s.sp:  # in the profile's dtype: scaled to the plan's (masks aside)
+        per_element = eb / ctx.cal.measured.element_bytes  # type: ignore[union-attr]
+        return (tokens * measured.activation_bytes_per_token * per_element
+                + experts.extra_load_activation_bytes(block, s, tokens, ctx, recompute or s.recompute))
     on_gpu = ctx.cal.memory.block_activation(block.kind, s.tp, recompute or s.recompute, eb) \
         if ctx.cal.memory is not None and not s.sp and block.kind != "moe" else None
     if on_gpu is not None:  # Galvatron's memory profile (cost/measured_memory.py)

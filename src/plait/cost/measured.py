@@ -21,6 +21,7 @@ from plait.cost.profile_file import (
     Curve,
     EdgeProfile,
     LayerProfile,
+    PROFILE_ELEMENT_BYTES,
     OptimizerCurve,
     Profile,
     StrategyProfile,
@@ -39,16 +40,20 @@ class Measured:
     compute_slowdown: float
     comm_slowdown: float
     share: float = 1.0
+    element_bytes: int = 4  # bytes of an element of the dtype the layers were measured in (activation bytes)
     cores: int = 1
     ranks_per_node: int = 1
-    blocks: dict[tuple[str, int, str], LayerProfile] = field(default_factory=dict)
+    blocks: dict[tuple[str, int, str, str, int], LayerProfile] = field(default_factory=dict)
     edges: dict[tuple[str, str, int], EdgeProfile] = field(default_factory=dict)
     collectives: dict[tuple[str, int, int], CollectiveCurve] = field(default_factory=dict)
     strategies: dict[tuple[str, str, int], list[StrategyProfile]] = field(default_factory=dict)
     optimizer: OptimizerCurve | None = None
 
-    def block(self, model: str, tp: int, recompute: str = "none") -> LayerProfile | None:
-        return self.blocks.get((model, tp, recompute))
+    def block(self, model: str, tp: int, recompute: str = "none", shape: str = "", ep: int = 1
+              ) -> LayerProfile | None:
+        """The measured layer of `model` (its trunk decoder layer, or the layer of fingerprint `shape`) at
+        this tensor (and expert) parallel shard and recompute mode."""
+        return self.blocks.get((model, tp, recompute, shape, ep))
 
     def edge(self, model: str, part: str, tp: int) -> EdgeProfile | None:
         return self.edges.get((model, part, tp))
@@ -137,10 +142,11 @@ def measured_of(profile: Profile, ranks_per_node: int = 1) -> Measured:
     return Measured(
         gpu_type=d.gpu_type, process_bytes=profile.process_bytes,
         share=max(1.0, ranks_per_node / d.cores) if d.kind == "cpu" else 1.0,
-        cores=d.cores if d.kind == "cpu" else 1, ranks_per_node=ranks_per_node,
+        element_bytes=PROFILE_ELEMENT_BYTES[profile.dtype], cores=d.cores if d.kind == "cpu" else 1,
+        ranks_per_node=ranks_per_node,
         strategies=strategies, optimizer=profile.optimizer,
         compute_slowdown=profile.overlap.compute_slowdown, comm_slowdown=profile.overlap.comm_slowdown,
-        blocks={(lp.model, lp.tp, lp.recompute): lp for lp in profile.layers},
+        blocks={(lp.model, lp.tp, lp.recompute, lp.shape, lp.ep): lp for lp in profile.layers},
         edges={(e.model, e.part, e.tp): e for e in profile.edges},
         collectives={(c.op, c.ranks, c.nodes): c for c in profile.collectives})
 

@@ -19,6 +19,9 @@ PROFILE_VERSION = 1
 
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
 StrategyKind = Literal["none", "tp", "tp_sp", "cp", "zero3"]
+ProfileDtype = Literal["fp32", "bf16"]
+PROFILE_ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
+"""Bytes of one element of each dtype a profile measures in."""
 
 
 class _Frozen(BaseModel):
@@ -35,7 +38,7 @@ class Device(_Frozen):
     cores: int = Field(1, ge=1, description="CPU cores the ranks of a node share (CPU only: more ranks than "
                                             "cores share them)")
     memory_bytes: float = Field(gt=0, description="memory per rank the planner may use")
-    peak_flops: float = Field(gt=0, description="FLOP/s of a large fp32 GEMM on one rank")
+    peak_flops: float = Field(gt=0, description="FLOP/s of a large GEMM on one rank, in the profile's dtype")
     memory_bandwidth: float = Field(gt=0, description="bytes/s of a large copy on one rank")
     torch: str = Field(description="torch version")
 
@@ -64,10 +67,14 @@ class LayerSample(_Frozen):
 
 
 class LayerProfile(_Frozen):
-    """A block of `model` with its weights split `tp` ways (heads/tp, ffn/tp), as a function of tokens."""
+    """A block of `model` with its weights split `tp` ways (heads/tp, ffn/tp), as a function of tokens; a
+    mixture-of-experts layer also `ep` ways (its experts/ep local experts take the rank's routed tokens)."""
 
     model: str
     tp: int = 1
+    shape: str = Field("", description="the measured layer's `Block.fingerprint`; empty for the model's "
+                                       "trunk decoder layer")
+    ep: int = Field(1, ge=1, description="expert-parallel shard of an MoE layer (experts/ep local)")
     recompute: Literal["none", "selective", "full"] = "none"
     forward: Curve
     backward: Curve
@@ -150,6 +157,8 @@ class Profile(_Frozen):
     """Everything measured on one device type."""
 
     version: int = PROFILE_VERSION
+    dtype: ProfileDtype = Field("fp32", description="what the layers, the optimizer step and the strategies "
+                                                    "were measured in: fp32, or bf16 weights and activations")
     device: Device
     process_bytes: float = Field(0.0, ge=0, description="memory of a rank before any model state: the "
                                                         "interpreter and libraries (CPU) or the CUDA context")

@@ -157,12 +157,13 @@ def _check_args(nproc: int, sizes: tuple[int, ...]) -> None:
 
 def measure_collectives(nproc: int, *, sizes: tuple[int, ...] | None = None, quick: bool = False,
                         model: ModelSpec | None = None, progress: Callable[[int, int], None] | None = None,
-                        timeout_s: float | None = None) -> JobResult:
+                        timeout_s: float | None = None, dtype: str = "fp32") -> JobResult:
     """Measure all-reduce, all-gather, reduce-scatter, all-to-all and p2p on this machine with `nproc`
     ranks launched through torchrun, for every group size 2..nproc that the machine offers (powers of two
     and nproc itself; one node here, so nodes=1), the overlap slowdown of compute and communication, the
     resident bytes of a rank with the runtime loaded and its process group up (what a training rank holds
-    before its model) and, with `model`, its block under each parallel strategy as the runtime runs it.
+    before its model) and, with `model`, its block under each parallel strategy as the runtime runs it (its
+    weights and activations in `dtype`; the collectives move fp32 elements).
 
     `sizes`: bytes per rank (default `DEFAULT_SIZES`, or `QUICK_SIZES` with `quick`, which also takes fewer
     repetitions). `progress(done, total)` is called with 0 first and once per finished item. `timeout_s`:
@@ -180,7 +181,7 @@ def measure_collectives(nproc: int, *, sizes: tuple[int, ...] | None = None, qui
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "plait.profile.collectives_worker", str(out), "--sizes", ",".join(map(str, sizes))]
         cmd += ["--quick"] if quick else []
-        cmd += ["--model", model.name] if model is not None else []
+        cmd += ["--model", model.name, "--dtype", dtype] if model is not None else []
         done = 0
         if progress is not None:
             progress(0, len(items))

@@ -272,7 +272,7 @@ def _progress(rank: int, what: str) -> None:
         print(f"{PROGRESS_PREFIX} {what}", flush=True)
 
 
-def measure(sizes: list[int], quick: bool, model: str | None = None) -> dict:
+def measure(sizes: list[int], quick: bool, model: str | None = None, dtype: str = "fp32") -> dict:
     """Everything, on a joined process group: {"curves": [{op, ranks, samples}], "overlap": {...},
     "strategies": [{kind, group, ranks, samples}]} (strategies of `model`'s block, if given)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -298,7 +298,7 @@ def measure(sizes: list[int], quick: bool, model: str | None = None) -> dict:
         passes: dict[tuple, list[dict]] = {item: [] for item in items}
         for _ in range(strategy_blocks.PASSES):
             for item in items:
-                raw = strategy_blocks.measure_item(spec, item, quick)
+                raw = strategy_blocks.measure_item(spec, item, quick, dtype)
                 if raw is not None:
                     passes[item].append(raw)
                 _barrier(None, device)
@@ -324,7 +324,7 @@ def _first_step(model: str | None) -> None:
     from plait.spec.model import load_model
 
     spec = load_model(model or "tiny-llama")
-    tiny = build_model(replace(spec, **FIRST_STEP_DIMS, head_dim=32))
+    tiny = build_model(replace(spec, mixed=(), **FIRST_STEP_DIMS, head_dim=32))  # the trunk decoder layer
     optimizer = torch.optim.AdamW(tiny.parameters())
     tiny(torch.zeros(1, 16, dtype=torch.long)).float().sum().backward()
     clip_grads(list(tiny.parameters()), 1.0, None)
@@ -348,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", required=True, help="comma-separated message bytes per rank")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller overlap test")
     parser.add_argument("--model", help="also time this model's block under each parallel strategy")
+    parser.add_argument("--dtype", default="fp32", help="the model's weights and activations: fp32 or bf16")
     args = parser.parse_args(argv)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     rank = int(os.environ.get("RANK", "0"))
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         rank = dist.get_rank()
         _first_step(args.model)
         resident = resident_bytes()  # a rank with the runtime loaded, run once, and the process group up
-        result = measure(sizes, args.quick, args.model) | {"process_bytes": resident}
+        result = measure(sizes, args.quick, args.model, args.dtype) | {"process_bytes": resident}
         if rank == 0:
             write_atomically(args.out, json.dumps(result) + "\n")
         _barrier(None, rank_device())  # before destroy: avoids a rare abort at exit (see the notes)

@@ -12,7 +12,7 @@ import torch
 from plait.cost.profile_file import Device
 
 GEMM_SIZE = 1024
-"""Edge of the square fp32 GEMM whose rate stands for the device's peak (large enough to be compute bound)."""
+"""Edge of the square GEMM whose rate stands for the device's peak (large enough to be compute bound)."""
 COPY_BYTES = 64 * 2**20
 """Bytes of the copy whose rate stands for the memory bandwidth (far larger than the caches)."""
 REPEATS = 5
@@ -42,17 +42,20 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_device(ranks: int, gpu_type: str | None = None) -> Device:
-    """Measure one rank of this machine (with the thread count a training rank uses: 1 on CPU). On CPU the
-    memory per rank is the machine's memory shared by `ranks` ranks."""
+def measure_device(ranks: int, gpu_type: str | None = None, dtype: str = "fp32") -> Device:
+    """Measure one rank of this machine (with the thread count a training rank uses: 1 on CPU), its GEMM rate
+    in `dtype` ("fp32" or "bf16"). On CPU the memory per rank is the machine's memory shared by `ranks`
+    ranks."""
+    from plait.profile.layers import TORCH_DTYPES
+
     cuda = torch.cuda.is_available()
     threads = torch.get_num_threads()
     if not cuda:
         torch.set_num_threads(1)
     try:
         device = "cuda" if cuda else "cpu"
-        a = torch.randn(GEMM_SIZE, GEMM_SIZE, device=device)
-        b = torch.randn(GEMM_SIZE, GEMM_SIZE, device=device)
+        a = torch.randn(GEMM_SIZE, GEMM_SIZE, device=device, dtype=TORCH_DTYPES[dtype])
+        b = torch.randn(GEMM_SIZE, GEMM_SIZE, device=device, dtype=TORCH_DTYPES[dtype])
         flops = 2 * GEMM_SIZE**3 / _best_seconds(lambda: a @ b)
         src = torch.empty(COPY_BYTES // 4, device=device)
         dst = torch.empty_like(src)

@@ -69,6 +69,7 @@ from plait.cost.profile_file import Curve, EdgeProfile, LayerProfile, LayerSampl
 from plait.errors import PlaitError
 from plait.models import build_model
 from plait.runtime.parallelize import apply_ac
+from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
 BASE_LAYERS = 1
@@ -89,6 +90,8 @@ QUICK_POINTS: tuple[tuple[int, int], ...] = ((1, 64), (2, 64), (1, 128))
 POINTS_SEQ_LEN = 256
 """The longest default sequence; default points are scaled down for models with a shorter max_seq_len."""
 SEED = 0
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The torch dtype of each profile dtype (`plait.cost.profile_file.ProfileDtype`)."""
 MODES = ("none", "selective", "full")
 EDGE_DIFFERENCES = {"embedding": ("C", "A"), "head": ("B", "C")}
 """Each edge part = the first edge model minus the second (see the module docstring)."""
@@ -96,53 +99,95 @@ EDGE_DIFFERENCES = {"embedding": ("C", "A"), "head": ("B", "C")}
 Timing = tuple[float, float]
 """(forward seconds, backward seconds) of one model in one repetition."""
 Point = tuple[int, int]
-RunKey = tuple[int, Point, str]
-"""(tp, (seqs, seq_len), model): "<mode>/<blocks>" for blocks, "A", "B", "C" for the edges."""
+Target = tuple[int, str, int]
+"""(tp, shape, ep): a layer's shard, the shape "" for the model's trunk decoder layer (`LayerProfile`)."""
+RunKey = tuple[Target, Point, str]
+"""(target, (seqs, seq_len), model): "<mode>/<blocks>" for blocks, "A", "B", "C" for the edges."""
 
 
 # ---- public API ---------------------------------------------------------------------------------------
 def measure_layers(spec: ModelSpec, *, tps: tuple[int, ...] = (1, 2), points: tuple[tuple[int, int], ...] | None = None,
                    recompute: tuple[str, ...] = ("none", "selective", "full"), quick: bool = False,
-                   progress: Callable[[int, int], None] | None = None
-                   ) -> tuple[list[LayerProfile], list[EdgeProfile]]:
+                   progress: Callable[[int, int], None] | None = None, eps: tuple[int, ...] = (1,),
+                   dtype: str = "fp32") -> tuple[list[LayerProfile], list[EdgeProfile]]:
     """Measure, in this process on this device, the forward and backward seconds and the activation bytes of one
     transformer block of `spec` (for each tensor-parallel shard width tp: heads/tp, kv_heads/tp, ffn/tp, i.e. what
     one rank computes under Megatron TP, without the communication) and of the embedding and the head, as
-    functions of the micro-batch (sequences, seq_len); fit a Curve for each.
+    functions of the micro-batch (sequences, seq_len); fit a Curve for each. A model of several layer shapes
+    (dense and mixture-of-experts layers) has each distinct layer measured alike, and its MoE layers also at
+    each expert-parallel shard of `eps` (`layer_targets`).
 
+    Weights and activations are in `dtype` (`TORCH_DTYPES`); the activation bytes count its elements.
     `points` are (seqs, seq_len) micro-batches (default DEFAULT_POINTS, or QUICK_POINTS with `quick`, which
     also runs fewer rounds); tp values that do not divide heads, kv_heads and ffn are skipped.
     `progress(done, total)` is called after each round of timings and after the byte count. Returns one
-    LayerProfile per (tp, recompute mode) and an "embedding" and a "head" EdgeProfile per tp. See the
-    module docstring for the method.
+    LayerProfile per (layer, tp, ep, recompute mode) and an "embedding" and a "head" EdgeProfile per tp. See
+    the module docstring for the method.
     """
     for mode in recompute:
         if mode not in MODES:
             raise PlaitError(f"unknown recompute mode {mode!r}; use one of {', '.join(MODES)}")
     pts = _check_points(spec, points) if points is not None else _default_points(spec, quick)
-    widths = [tp for tp in dict.fromkeys(tps) if _divides(spec, tp)]
-    if not widths:
+    targets = layer_targets(spec, tps, eps)
+    if not targets:
         return [], []
     warmup, repeats = (QUICK_WARMUP, QUICK_REPEATS) if quick else (WARMUP, REPEATS)
     device = _device()
     with _measurement_settings():
         runs: dict[RunKey, _Run] = {}
-        for tp in widths:
-            models = _Models.build(_shard(spec, tp), recompute, device)
+        for target, layer_spec in targets.items():
+            models = _Models.build(layer_spec, recompute, device, TORCH_DTYPES[dtype])
             for point in pts:
-                runs |= {(tp, point, name): run for name, run in _runs(models, point, device).items()}
+                runs |= {(target, point, name): run for name, run in _runs(models, point, device).items()}
         times = _time_runs(runs, warmup, repeats, device, progress)
         nbytes = {key: _activation_bytes(run) for key, run in runs.items()}
         if progress is not None:
             progress(warmup + repeats + 1, warmup + repeats + 1)
     blocks = f"{BASE_LAYERS + EXTRA_LAYERS}", f"{BASE_LAYERS}"
-    layers = [_layer_profile(spec.name, tp, mode, [
-        _sample(point, times, nbytes, (tp, point, f"{mode}/{blocks[0]}"), (tp, point, f"{mode}/{blocks[1]}"),
-                EXTRA_LAYERS) for point in pts]) for tp in widths for mode in recompute]
+    layers = [_layer_profile(spec.name, target, mode, [
+        _sample(point, times, nbytes, (target, point, f"{mode}/{blocks[0]}"),
+                (target, point, f"{mode}/{blocks[1]}"), EXTRA_LAYERS) for point in pts])
+        for target in targets for mode in recompute]
+    first: dict[int, Target] = {}  # the edges of each width: measured beside its first layer
+    for target in targets:
+        first.setdefault(target[0], target)
     edges = [_edge_profile(spec.name, tp, part, [
-        _sample(point, times, nbytes, (tp, point, plus), (tp, point, minus)) for point in pts])
-        for tp in widths for part, (plus, minus) in EDGE_DIFFERENCES.items()]
+        _sample(point, times, nbytes, (target, point, plus), (target, point, minus)) for point in pts])
+        for tp, target in sorted(first.items()) for part, (plus, minus) in EDGE_DIFFERENCES.items()]
     return layers, edges
+
+
+def layer_targets(spec: ModelSpec, tps: tuple[int, ...], eps: tuple[int, ...] = (1,)
+                  ) -> dict[Target, ModelSpec]:
+    """The layer shards to measure, each as a model of identical layers: for each tensor-parallel width tp
+    that splits every layer (`Block.tp_divides`; the embedding and head split their vocabulary) and each
+    distinct layer of `spec`, its tp shard; an MoE layer also at each expert-parallel width ep of `eps` that
+    leaves it whole experts, at least top_k of them (experts/ep local experts taking all the rank's routed
+    tokens, each expert split tp ways: etp = tp). A uniform decoder stack has one layer, the trunk (shape "")."""
+    out: dict[Target, ModelSpec] = {}
+    blocks = spec.distinct_blocks
+    for tp in dict.fromkeys(tps):
+        if tp < 1 or spec.vocab < tp or any(b.tp_divides(tp) for b in blocks) or not _divides(spec, tp):
+            continue
+        for block in blocks:
+            shape = "" if block == spec.block else block.fingerprint
+            for ep in (dict.fromkeys(eps) if block.kind == "moe" else (1,)):
+                whole = ep >= 1 and not block.experts % ep and block.experts // ep >= block.top_k
+                if block.kind == "moe" and not whole:
+                    continue
+                out[(tp, shape, ep)] = _layer_spec(spec, block, tp, ep)
+    return out
+
+
+def _layer_spec(spec: ModelSpec, block: Block, tp: int, ep: int) -> ModelSpec:
+    """A model of `block`'s shard alone (its tp shard; an MoE layer's experts/ep experts, each split tp ways
+    as expert tensor parallelism of the same degree splits them), `spec`'s embedding and head split tp
+    ways."""
+    if spec.uniform:
+        return _shard(spec, tp)
+    shard = block.with_(heads=block.heads // tp, kv_heads=block.kv_heads // tp, ffn=block.ffn // tp,
+                        experts=block.experts // ep, expert_ffn=block.expert_ffn // tp)
+    return replace(_shard(spec, tp), mixed=(shard,) * (BASE_LAYERS + EXTRA_LAYERS))
 
 
 def fit_curve(tokens: list[float], seq_lens: list[float], seconds: list[float]) -> Curve:
@@ -235,8 +280,10 @@ class _Models:
     edges: dict[str, nn.Module]
 
     @classmethod
-    def build(cls, spec: ModelSpec, recompute: tuple[str, ...], device: torch.device) -> _Models:
-        source = build_model(replace(spec, layers=BASE_LAYERS + EXTRA_LAYERS), device=device, seed=SEED)
+    def build(cls, spec: ModelSpec, recompute: tuple[str, ...], device: torch.device,
+              dtype: torch.dtype = torch.float32) -> _Models:
+        source = build_model(replace(spec, layers=BASE_LAYERS + EXTRA_LAYERS), device=device, seed=SEED,
+                             dtype=dtype)
         blocks = {mode: (_view(source, BASE_LAYERS, embedding=False, head=False, mode=mode),
                          _view(source, BASE_LAYERS + EXTRA_LAYERS, embedding=False, head=False, mode=mode))
                   for mode in recompute}
@@ -260,8 +307,9 @@ def _runs(models: _Models, point: Point, device: torch.device) -> dict[str, _Run
     """The runs of one micro-batch, keyed "<mode>/<blocks>" for blocks and "A", "B", "C" for the edges."""
     spec, (seqs, seq_len) = models.spec, point
     gen = torch.Generator().manual_seed(SEED)
-    hidden = torch.randn(seqs, seq_len, spec.hidden, generator=gen).to(device).requires_grad_(True)
-    grad = torch.randn(seqs, seq_len, spec.hidden, generator=gen).to(device)
+    dtype = next(models.edges["B"].parameters()).dtype
+    hidden = torch.randn(seqs, seq_len, spec.hidden, generator=gen).to(device, dtype).requires_grad_(True)
+    grad = torch.randn(seqs, seq_len, spec.hidden, generator=gen).to(device, dtype)
     tokens = torch.randint(0, spec.vocab, (seqs, seq_len), generator=gen).to(device)
     targets = torch.randint(0, spec.vocab, (seqs * seq_len,), generator=gen).to(device)
 
@@ -385,13 +433,15 @@ def fit_curves(samples: list[LayerSample]) -> tuple[Curve, Curve]:
             fit_curve(tokens, seq_lens, [s.backward_s for s in samples]))
 
 
-def _layer_profile(model: str, tp: int, mode: str, samples: list[LayerSample]) -> LayerProfile:
+def _layer_profile(model: str, target: Target, mode: str, samples: list[LayerSample]) -> LayerProfile:
     """A block's profile; activation bytes per token = the largest bytes/tokens over the samples (they are
     equal unless attention keeps something quadratic in seq_len, when the longest sequence rules)."""
     forward, backward = fit_curves(samples)
     per_token = max(s.activation_bytes / (s.seqs * s.seq_len) for s in samples)
-    return LayerProfile(model=model, tp=tp, recompute=mode, forward=forward, backward=backward,  # type: ignore[arg-type]
-                        activation_bytes_per_token=per_token, samples=tuple(samples))
+    tp, shape, ep = target
+    return LayerProfile(model=model, tp=tp, shape=shape, ep=ep, recompute=mode,  # type: ignore[arg-type]
+                        forward=forward, backward=backward, activation_bytes_per_token=per_token,
+                        samples=tuple(samples))
 
 
 def _edge_profile(model: str, tp: int, part: str, samples: list[LayerSample]) -> EdgeProfile:

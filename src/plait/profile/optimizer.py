@@ -24,12 +24,13 @@ WARMUP, REPEATS = 2, 9
 QUICK_REPEATS = 5
 
 
-def measure_optimizer(spec: ModelSpec, quick: bool = False) -> OptimizerCurve:
-    """Seconds of one step's clipping + AdamW step + zero_grad as a function of the rank's parameters."""
+def measure_optimizer(spec: ModelSpec, quick: bool = False, dtype: str = "fp32") -> OptimizerCurve:
+    """Seconds of one step's clipping + AdamW step + zero_grad as a function of the rank's parameters (held,
+    with their gradients and moments, in `dtype`)."""
     import torch
 
     from plait.models import build_model
-    from plait.profile.layers import _clock, _device, _measurement_settings, _sync
+    from plait.profile.layers import TORCH_DTYPES, _clock, _device, _measurement_settings, _sync
     from plait.runtime.optim import PROFILE_LR, make_optimizer
     from plait.runtime.train import clip_grads
 
@@ -38,7 +39,7 @@ def measure_optimizer(spec: ModelSpec, quick: bool = False) -> OptimizerCurve:
     samples = []
     with _measurement_settings():
         for blocks in BLOCKS:
-            model = build_model(replace(spec, layers=blocks), device=device, seed=0)
+            model = build_model(_first_layers(spec, blocks), device=device, seed=0, dtype=TORCH_DTYPES[dtype])
             params = list(model.parameters())
             optimizer = make_optimizer(params, PROFILE_LR)
             seconds = []
@@ -55,6 +56,11 @@ def measure_optimizer(spec: ModelSpec, quick: bool = False) -> OptimizerCurve:
                     seconds.append(clock() - start)
             samples.append((float(sum(p.numel() for p in params)), statistics.median(seconds)))
     return fit_optimizer(samples)
+
+
+def _first_layers(spec: ModelSpec, layers: int) -> ModelSpec:
+    """`spec` cut to its first `layers` layers (its own layer shapes, in order)."""
+    return replace(spec, mixed=spec.mixed[:layers]) if spec.mixed else replace(spec, layers=layers)
 
 
 def fit_optimizer(samples: list[tuple[float, float]]) -> OptimizerCurve:

@@ -118,12 +118,12 @@ SMALL, LARGE = "A", "L"
 C = embedding + A (tokens in), B = C + final norm, LM head and loss (tokens in, loss out)."""
 
 
-def measure_item(spec: ModelSpec, item: Item, quick: bool) -> dict | None:
+def measure_item(spec: ModelSpec, item: Item, quick: bool, dtype: str = "fp32") -> dict | None:
     """Measure one (kind, g, busy ranks) on a joined process group (every rank calls it: the meshes are
     built collectively); returns the raw samples on rank 0, None elsewhere: per micro-batch the block's,
     the embedding's (C - A) and the head's (B - C) forward and backward seconds of every repetition, and
-    the optimizer step (clipping, AdamW, zeroing) of models B and L as (local parameters, seconds). `merge`
-    combines passes into samples."""
+    the optimizer step (clipping, AdamW, zeroing) of models B and L as (local parameters, seconds), weights
+    and activations in `dtype` ("fp32" or "bf16"). `merge` combines passes into samples."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -140,8 +140,9 @@ def measure_item(spec: ModelSpec, item: Item, quick: bool) -> dict | None:
     warmup, repeats = (QUICK_WARMUP, QUICK_REPEATS) if quick else (WARMUP, REPEATS)
     pts = points(spec, g, quick)
     position = rank % g
-    models = {name: _parallel_model(spec, name, kind, mesh["group"], device) for name in "ALCB"}
-    runs = {(p, name): _run(spec, models[name], name, kind, g, position, p, device) for p in pts for name in models}
+    models = {name: _parallel_model(spec, name, kind, mesh["group"], device, dtype) for name in "ALCB"}
+    runs = {(p, name): _run(spec, models[name], name, kind, g, position, p, device, dtype) for p in pts
+            for name in models}
     times: dict[tuple, list[tuple[float, float]]] = {key: [] for key in runs}
     for round_ in range(warmup + repeats):
         for key, (forward, backward, inputs) in runs.items():
@@ -177,13 +178,16 @@ def measure_item(spec: ModelSpec, item: Item, quick: bool) -> dict | None:
             "optimizer": optimizer}
 
 
-def _parallel_model(spec: ModelSpec, name: str, kind: str, group_mesh, device):
-    """Model `name` (see SMALL/LARGE) of seeded weights, parallelised over `group_mesh` as the runtime does."""
+def _parallel_model(spec: ModelSpec, name: str, kind: str, group_mesh, device, dtype: str = "fp32"):
+    """Model `name` (see SMALL/LARGE) of seeded weights in `dtype`, parallelised over `group_mesh` as the
+    runtime does."""
     from plait.models import build_model
+    from plait.profile.layers import TORCH_DTYPES
     from plait.runtime.parallelize import apply_cp, apply_dp, apply_tp
 
     layers = BASE_LAYERS + EXTRA_LAYERS if name == LARGE else BASE_LAYERS
-    model = build_model(replace(spec, layers=layers), device=device, seed=SEED)
+    trunk = replace(spec, mixed=(), layers=layers)  # a stack of the trunk decoder layer (of any model)
+    model = build_model(trunk, device=device, seed=SEED, dtype=TORCH_DTYPES[dtype])
     embedding, head = name in "CB", name == "B"
     if not embedding:
         model.tok_embeddings = model.pos_embeddings = None
@@ -199,24 +203,27 @@ def _parallel_model(spec: ModelSpec, name: str, kind: str, group_mesh, device):
     return model.train()
 
 
-def _run(spec: ModelSpec, model, name: str, kind: str, g: int, position: int, point: tuple[int, int], device):
+def _run(spec: ModelSpec, model, name: str, kind: str, g: int, position: int, point: tuple[int, int], device,
+         dtype: str = "fp32"):
     """(forward() -> output, backward(output), inputs requiring grad) of one model on one micro-batch."""
     import torch
 
+    from plait.profile.layers import TORCH_DTYPES
     from plait.runtime.train import token_loss
 
     seqs, seq_len = point
     local = seq_len // g if kind in ("tp_sp", "cp") else seq_len
     gen = torch.Generator().manual_seed(SEED)
-    x = torch.randn(seqs, local, spec.hidden, generator=gen).to(device).requires_grad_(True)
+    floats = TORCH_DTYPES[dtype]
+    x = torch.randn(seqs, local, spec.hidden, generator=gen).to(device, floats).requires_grad_(True)
     tokens = torch.randint(0, spec.vocab, (seqs, seq_len), generator=gen).to(device)
     if name in (SMALL, LARGE):
-        grad = torch.randn(seqs, local, spec.hidden, generator=gen).to(device)
+        grad = torch.randn(seqs, local, spec.hidden, generator=gen).to(device, floats)
         return (lambda: model(x)), (lambda out: out.backward(grad)), (x,)
     sliced = (position * local, (position + 1) * local) if kind == "cp" else (0, seq_len)
     targets = torch.randint(0, spec.vocab, (seqs, seq_len), generator=gen).to(device)[:, sliced[0]: sliced[1]]
     out_len = local if kind in ("tp_sp", "cp") else seq_len
-    grad = torch.randn(seqs, out_len, spec.hidden, generator=gen).to(device)
+    grad = torch.randn(seqs, out_len, spec.hidden, generator=gen).to(device, floats)
 
     def forward():
         if kind == "cp":

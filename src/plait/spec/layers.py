@@ -18,7 +18,7 @@ collectives move. Counts are elements; sizes are in tokens; FLOPs count a multip
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Literal
 
@@ -459,3 +459,11 @@ class Block:
 
     def with_(self, **changes: object) -> Block:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A short hash of the layer's shape (every field): a profile names the layers it measured by it."""
+        import hashlib
+
+        shape = sorted((f.name, getattr(self, f.name)) for f in fields(self))
+        return hashlib.sha256(repr(shape).encode()).hexdigest()[:12]
