@@ -177,17 +177,22 @@ def experts_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) ->
     return max(fwd, launch), max(bwd, 2 * launch)
 
 
+def routed_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> tuple[float, float]:
+    """(forward, backward) seconds of the busiest rank's work on its routed tokens: the experts' GEMMs,
+    LSH-MoE's compression, the permutation passes and the experts' output bias (0 without experts)."""
+    terms = [t(block, s, tokens, ctx) for t in (experts_time, lsh_time, permute_time, expert_bias_time)]
+    return sum(f for f, _ in terms), sum(b for _, b in terms)
+
+
 def extra_load_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> tuple[float, float]:
     """(forward, backward) seconds the busiest rank's extra routed tokens (`expert_load` over 1) add to its
-    experts' GEMMs and permutation passes: what a measured layer, whose router spread the tokens about evenly,
-    lacks (0 at balanced load or without experts)."""
+    `routed_time`: what a measured layer, whose router spread the tokens about evenly, lacks (0 at balanced
+    load or without experts)."""
     if block.kind != "moe" or ctx.expert_load == 1.0:
         return 0.0, 0.0
-    even = replace(ctx, expert_load=1.0)
-    terms = (experts_time, permute_time, expert_bias_time)
-    loaded = [sum(pair) for pair in zip(*(t(block, s, tokens, ctx) for t in terms), strict=True)]
-    balanced = [sum(pair) for pair in zip(*(t(block, s, tokens, even) for t in terms), strict=True)]
-    return loaded[0] - balanced[0], loaded[1] - balanced[1]
+    (loaded_f, loaded_b), (even_f, even_b) = (routed_time(block, s, tokens, c)
+                                              for c in (ctx, replace(ctx, expert_load=1.0)))
+    return loaded_f - even_f, loaded_b - even_b
 
 
 def extra_load_activation_bytes(block: Block, s: Strategy, tokens: float, ctx: BlockContext, recompute: str

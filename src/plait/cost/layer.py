@@ -234,11 +234,7 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     seq = block.seq(ctx.seq_len)
     tokens = ctx.seqs * seq // s.cp  # tokens this device holds outside attention
     fwd_gemm, bwd_gemm = _gemms_time(block, s, tokens, ctx.seqs * block.memory_seq(ctx.seq_len) // s.cp, ctx)
-    expert_f, expert_b = experts.experts_time(block, s, tokens, ctx)
-    lsh_f, lsh_b = experts.lsh_time(block, s, tokens, ctx)
-    perm_f, perm_b = experts.permute_time(block, s, tokens, ctx)
-    bias_f, bias_b = experts.expert_bias_time(block, s, tokens, ctx)
-    expert_f, expert_b = expert_f + lsh_f + perm_f + bias_f, expert_b + lsh_b + perm_b + bias_b
+    expert_f, expert_b = experts.routed_time(block, s, tokens, ctx)
     attn_f, attn_b = _attention_time(block, s, ctx)
     elem_f = elementwise_time(tokens * _elementwise_bytes_per_token(block, s, eb), ctx.cluster.gpu, cal, kernels=8)
     forward = fwd_gemm + expert_f + attn_f + elem_f
@@ -263,8 +259,10 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     act_bytes = tokens * block.tp_comm_elements_per_token * eb
     sublayers = SUBLAYERS[block.kind] - (1 if block.kind == "moe" and not block.ffn else 0)
     tp_fwd = tp_bwd = sublayers * comm.all_reduce(act_bytes, ctx.tp_group, ctx.cluster, cal)
-    runtime = measured_overheads(s, ctx) if measured_block(block, ctx) else {}
-    if timed is not None and block.kind == "moe":  # its attention's machinery, as timed on the trunk layer
+    runtime: dict[str, tuple[float, float]] = {}
+    if measured_block(block, ctx):
+        runtime = measured_overheads(s, ctx)
+    elif timed is not None and block.kind == "moe":  # its attention's machinery, as timed on the trunk layer
         runtime = {dim: t for dim, t in measured_overheads(s, ctx).items() if dim in ATTENTION_MACHINERY}
     if "tp" in runtime:
         tp_fwd, tp_bwd = runtime["tp"]

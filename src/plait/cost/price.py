@@ -80,7 +80,7 @@ def _states_and_sync(params: float, s: Strategy, ctx: BlockContext, group: comm.
     optimizer state of a layer held alike shards over every pipeline (`BlockContext.pipeline_dp`)."""
     group = group or ctx.dp_group
     w, g, o = model_state_bytes(params, group.size, s.zero, ctx.prec, offload=s.offload != "none")
-    if _across_pipelines(ctx, group):
+    if _pipeline_sharded(ctx, group):
         w, g, own_o = model_state_bytes(params, ctx.pipeline_dp, s.zero, ctx.prec, offload=s.offload != "none")
         o = o if ctx.states_alike else own_o
     reduce_t, gather_t = comm.gradient_sync(params, s.zero, group, ctx.prec.reduce_bytes, ctx.prec.param,
@@ -90,7 +90,7 @@ def _states_and_sync(params: float, s: Strategy, ctx: BlockContext, group: comm.
     return w, g, o, reduce_t, gather_t
 
 
-def _across_pipelines(ctx: BlockContext, group: comm.GroupShape) -> bool:
+def _pipeline_sharded(ctx: BlockContext, group: comm.GroupShape) -> bool:
     """Whether several pipelines shard `group`'s parameters within each pipeline's stage
     (`_states_and_sync`)."""
     return bool(ctx.pipeline_dp) and group == ctx.dp_group and ctx.pipeline_dp < group.size
@@ -103,7 +103,7 @@ def updated_params(params: float, s: Strategy, ctx: BlockContext, group: comm.Gr
     group = group or ctx.dp_group
     if s.zero < 1:
         return params
-    shards = ctx.pipeline_dp if _across_pipelines(ctx, group) and not ctx.states_alike else group.size
+    shards = ctx.pipeline_dp if _pipeline_sharded(ctx, group) and not ctx.states_alike else group.size
     return params / shards
 
 

@@ -167,7 +167,7 @@ def layer_targets(spec: ModelSpec, tps: tuple[int, ...], eps: tuple[int, ...] = 
     out: dict[Target, ModelSpec] = {}
     blocks = spec.distinct_blocks
     for tp in dict.fromkeys(tps):
-        if tp < 1 or spec.vocab < tp or any(b.tp_divides(tp) for b in blocks) or not _divides(spec, tp):
+        if tp < 1 or any(b.tp_divides(tp) for b in blocks) or not _divides(spec, tp):
             continue
         for block in blocks:
             shape = "" if block == spec.block else block.fingerprint

@@ -463,7 +463,13 @@ class Block:
     @cached_property
     def fingerprint(self) -> str:
         """A short hash of the layer's shape (every field): a profile names the layers it measured by it."""
-        import hashlib
+        return fields_hash(self, 12)
 
-        shape = sorted((f.name, getattr(self, f.name)) for f in fields(self))
-        return hashlib.sha256(repr(shape).encode()).hexdigest()[:12]
+
+def fields_hash(obj: object, length: int, skip: tuple[str, ...] = ()) -> str:
+    """The first `length` hex digits of the SHA-256 of a dataclass's fields (but `skip`), sorted by name."""
+    import hashlib
+
+    named = fields(obj)  # type: ignore[arg-type]
+    shape = sorted((f.name, getattr(obj, f.name)) for f in named if f.name not in skip)
+    return hashlib.sha256(repr(shape).encode()).hexdigest()[:length]

@@ -20,7 +20,16 @@ from typing import Literal
 
 from plait.errors import PlaitError
 from plait.spec import stacks
-from plait.spec.layers import LSE_BYTES, MASK_BYTES, ActivationBytes, Attention, Block, Gemm, Recompute
+from plait.spec.layers import (
+    LSE_BYTES,
+    MASK_BYTES,
+    ActivationBytes,
+    Attention,
+    Block,
+    Gemm,
+    Recompute,
+    fields_hash,
+)
 
 __all__ = ["LSE_BYTES", "MASK_BYTES", "PRESETS", "ActivationBytes", "Attention", "Block", "Gemm", "ModelSpec",
            "Recompute", "load_model", "parse_inline"]
@@ -95,10 +104,7 @@ class ModelSpec:
     def fingerprint(self) -> str:
         """A short hash of the architecture (every field but the name): plans and checkpoints record it, so
         one made for another model is refused even when the layer counts agree."""
-        import hashlib
-
-        shape = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "name"}
-        return hashlib.sha256(repr(sorted(shape.items())).encode()).hexdigest()[:16]
+        return fields_hash(self, 16, skip=("name",))
 
     # ---- layers -------------------------------------------------------------------------------
     @cached_property
