@@ -182,6 +182,21 @@ def test_mixture_of_experts_layers_are_priced_from_their_measured_shards() -> No
     dense_t, moe_t = block_time(dense, s, c2), block_time(moe, s, c2)
     assert moe_t.forward == pytest.approx(2e-4 + 3e-6 * tokens)
     assert moe_t.tp_comm == pytest.approx(dense_t.tp_comm) and moe_t.tp_comm > 0
+    # the MoE layer timed under ep=2 as the runtime runs it: the exchange is that wall time less the ep=2
+    # shard's compute, in place of the collectives' price; not with another layer's timing
+    ep_timed = Curve(intercept_s=3e-3, per_token_s=1e-5)
+    ep_run = StrategyProfile(model="tiny-moe", kind="ep", group=2, ranks=2, shape=moe.fingerprint,
+                             forward=ep_timed, backward=ep_timed.model_copy(update={"per_token_s": 2e-5}))
+    s = Strategy(dp=2, ep=2)
+    for run, measured in ((ep_run, True), (ep_run.model_copy(update={"shape": "other"}), False)):
+        p3 = p.model_copy(update={"strategies": (run,)})
+        cluster3, cal3 = calibrate(p3, profiled_cluster(p3, "1x2xCPU"))
+        t = block_time(moe, s, BlockContext.for_ranks(spec, cluster3, cal3, prec, 64, 2, s, (0, 1), (0, 1)))
+        added = (3e-3 + 1e-5 * tokens - (2e-4 + 3e-6 * tokens),
+                 3e-3 + 2e-5 * tokens - (2e-4 + 5e-6 / 2 * tokens))
+        assert (t.ep_comm == pytest.approx(sum(added))) == measured
+        assert (t.forward_comm == pytest.approx(added[0])) == measured
+        assert t.forward == pytest.approx(2e-4 + 3e-6 * tokens)  # the compute stays the measured shard's
     # experts split otherwise than the attention: the shard of the same rows per expert and FLOPs
     assert [measured_ep(Strategy(**kw)) for kw in ({"dp": 2, "ep": 2}, {"dp": 2, "tp": 2, "ep": 2},
                                                   {"dp": 2, "tp": 2, "ep": 4, "etp": 1},
@@ -199,7 +214,9 @@ def test_profiling_a_mixture_of_experts_model_measures_each_layer_and_expert_sha
     moe = spec.stack[1].fingerprint
     assert {(lp.shape, lp.tp, lp.ep) for lp in p.layers} == {
         (shape, tp, ep) for tp in (1, 2) for shape, ep in (("", 1), (moe, 1), (moe, 2))}
-    assert {sp.kind for sp in p.strategies} >= {"none", "tp", "zero3"}  # timed on a stack of the trunk layer
+    assert {sp.kind for sp in p.strategies} >= {"none", "tp", "zero3", "ep"}  # on stacks of the trunk layer,
+    assert {sp.shape for sp in p.strategies if sp.kind == "ep"} == {moe}  # for ep of the MoE layer
+    assert {sp.shape for sp in p.strategies if sp.kind != "ep"} == {""}
     assert f"layer {moe}" in proc.stdout
     cluster, cal = calibrate(p, profiled_cluster(p, "1x2xCPU"))
     plan = uniform_plan("dp=2,ep=2,gbs=4,precision=fp32", spec, cluster, 128)

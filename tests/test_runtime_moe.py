@@ -9,6 +9,8 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from test_runtime import _losses, assert_same, reference_losses, text, train_together  # noqa: F401 (fixture)
 from helpers import expect_error
 from test_runtime_kinds import _plan
@@ -16,7 +18,7 @@ from test_runtime_kinds import _plan
 from plait.executable import unbuildable, unsupported
 from plait.models import build_model
 from plait.models.hf_weights import load_hf_safetensors
-from plait.models.moe import MoE
+from plait.models.moe import Experts, MoE
 from plait.plan import Strategy, uniform_plan
 from plait.runtime.train import TrainConfig
 from plait.runtime.varlen import check_config
@@ -72,6 +74,41 @@ def test_routed_experts_match_a_dense_reference() -> None:
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(moe.named_parameters(), ref_moe.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+class _Allocated(TorchDispatchMode):
+    """Bytes of every tensor an op creates while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves(out)
+                          if isinstance(t, torch.Tensor))
+        return out
+
+
+def _backward_bytes(experts: int, hidden: int = 32, ffn: int = 64, rows: int = 2) -> float:
+    """Bytes the backward of `experts` experts (`rows` rows each) allocates over the bytes of their
+    weights."""
+    layer = Experts(experts, hidden, ffn)
+    for w in layer.parameters():
+        torch.nn.init.normal_(w)
+    x = torch.randn(rows * experts, hidden, requires_grad=True)
+    out = layer(x, torch.full((experts,), rows))
+    with _Allocated() as allocated:
+        out.backward(torch.ones_like(out))
+    return allocated.bytes / sum(w.numel() * w.element_size() for w in layer.parameters())
+
+
+def test_the_experts_backward_allocates_in_proportion_to_the_experts() -> None:
+    """Each expert's slice of the stacked weights feeds its gradient back once: the backward allocates a few
+    copies of the weights' size however many experts there are, not a weight-sized tensor per expert (what
+    indexing a stacked parameter once per expert costs: 12x the weights at 4 experts, 36x at 16)."""
+    few, many = _backward_bytes(4), _backward_bytes(16)
+    assert 1.0 <= few < 8.0 and many < 8.0 and many < 1.1 * few
 
 
 def test_balancing_loss_is_the_switch_loss_per_sequence_and_enters_the_backward() -> None:

@@ -89,7 +89,8 @@ def _print_strategies(p) -> None:
     for sp in p.strategies:
         big = max(sp.samples, key=lambda x: x.seqs * x.seq_len)
         tokens = big.seqs * big.seq_len
-        strat.add_row(sp.kind, str(sp.group), str(sp.ranks), f"{big.seqs} x {big.seq_len}",
+        kind = f"{sp.kind} (layer {sp.shape})" if sp.shape else sp.kind
+        strat.add_row(kind, str(sp.group), str(sp.ranks), f"{big.seqs} x {big.seq_len}",
                       f"{sp.forward.at(tokens, big.seq_len) * 1e3:.1f}",
                       f"{sp.backward.at(tokens, big.seq_len) * 1e3:.1f}")
     out.print(strat)

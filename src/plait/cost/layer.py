@@ -148,8 +148,7 @@ def measured_layer(block: Block, s: Strategy, ctx: BlockContext, recompute: str 
     if measured is None or (block.kind == "moe" and s.moe_comm == "lsh"):
         return None
     ep = measured_ep(s) if block.kind == "moe" else 1
-    shape = "" if block == ctx.model.block else block.fingerprint
-    return measured.block(ctx.model.name, s.tp, recompute, shape, ep) if ep else None
+    return measured.block(ctx.model.name, s.tp, recompute, ctx.model.shape_of(block), ep) if ep else None
 
 
 def measured_ep(s: Strategy) -> int:
@@ -289,9 +288,12 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
         (s.recompute in ("attn_kept", "gemm_kept") and s.cp_mode == "ulysses")
     cp_recompute = cp_fwd if repeats_cp else 0.0
 
-    # Expert parallelism: dispatch and combine, nothing overlapped; repeated by full recompute.
-    ep_pass = experts.dispatch_time(block, s, tokens, ctx)
-    ep_recompute = ep_pass if s.recompute in REPEATS_FORWARD else 0.0
+    # Expert parallelism: dispatch and combine, nothing overlapped (as the runtime ran them where the profile
+    # timed them); repeated by full recompute.
+    ep_fwd = ep_bwd = experts.dispatch_time(block, s, tokens, ctx)
+    if timed is not None and (ep_timed := measured_dispatch(block, s, ctx)) is not None:
+        ep_fwd, ep_bwd = ep_timed
+    ep_recompute = ep_fwd if s.recompute in REPEATS_FORWARD else 0.0
 
     # ZeRO-3 gathers parameters before forward and backward and reduce-scatters gradients each micro-batch;
     # ZeRO-2 reduce-scatters gradients each micro-batch. Prefetching hides them behind the block's compute.
@@ -302,7 +304,7 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     elif s.zero >= 2:
         for held, group in experts.held_params(block, s, ctx):
             if group.size > 1 and held > 0:
-                window = experts.expert_sync_window(block, s, ctx, group, ep_pass)
+                window = experts.expert_sync_window(block, s, ctx, group, ep_fwd)
                 f, b = zero_sync_time(held, s.zero, forward + window, backward + recompute + (
                     2 if s.recompute in REPEATS_FORWARD else 1) * window, ctx, group)
                 zero_fwd, zero_bwd = zero_fwd + f, zero_bwd + b
@@ -312,8 +314,8 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     return BlockTime(
         forward=forward, backward=backward, recompute=recompute,
         tp_comm=tp_fwd + tp_bwd + tp_recompute, cp_comm=cp_fwd + cp_bwd + cp_recompute,
-        zero_comm=zero_fwd + zero_bwd, forward_comm=tp_fwd + cp_fwd + zero_fwd + ep_pass + host_fwd,
-        ep_comm=2 * ep_pass + ep_recompute, host_comm=host_fwd + host_bwd,
+        zero_comm=zero_fwd + zero_bwd, forward_comm=tp_fwd + cp_fwd + zero_fwd + ep_fwd + host_fwd,
+        ep_comm=ep_fwd + ep_bwd + ep_recompute, host_comm=host_fwd + host_bwd,
     )
 
 
@@ -372,6 +374,27 @@ def runtime_kinds(s: Strategy, dp_size: int) -> list[tuple[str, str, int]]:
     if s.zero == 3 and dp_size > 1:
         out.append(("zero3", "zero3", dp_size))
     return out
+
+
+def measured_dispatch(block: Block, s: Strategy, ctx: BlockContext) -> tuple[float, float] | None:
+    """(forward, backward) seconds the runtime's expert parallelism adds to MoE layer `block` under `s`
+    (count exchange, token all-to-alls, reordering, waiting for the ep group's slowest rank) where the profile
+    timed it: "ep" over s.ep ranks of one node for this layer, without tensor or expert tensor parallelism or
+    LSH-MoE; the timed wall time less the measured compute of the layer's ep shard. None elsewhere: the
+    exchange is then priced from the collectives (`experts.dispatch_time`)."""
+    measured, m = ctx.cal.measured, ctx.model
+    if (measured is None or block.kind != "moe" or s.ep < 2 or s.tp > 1 or s.expert_tp > 1
+            or s.moe_comm == "lsh" or ctx.ep_group.nodes > 1):
+        return None
+    found = measured.strategy_profile(m.name, "ep", s.ep)
+    local = measured.block(m.name, 1, "none", m.shape_of(block), s.ep)
+    if found is None or found[0].shape != m.shape_of(block) or local is None:
+        return None
+    tokens = ctx.seqs * ctx.seq_len / s.cp
+    timed = measured.strategy(m.name, "ep", s.ep, tokens, ctx.seq_len)
+    assert timed is not None
+    compute = [measured.seconds(c, tokens, ctx.seq_len, m.name) for c in (local.forward, local.backward)]
+    return max(0.0, timed[0] - compute[0]), max(0.0, timed[1] - compute[1])
 
 
 def measured_overheads(s: Strategy, ctx: BlockContext, part: str = "block") -> dict[str, tuple[float, float]]:

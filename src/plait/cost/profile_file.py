@@ -18,7 +18,7 @@ from plait.io import write_atomically
 PROFILE_VERSION = 1
 
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
-StrategyKind = Literal["none", "tp", "tp_sp", "cp", "zero3"]
+StrategyKind = Literal["none", "tp", "tp_sp", "cp", "zero3", "ep"]
 ProfileDtype = Literal["fp32", "bf16"]
 PROFILE_ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 """Bytes of one element of each dtype a profile measures in."""
@@ -114,8 +114,12 @@ class StrategyProfile(_Frozen):
 
     model: str
     kind: StrategyKind = Field(description="tp, tp_sp (with sequence parallelism), cp (Ulysses), zero3 (FSDP), "
-                                           "none (a plain block on each busy rank)")
-    group: int = Field(ge=1, description="ranks of the tensor-, context- or data-parallel group (1 for none)")
+                                           "ep (expert parallelism of an MoE layer), none (a plain block on "
+                                           "each busy rank)")
+    group: int = Field(ge=1, description="ranks of the tensor-, context-, data- or expert-parallel group "
+                                         "(1 for none)")
+    shape: str = Field("", description="the fingerprint of the layer timed (`Block.fingerprint`): an MoE "
+                                       "layer for ep; empty for the model's trunk decoder layer")
     ranks: int = Field(ge=2, description="ranks busy at once on the node while measured")
     forward: Curve
     backward: Curve

@@ -93,7 +93,7 @@ class Experts(nn.Module):
     def forward(self, tokens: Tensor, counts: Tensor) -> Tensor:
         """tokens [n, H] sorted by (local) expert, counts [E_local] -> outputs [n, H] in the same order. Every
         expert runs, on no rows if it got none, so every rank's backward has the same collectives."""
-        w1, w3, w2 = _local(self.w1), _local(self.w3), _local(self.w2)
+        w1, w3, w2 = (_local(w).unbind(0) for w in (self.w1, self.w3, self.w2))
         parts = tokens.split(counts.tolist())
         return torch.cat([_swiglu(x, w1[e], w3[e], w2[e]) for e, x in enumerate(parts)])
 

@@ -170,7 +170,7 @@ def layer_targets(spec: ModelSpec, tps: tuple[int, ...], eps: tuple[int, ...] = 
         if tp < 1 or any(b.tp_divides(tp) for b in blocks) or not _divides(spec, tp):
             continue
         for block in blocks:
-            shape = "" if block == spec.block else block.fingerprint
+            shape = spec.shape_of(block)
             for ep in (dict.fromkeys(eps) if block.kind == "moe" else (1,)):
                 whole = ep >= 1 and not block.experts % ep and block.experts // ep >= block.top_k
                 if block.kind == "moe" and not whole:

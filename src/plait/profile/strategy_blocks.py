@@ -3,12 +3,14 @@
 The layer profile (`plait.profile.layers`) times one rank's share of a block's arithmetic; the collective
 curves time bare collectives. Neither sees what the runtime does around them: DTensor's dispatch and
 redistributions under tensor (and sequence) parallelism, FSDP2's parameter gathers and hooks under ZeRO-3,
-Ulysses' all-to-alls, and how all of that contends for the cores with compute. This module measures it.
+Ulysses' all-to-alls, expert parallelism's count exchange, token all-to-alls and reordering, and how all of
+that contends for the cores with compute. This module measures it.
 
 Method, inside the collective job (torchrun, every rank): for each strategy kind (`KINDS`), each group size g
 it applies to, and each count of ranks busy at once (the g ranks of one group alone, or every rank in groups
 of g side by side, as in a job that also runs data parallelism), four models are parallelised with the
-runtime's own functions (`apply_tp`, `apply_cp`, `apply_dp`) over a mesh of the group: A and L, of
+runtime's own functions (`apply_tp`, `apply_cp`, `apply_dp`; for ep the experts sharded and exchanged as
+`plait.runtime.experts.apply_ep` does) over a mesh of the group: A and L, of
 `BASE_LAYERS` and `BASE_LAYERS + EXTRA_LAYERS` blocks (hidden state in and out, as on a middle pipeline
 stage), C = embedding + A, B = C + final norm, LM head and loss. Each is timed in wall-clock seconds:
 forward, then backward, the slowest busy rank of each repetition. Block = (L - A) / EXTRA_LAYERS, embedding =
@@ -19,7 +21,9 @@ gradients once per step, after the last micro-batch; that reduction is priced fr
 
 A sample's micro-batch (seqs, seq_len) is what one data-parallel replica of the group computes: the group's
 ranks hold seqs x seq_len tokens between them (tp: all of them, replicated; tp_sp and cp: seq_len/g each);
-ZeRO-3 ranks each hold seqs x seq_len tokens of their own. Units: seconds.
+ZeRO-3 and ep ranks each hold seqs x seq_len tokens of their own. The blocks are the model's trunk decoder
+layer, for ep its first MoE layer (`expert_layer`), whose experts the group's ranks split E/g each. Units:
+seconds.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from plait.cost.profile_file import EdgeProfile, LayerSample, StrategyKind, Stra
 from plait.profile.layers import BASE_LAYERS, EXTRA_LAYERS, SEED, fit_curves
 from plait.profile.optimizer import fit_optimizer
 from plait.runtime.optim import PROFILE_LR, make_optimizer
+from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
-KINDS: tuple[StrategyKind, ...] = ("tp", "tp_sp", "cp", "zero3")
+KINDS: tuple[StrategyKind, ...] = ("tp", "tp_sp", "cp", "zero3", "ep")
 """Kinds timed over groups of g >= 2 ranks; "none" (a plain block, group 1) is timed with 2 and with every
 rank busy: how much a rank slows down when the others compute beside it."""
 POINTS: tuple[tuple[int, int], ...] = ((1, 64), (4, 64), (1, 128), (2, 256))
@@ -52,9 +57,17 @@ Item = tuple[str, int, int]
 """(kind, group size, busy ranks)."""
 
 
+def expert_layer(spec: ModelSpec) -> Block | None:
+    """The MoE layer whose expert parallelism the profile times: the model's first (None without one)."""
+    return next((b for b in spec.distinct_blocks if b.kind == "moe"), None)
+
+
 def applies(spec: ModelSpec, kind: str, g: int) -> bool:
     """Whether the runtime can run `kind` over g ranks for `spec` (heads, kv heads and ffn split evenly for
-    tensor parallelism, heads and kv heads for Ulysses)."""
+    tensor parallelism, heads and kv heads for Ulysses, whole experts, at least top_k a rank, for ep)."""
+    if kind == "ep":
+        moe = expert_layer(spec)
+        return moe is not None and moe.experts % g == 0 and moe.experts // g >= moe.top_k
     if kind in ("tp", "tp_sp"):
         return spec.heads % g == 0 and spec.kv_heads % g == 0 and spec.ffn % g == 0
     if kind == "cp":
@@ -84,7 +97,7 @@ def merge(passes: list[dict]) -> dict:
     """One item's raw measurements from several passes as samples: medians over every pass's repetitions
     (seconds per micro-batch), and the median optimizer seconds per parameter count."""
     first = passes[0]
-    out = {k: first[k] for k in ("kind", "group", "ranks")}
+    out = {k: first.get(k, "") for k in ("kind", "group", "ranks", "shape")}
     for part in ("samples", "embedding", "head"):
         out[part] = [{"seqs": s["seqs"], "seq_len": s["seq_len"],
                       **{k: statistics.median(v for p in passes for v in p[part][i][k]) for k in ("forward_s", "backward_s")}}
@@ -107,6 +120,7 @@ def profiles(model: str, raw: list[dict]) -> list[StrategyProfile]:
         edges = {part: EdgeProfile(model=model, part=part, tp=tp, forward=fitted[part][0], backward=fitted[part][1],
                                    samples=fitted[part][2]) for part in ("embedding", "head")}
         out.append(StrategyProfile(model=model, kind=r["kind"], group=r["group"], ranks=r["ranks"],
+                                   shape=r.get("shape", ""),
                                    forward=forward, backward=backward, samples=samples, **edges,
                                    optimizer=fit_optimizer([tuple(x) for x in r["optimizer"]])))
     return out
@@ -134,13 +148,17 @@ def measure_item(spec: ModelSpec, item: Item, quick: bool, dtype: str = "fp32") 
     rank = dist.get_rank()
     device = rank_device()
     mesh = DeviceMesh(device.type, torch.arange(busy).view(busy // g, g), mesh_dim_names=("replica", "group"))
+    if kind == "ep":  # the expert mesh of `plait.runtime.experts`, each group of g ranks one ep group
+        mesh = DeviceMesh(device.type, torch.arange(busy).view(busy // g, g, 1),
+                          mesh_dim_names=("edp", "ep", "etp"))
     busy_group = dist.new_group(list(range(busy)))
     if rank >= busy:
         return None
     warmup, repeats = (QUICK_WARMUP, QUICK_REPEATS) if quick else (WARMUP, REPEATS)
     pts = points(spec, g, quick)
     position = rank % g
-    models = {name: _parallel_model(spec, name, kind, mesh["group"], device, dtype) for name in "ALCB"}
+    group_mesh = mesh if kind == "ep" else mesh["group"]
+    models = {name: _parallel_model(spec, name, kind, group_mesh, device, dtype) for name in "ALCB"}
     runs = {(p, name): _run(spec, models[name], name, kind, g, position, p, device, dtype) for p in pts
             for name in models}
     times: dict[tuple, list[tuple[float, float]]] = {key: [] for key in runs}
@@ -171,7 +189,8 @@ def measure_item(spec: ModelSpec, item: Item, quick: bool, dtype: str = "fp32") 
 
     if rank != 0:
         return None
-    return {"kind": kind, "group": g, "ranks": busy,
+    moe = expert_layer(spec) if kind == "ep" else None
+    return {"kind": kind, "group": g, "ranks": busy, "shape": spec.shape_of(moe) if moe is not None else "",
             "samples": [median_diff(p, LARGE, SMALL, EXTRA_LAYERS) for p in pts],
             "embedding": [median_diff(p, "C", SMALL) for p in pts],
             "head": [median_diff(p, "B", "C") for p in pts],
@@ -180,14 +199,17 @@ def measure_item(spec: ModelSpec, item: Item, quick: bool, dtype: str = "fp32") 
 
 def _parallel_model(spec: ModelSpec, name: str, kind: str, group_mesh, device, dtype: str = "fp32"):
     """Model `name` (see SMALL/LARGE) of seeded weights in `dtype`, parallelised over `group_mesh` as the
-    runtime does."""
+    runtime does (for ep: the ("edp", "ep", "etp") expert mesh)."""
     from plait.models import build_model
     from plait.profile.layers import TORCH_DTYPES
+    from plait.runtime.experts import AllToAll, moe_layers, shard_experts
     from plait.runtime.parallelize import apply_cp, apply_dp, apply_tp
 
     layers = BASE_LAYERS + EXTRA_LAYERS if name == LARGE else BASE_LAYERS
-    trunk = replace(spec, mixed=(), layers=layers)  # a stack of the trunk decoder layer (of any model)
-    model = build_model(trunk, device=device, seed=SEED, dtype=TORCH_DTYPES[dtype])
+    moe = expert_layer(spec) if kind == "ep" else None
+    # a stack of the trunk decoder layer (of any model), for ep of its first MoE layer
+    stack = replace(spec, mixed=(), layers=layers) if moe is None else replace(spec, mixed=(moe,) * layers)
+    model = build_model(stack, device=device, seed=SEED, dtype=TORCH_DTYPES[dtype])
     embedding, head = name in "CB", name == "B"
     if not embedding:
         model.tok_embeddings = model.pos_embeddings = None
@@ -200,6 +222,10 @@ def _parallel_model(spec: ModelSpec, name: str, kind: str, group_mesh, device, d
         apply_cp(model, group_mesh.get_group(), names)  # the embedding's sequence slice is set per run
     elif kind == "zero3":
         apply_dp(model, group_mesh, zero=3, hand_sync=False)  # reduce-scatters every backward, as ZeRO-3 does
+    elif kind == "ep":  # expert gradients are reduced once per step, after the last micro-batch (not timed)
+        for layer in moe_layers(model, names):
+            shard_experts(layer, group_mesh)
+            layer.exchange = AllToAll(group_mesh.get_group("ep"))
     return model.train()
 
 

@@ -125,6 +125,11 @@ class ModelSpec:
         """Whether every layer is the trunk's default layer (a plain decoder-only stack)."""
         return all(b == self.block for b in self.stack)
 
+    def shape_of(self, block: Block) -> str:
+        """The name a profile gives `block`'s measurements: "" for the trunk layer (`block`), else its
+        fingerprint (`Block.fingerprint`)."""
+        return "" if block == self.block else block.fingerprint
+
     @property
     def distinct_blocks(self) -> tuple[Block, ...]:
         """Each different layer once, in order of first appearance."""
