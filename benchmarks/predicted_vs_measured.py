@@ -12,10 +12,11 @@ then in the reverse order, then in the first again (this shared machine's speed 
 so one slow run must not decide a plan). A run's time is its median step time after the first `--skip` steps;
 a plan's measured time is the median of its runs, and, beside it, the best of its runs (the machine's
 neighbours only ever slow a run down). Its memory is rank 0's peak resident size and its terms in the first
-run. Printed: predicted and measured side by side, the memory terms, and for both aggregates Spearman's rank
-correlation, the median absolute time error and the searched plan against the fastest measured one. Targets
-(issue: profiler and calibration): Spearman >= 0.9, median |error| <= 15% (time) and <= 10% (memory), searched
-plan within 10% of the measured fastest.
+run. Printed: predicted and measured side by side (for an MoE model also the expert load the runs realized,
+`plait train`'s `expert_load`, where the plans price balanced routing), the memory terms, and for both
+aggregates Spearman's rank correlation, the median absolute time error and the searched plan against the
+fastest measured one. Targets: Spearman >= 0.9, median |error| <= 15% (time) and <= 10% (memory), searched plan
+within 10% of the measured fastest.
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ def mixed_plan(model: str) -> Plan:
 
 
 def measure(plan: Plan, model: str, steps: int, skip: int, tmp: Path
-            ) -> tuple[float, float, dict[str, float]]:
+            ) -> tuple[float, float, dict[str, float], float | None]:
     """(median seconds per step after `skip` steps, rank 0's peak resident bytes, rank 0's memory terms at
-    the first step) of a real run of `model` in a job of its own."""
+    the first step, the median realized expert load over those steps, None without experts) of a real run
+    of `model` in a job of its own."""
     path, metrics = tmp / "plan.json", tmp / "metrics.jsonl"
     plan.save(path)
     cmd = [sys.executable, "-m", "plait.cli", "train", "--model", model, "--plan", str(path), "--steps",
@@ -82,8 +84,9 @@ def measure(plan: Plan, model: str, steps: int, skip: int, tmp: Path
     if proc.returncode != 0:
         raise SystemExit(f"training failed: {proc.stderr[-1500:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    loads = [r["expert_load"]["mean"] for r in records[skip:] if "expert_load" in r]
     return (statistics.median(r["step_time_s"] for r in records[skip:]), max(r["peak_memory_bytes"] for r in records),
-            records[0]["memory_terms"][0])
+            records[0]["memory_terms"][0], statistics.median(loads) if loads else None)
 
 
 def searched_plan(profile, spec) -> Plan:
@@ -169,8 +172,10 @@ def main() -> None:
                      "predicted_bytes": rank0.memory.total, "predicted_terms": rank0.memory.as_dict(), "runs": []})
     for round_ in range(ROUNDS):  # every plan once per round, in alternating order: drift hits all alike
         for row in rows if round_ % 2 == 0 else rows[::-1]:
-            time_s, memory, terms = measure(row["plan_json"], model, args.steps, args.skip, tmp)
+            time_s, memory, terms, load = measure(row["plan_json"], model, args.steps, args.skip, tmp)
             row["runs"].append(time_s)
+            if load is not None:
+                row.setdefault("expert_load", []).append(load)
             if round_ == 0:
                 row["measured_bytes"], row["measured_terms"] = memory, terms
             console.print(f"round {round_ + 1}: {row['ranks']} ranks {row['plan']:40s} predicted "
@@ -197,15 +202,18 @@ def report(data: dict) -> dict:
     rows, searched = data["rows"], data["searched"]
     table = Table(title=f"{data['model']}, seq {data['seq_len']}, global batch {data['global_batch']}: predicted "
                         f"vs measured (profile {data.get('profile', '?')})")
+    loads = any("expert_load" in r for r in rows)  # the realized load, beside the load of 1 the plans price
     for col in ("ranks", "plan", "pred s/step", "runs s/step", "median", "err", "best", "err", "pred MiB",
-                "meas MiB", "mem err"):
+                "meas MiB", "mem err", *(["load"] if loads else [])):
         table.add_column(col, justify="left" if col in ("plan", "runs s/step") else "right")
     for r in rows:
         med, best = statistics.median(r["runs"]), min(r["runs"])
+        load = [f"{statistics.median(r['expert_load']):.2f}" if "expert_load" in r else "-"] if loads else []
         table.add_row(str(r["ranks"]), r["plan"], f"{r['predicted_s']:.3f}", " ".join(f"{x:.3f}" for x in r["runs"]),
                       f"{med:.3f}", f"{r['predicted_s'] / med - 1:+.1%}", f"{best:.3f}",
                       f"{r['predicted_s'] / best - 1:+.1%}", f"{r['predicted_bytes'] / 2**20:.0f}",
-                      f"{r['measured_bytes'] / 2**20:.0f}", f"{r['predicted_bytes'] / r['measured_bytes'] - 1:+.1%}")
+                      f"{r['measured_bytes'] / 2**20:.0f}", f"{r['predicted_bytes'] / r['measured_bytes'] - 1:+.1%}",
+                      *load)
     console.print(table)
     console.print(memory_table(rows))
     mem_err = statistics.median(abs(r["predicted_bytes"] / r["measured_bytes"] - 1) for r in rows)

@@ -212,6 +212,17 @@ def test_expert_parallel_plans_match_single_process(runs, reference, name) -> No
     assert_same(_losses(runs[nproc], name), reference)
 
 
+def test_training_reports_the_expert_load_it_ran(runs) -> None:
+    """Every step's metrics carry the busiest expert-parallel rank's routed rows over the mean across its ep
+    group (the `expert_load` a plan prices), over the MoE layers: between 1 and the ep degree, and above 1
+    when real text is routed over several ranks."""
+    for nproc, cases in ((2, TWO_RANKS), (4, FOUR_RANKS)):
+        first = runs[nproc][0].first_records
+        for name in cases:
+            load = first[name]["expert_load"]
+            assert 1.0 < load["mean"] <= load["max"] <= (4 if "ep4" in name else 2), name
+
+
 def test_resume_from_ep2_into_ep4(runs) -> None:
     """A checkpoint written with ep2 (2 ranks) loads with ep4 (4 ranks, experts resharded by DCP): the next
     losses are those of the uninterrupted run."""

@@ -84,6 +84,10 @@ class Experts(nn.Module):
     Under expert parallelism they are DTensors sharded along the expert dimension, and under expert tensor
     parallelism also along F (each rank's outputs are then partial sums, `plait.runtime.experts`)."""
 
+    rows: int = 0
+    """Rows the experts computed (a recomputed forward again) since the runtime last read and reset it
+    (`plait.runtime.experts.expert_load`)."""
+
     def __init__(self, experts: int, hidden: int, ffn: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, ffn, hidden))
@@ -94,6 +98,7 @@ class Experts(nn.Module):
         """tokens [n, H] sorted by (local) expert, counts [E_local] -> outputs [n, H] in the same order. Every
         expert runs, on no rows if it got none, so every rank's backward has the same collectives."""
         w1, w3, w2 = (_local(w).unbind(0) for w in (self.w1, self.w3, self.w2))
+        self.rows += tokens.shape[0]
         parts = tokens.split(counts.tolist())
         return torch.cat([_swiglu(x, w1[e], w3[e], w2[e]) for e, x in enumerate(parts)])
 
@@ -129,6 +134,8 @@ class MoE(nn.Module):
 
     exchange: Exchange | None = None
     """Set by the runtime for expert parallelism (None: every expert is on this rank)."""
+    ep_group: dist.ProcessGroup | None = None
+    """Set by the runtime: the expert-parallel group the exchange spreads the experts over (None: ep 1)."""
     compressor: Compressor | None = None
     """Set by the runtime for LSH-MoE (`moe_comm=lsh`): only centroids reach the experts (None: every pair)."""
     sequence_group: dist.ProcessGroup | None = None

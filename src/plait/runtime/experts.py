@@ -173,6 +173,7 @@ def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dis
         if s.ep > 1 or s.expert_tp > 1:
             shard_experts(moe, groups.mesh)
             moe.exchange = AllToAll(groups.mesh.get_group("ep")) if s.ep > 1 else None
+            moe.ep_group = groups.mesh.get_group("ep") if s.ep > 1 else None
         if s.expert_tp > 1:
             moe.exchange = ExpertTensorParallel(groups.mesh.get_group("etp"), moe.exchange)
         if s.moe_comm == "lsh":
@@ -190,6 +191,33 @@ def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dis
         else:
             syncs.append((list(moe.experts.parameters()), groups.edp, 1.0 / data))
     return syncs
+
+
+def expert_load(models: list[nn.Module], layers: int) -> list[float]:
+    """Each layer's routed rows on its busiest expert-parallel rank over their mean across the ep group
+    since the last call (the `expert_load` a plan prices; 1 without expert parallelism, 0 for a layer
+    without experts), the busiest of its replicas, the same on every rank; resets the counts. Every rank
+    calls it (collectives over each ep group, then over all ranks)."""
+    load = torch.zeros(layers, dtype=torch.float64)
+    by_group: dict[dist.ProcessGroup | None, list[tuple[int, MoE]]] = {}
+    for model in models:
+        for name, layer in model.layers.items():
+            for m in layer.modules():
+                if isinstance(m, MoE):
+                    by_group.setdefault(m.ep_group, []).append((int(name), m))
+    for group, moes in by_group.items():  # in layer order: the same on every rank of a group
+        rows = torch.tensor([float(m.experts.rows) for _, m in moes], dtype=torch.float64)
+        for _, m in moes:
+            m.experts.rows = 0
+        ratio = torch.ones_like(rows)
+        if group is not None:
+            busiest = rows.clone()
+            dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(rows, group=group)
+            ratio = busiest * dist.get_world_size(group) / rows.clamp(min=1.0)
+        load[[i for i, _ in moes]] = ratio
+    dist.all_reduce(load, op=dist.ReduceOp.MAX)
+    return load.tolist()
 
 
 def expert_params(model: nn.Module) -> set[int]:

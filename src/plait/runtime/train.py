@@ -31,6 +31,7 @@ from plait.models.vision import IGNORE_INDEX, image_targets
 from plait.plan import SYNC_P2P, Plan
 from plait.runtime import checkpoint, memory, offload, preflight, swap
 from plait.runtime.data import SAMPLES_LOG_ENV, TokenSource, log_samples
+from plait.runtime.experts import expert_load
 from plait.runtime.loop import lr_at, step_optimizers, train_loop
 from plait.runtime.optim import make_optimizer
 from plait.runtime.boundary import boundaries
@@ -544,6 +545,7 @@ class PlanSteps:
         t4 = time.perf_counter()
         dist.all_reduce(loss_sum)
         elapsed = time.perf_counter() - t0
+        load = expert_load(placed.chunks, spec.layers) if spec.has_experts else None
         record = {"step": step, "loss": float(loss_sum[0] / loss_sum[1]), "step_time_s": elapsed,
                   "tokens_per_s": plan.global_batch * plan.seq_len / elapsed, "lr": lr_at(step, cfg),
                   "grad_norm": grad_norm, "peak_memory_bytes": memory.peak_bytes(),
@@ -553,6 +555,9 @@ class PlanSteps:
             record["swap"] = swapped
         if (moved := offload.step_metrics(placed.optimizers)) is not None:
             record["offload"] = moved
+        if load is not None:  # routed rows of the busiest expert rank over the mean, over the MoE layers
+            moe = [x for x, block in zip(load, spec.stack) if block.kind == "moe"]
+            record["expert_load"] = {"mean": sum(moe) / len(moe), "max": max(moe)}
         if step == start:  # the peak's terms on every rank, as `plait simulate` predicts them
             mine = memory.terms(memory.tensor_bytes(params), grads, memory.optimizer_state_bytes(placed.optimizers),
                                 getattr(meter, "peak", 0.0), self.reserve, memory.peak_bytes())
