@@ -344,6 +344,10 @@ PURE = {"dp=2,gbs=4": "tiny-llama", "dp=2,zero=3,gbs=4": "tiny-llama", "tp=2,sp=
 """Pure-bf16 cases: data (ZeRO-0 and 3), tensor, pipeline, context and expert parallelism."""
 PURE_TOLERANCE = 0.005
 """Relative loss difference pure bf16 may show from one process over STEPS steps: bf16 sums in another order."""
+PURE_MOE_TOLERANCE = 0.01
+"""The same for an MoE model: a router logit rounded otherwise in bf16 can send a token to another expert
+(top-k is discontinuous); on CPUs with AMX bf16 kernels tiny-moe's ep2 run differs by 0.51% at one step, less
+at the others (its fp32 runs match one process within 1e-5, tests/test_runtime_moe.py)."""
 
 
 def test_pure_bf16_trains_bf16_states_and_matches_one_process(tmp_path, text, reference) -> None:
@@ -365,7 +369,8 @@ def test_pure_bf16_trains_bf16_states_and_matches_one_process(tmp_path, text, re
         want = _losses(one, model)
         got = _losses((proc, losses), strategy)
         worst = max(abs(a - b) / b for a, b in zip(got, want))
-        assert worst <= PURE_TOLERANCE, (strategy, got, want)
+        tolerance = PURE_MOE_TOLERANCE if PRESETS[model].has_experts else PURE_TOLERANCE
+        assert worst <= tolerance, (strategy, got, want)
         if model == "tiny-llama":
             assert all(abs(a - b) / b < 0.03 for a, b in zip(got, reference[(model, 4)]))
             spec = PRESETS[model]
