@@ -134,8 +134,6 @@ class MoE(nn.Module):
 
     exchange: Exchange | None = None
     """Set by the runtime for expert parallelism (None: every expert is on this rank)."""
-    ep_group: dist.ProcessGroup | None = None
-    """Set by the runtime: the expert-parallel group the exchange spreads the experts over (None: ep 1)."""
     compressor: Compressor | None = None
     """Set by the runtime for LSH-MoE (`moe_comm=lsh`): only centroids reach the experts (None: every pair)."""
     sequence_group: dist.ProcessGroup | None = None

@@ -97,7 +97,7 @@ def merge(passes: list[dict]) -> dict:
     """One item's raw measurements from several passes as samples: medians over every pass's repetitions
     (seconds per micro-batch), and the median optimizer seconds per parameter count."""
     first = passes[0]
-    out = {k: first.get(k, "") for k in ("kind", "group", "ranks", "shape")}
+    out = {k: first[k] for k in ("kind", "group", "ranks", "shape")}
     for part in ("samples", "embedding", "head"):
         out[part] = [{"seqs": s["seqs"], "seq_len": s["seq_len"],
                       **{k: statistics.median(v for p in passes for v in p[part][i][k]) for k in ("forward_s", "backward_s")}}
@@ -120,8 +120,7 @@ def profiles(model: str, raw: list[dict]) -> list[StrategyProfile]:
         edges = {part: EdgeProfile(model=model, part=part, tp=tp, forward=fitted[part][0], backward=fitted[part][1],
                                    samples=fitted[part][2]) for part in ("embedding", "head")}
         out.append(StrategyProfile(model=model, kind=r["kind"], group=r["group"], ranks=r["ranks"],
-                                   shape=r.get("shape", ""),
-                                   forward=forward, backward=backward, samples=samples, **edges,
+                                   shape=r["shape"], forward=forward, backward=backward, samples=samples, **edges,
                                    optimizer=fit_optimizer([tuple(x) for x in r["optimizer"]])))
     return out
 

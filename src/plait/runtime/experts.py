@@ -173,7 +173,6 @@ def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dis
         if s.ep > 1 or s.expert_tp > 1:
             shard_experts(moe, groups.mesh)
             moe.exchange = AllToAll(groups.mesh.get_group("ep")) if s.ep > 1 else None
-            moe.ep_group = groups.mesh.get_group("ep") if s.ep > 1 else None
         if s.expert_tp > 1:
             moe.exchange = ExpertTensorParallel(groups.mesh.get_group("etp"), moe.exchange)
         if s.moe_comm == "lsh":
@@ -193,6 +192,12 @@ def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dis
     return syncs
 
 
+def ep_group(moe: MoE) -> dist.ProcessGroup | None:
+    """The expert-parallel group `moe`'s exchange spreads its experts over (None: ep 1)."""
+    exchange = moe.exchange.inner if isinstance(moe.exchange, ExpertTensorParallel) else moe.exchange
+    return exchange.group if isinstance(exchange, AllToAll) else None
+
+
 def expert_load(models: list[nn.Module], layers: int) -> list[float]:
     """Each layer's routed rows on its busiest expert-parallel rank over their mean across the ep group
     since the last call (the `expert_load` a plan prices; 1 without expert parallelism, 0 for a layer
@@ -204,7 +209,7 @@ def expert_load(models: list[nn.Module], layers: int) -> list[float]:
         for name, layer in model.layers.items():
             for m in layer.modules():
                 if isinstance(m, MoE):
-                    by_group.setdefault(m.ep_group, []).append((int(name), m))
+                    by_group.setdefault(ep_group(m), []).append((int(name), m))
     for group, moes in by_group.items():  # in layer order: the same on every rank of a group
         rows = torch.tensor([float(m.experts.rows) for _, m in moes], dtype=torch.float64)
         for _, m in moes:
