@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 from helpers import expect_error
@@ -21,6 +22,7 @@ from plait.planner.baselines import run_baseline
 from plait.planner.engine import search
 from plait.simulate import simulate
 from plait.spec.cluster import dgx
+from plait.spec.layers import fields_hash
 from plait.spec.model import PRESETS, from_hf_config
 
 # (total, active) parameters as published: model cards and papers. GPT-OSS counts active parameters without
@@ -53,7 +55,8 @@ DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json (the fields plait reads)
     "num_key_value_heads": 128, "intermediate_size": 18432, "vocab_size": 129280, "moe_intermediate_size": 2048,
     "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
     "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-    "v_head_dim": 128, "max_position_embeddings": 163840, "tie_word_embeddings": False,
+    "v_head_dim": 128, "max_position_embeddings": 163840, "tie_word_embeddings": False, "n_group": 8,
+    "topk_group": 4, "topk_method": "noaux_tc",
 }
 QWEN3_30B = {  # Qwen/Qwen3-30B-A3B config.json
     "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
@@ -66,7 +69,8 @@ KIMI_K2 = {  # moonshotai/Kimi-K2-Base config.json (the fields plait reads)
     "num_key_value_heads": 64, "intermediate_size": 18432, "vocab_size": 163840, "moe_intermediate_size": 2048,
     "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
     "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-    "v_head_dim": 128, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    "v_head_dim": 128, "max_position_embeddings": 131072, "tie_word_embeddings": False, "n_group": 1,
+    "topk_group": 1, "topk_method": "noaux_tc",
 }
 GPT_OSS_120B = {  # openai/gpt-oss-120b config.json
     "model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
@@ -83,6 +87,7 @@ def test_hf_configs_load_as_their_presets(config: dict, preset: str) -> None:
     m = from_hf_config(config, preset)
     assert m.params == PRESETS[preset].params and m.active_params == PRESETS[preset].active_params
     assert m.kind_counts() == PRESETS[preset].kind_counts()
+    assert m.stack == PRESETS[preset].stack  # every layer's shape, DeepSeek-V3's router groups included
 
 
 def test_latent_attention_shapes() -> None:
@@ -118,7 +123,8 @@ def test_expert_parallelism_divides_the_experts_states_and_moves_routed_tokens()
     ctx = _context(m, Strategy(dp=8, ep=8))
     one = experts.dispatch_time(b, Strategy(dp=8, ep=8), 4096, ctx)
     two = experts.dispatch_time(b, Strategy(dp=8, ep=8), 4096, _context(m, Strategy(dp=8, ep=8), load=2.0))
-    assert two > 1.9 * one  # bytes double with the load (latency aside)
+    fixed = 2 * ctx.cal.moe_exchange_overhead_s  # the dispatchers' sync and wait, a dispatch and a combine
+    assert two - fixed > 1.9 * (one - fixed)  # bytes double with the load (latency aside)
 
 
 def test_expert_tensor_parallelism_and_the_expert_data_parallel_group() -> None:
@@ -221,12 +227,47 @@ def test_expert_gathers_overlap_the_token_exchange_only_on_other_links() -> None
 def test_destinations_of_a_token_by_routing() -> None:
     """Random top-8 of 128 experts over 8 ranks reaches 8 * (1 - C(112,8)/C(128,8)) = 5.34 ranks; AutoModel's
     contiguous blocks of 8 reach one rank of 16 experts, and two of DeepSeek-V3's 64 ranks of 4 experts."""
-    assert experts.destinations(128, 8, 8) == pytest.approx(8 * (1 - math.comb(112, 8) / math.comb(128, 8)))
-    assert round(experts.destinations(128, 8, 8), 2) == 5.34
-    assert experts.destinations(128, 8, 8, "contiguous") == 1.0
-    assert experts.destinations(256, 8, 64, "contiguous") == 2.0
-    assert experts.remote_nodes_per_token(256, 8, 8, "contiguous") == pytest.approx(7 / 8)
-    assert experts.remote_nodes_per_token(256, 8, 8) == pytest.approx(7 * (1 - math.comb(224, 8) / math.comb(256, 8)))
+    qwen = next(x for x in PRESETS["qwen3-30b-a3b"].stack if x.kind == "moe")
+    v3 = next(x for x in PRESETS["deepseek-v3"].stack if x.kind == "moe")
+    ungrouped = v3.with_(expert_groups=0, group_top_k=0)
+    assert experts.destinations(qwen, 8) == pytest.approx(8 * (1 - math.comb(112, 8) / math.comb(128, 8)))
+    assert round(experts.destinations(qwen, 8), 2) == 5.34
+    assert experts.destinations(qwen, 8, "contiguous") == 1.0
+    assert experts.destinations(v3, 64, "contiguous") == 2.0
+    assert experts.remote_nodes_per_token(v3, 8, "contiguous") == pytest.approx(7 / 8)
+    assert experts.remote_nodes_per_token(ungrouped, 8) == pytest.approx(7 * (1 - math.comb(224, 8) / math.comb(256, 8)))
+
+
+@pytest.mark.parametrize("parts", [2, 4, 8, 16, 64])
+def test_group_limited_routing_reaches_fewer_nodes_as_sampled(parts: int) -> None:
+    """DeepSeek-V3's router picks 4 of 8 groups of 32 experts, then its top 8 experts among those 128: over 8
+    nodes (a group each) a token reaches 8 * (1/2) * (1 - C(96,8)/C(128,8)) = 3.64 nodes, not 5.27 as without
+    groups. The closed forms (parts of whole groups, and parts inside a group) match 20,000 sampled tokens."""
+    v3 = next(x for x in PRESETS["deepseek-v3"].stack if x.kind == "moe")
+    rng = random.Random(parts)
+    per_part, per_group, reached = 256 // parts, 32, 0
+    for _ in range(20_000):
+        groups = rng.sample(range(8), 4)
+        picks = rng.sample([g * per_group + i for g in groups for i in range(per_group)], 8)
+        reached += len({e // per_part for e in picks})
+    assert experts.destinations(v3, parts) == pytest.approx(reached / 20_000, rel=0.01)
+    assert experts.destinations(v3, parts) < experts.destinations(v3.with_(expert_groups=0, group_top_k=0), parts)
+    if parts == 8:
+        assert experts.destinations(v3, 8) == pytest.approx(4 * (1 - math.comb(96, 8) / math.comb(128, 8)))
+
+
+def test_router_groups_are_checked_and_keep_older_layer_names() -> None:
+    v3 = next(x for x in PRESETS["deepseek-v3"].stack if x.kind == "moe")
+    with pytest.raises(PlaitError, match="group-limited routing"):
+        v3.with_(expert_groups=8, group_top_k=9)
+    with pytest.raises(PlaitError, match="group-limited routing"):
+        v3.with_(expert_groups=7)
+    with pytest.raises(PlaitError, match="group-limited routing"):
+        v3.with_(expert_groups=0)  # group_top_k without groups
+    assert v3.with_(group_top_k=1).group_top_k == 1  # top 8 of one group of 32 experts
+    ungrouped = v3.with_(expert_groups=0, group_top_k=0)
+    assert ungrouped.fingerprint != v3.fingerprint
+    assert ungrouped.fingerprint == fields_hash(ungrouped, 12, skip=("expert_groups", "group_top_k"))
 
 
 def test_deepep_sends_a_token_once_per_destination_rank_and_permutes_twice() -> None:
@@ -250,6 +291,28 @@ def test_deepep_sends_a_token_once_per_destination_rank_and_permutes_twice() -> 
     moved = 4 * 2 * tokens * 8 * 2048 * 2
     assert f == bwd == pytest.approx(moved / (ctx.cluster.gpu.hbm_bandwidth * ctx.cal.memory_efficiency)
                                      + 4 * ctx.cal.kernel_overhead_s)
+
+
+def test_across_nodes_the_all_to_all_dispatcher_sends_every_copy_and_deepep_one_per_node() -> None:
+    """Qwen3-30B-A3B with ep16 over two nodes: NCCL's all-to-all sends each of a token's 8 routed copies that go to
+    the other node over the NIC (8 x 1/2 = 4 token-sizes), DeepEP/HybridEP the token once to each other node its
+    experts fall on (1 - C(64,8)/C(128,8) ~ 1): about 4x fewer network bytes, and the exchange is network-bound."""
+    from dataclasses import replace as _replace
+
+    m = PRESETS["qwen3-30b-a3b"]
+    b = next(x for x in m.stack if x.kind == "moe")
+    s = Strategy(dp=16, ep=16)
+    ctx = _context(m, s, nodes=2)
+    assert ctx.ep_group.nodes == 2
+    tokens = 4096.0
+    sent = tokens * b.top_k * b.hidden * 2
+    network = ctx.cluster.inter.bandwidth * ctx.cal.network_efficiency
+    a2a = experts.token_exchange_time(b, sent, ctx)
+    assert a2a == pytest.approx(8 / 16 * sent / network + ctx.cluster.inter.latency)
+    deepep = experts.token_exchange_time(b, sent, _replace(ctx, dispatcher="deepep"))
+    once = tokens * b.hidden * 2 * experts.remote_nodes_per_token(b, 2)
+    assert deepep == pytest.approx(once / network + ctx.cluster.inter.latency)
+    assert 3.9 < (a2a - ctx.cluster.inter.latency) / (deepep - ctx.cluster.inter.latency) < 4.1
 
 
 def test_shorthand_takes_the_dispatcher_and_routing() -> None:

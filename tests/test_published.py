@@ -353,27 +353,33 @@ MOE = _moe_errors()
 
 
 def test_moe_rows_are_collected_with_a_held_out_third() -> None:
-    assert len(MOE) == 17
-    assert sum(run.held_out for run, _ in MOE) == 8  # every third row, and every row found later
+    assert len(MOE) == 18
+    # every third row, and every row found later but Megatron-Bridge's Qwen3-30B-A3B A/B, whose profile two
+    # constants were read from (Calibration.moe_exchange_overhead_s, experts.EXPERT_GEMM_HOST_S)
+    assert sum(run.held_out for run, _ in MOE) == 8
     assert {run.cluster.gpu.name for run, _ in MOE} == {"H100-80GB"}
     assert {run.model.name for run, _ in MOE} == {"qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x7b", "mixtral-8x22b",
                                                    "gpt-oss-20b", "gpt-oss-120b", "deepseek-v3", "kimi-k2"}
 
 
 def test_moe_rows_the_constants_were_chosen_on() -> None:
-    """benchmarks/published_runs.py: median 12.1%, max 36.8% (37.1% before the optimizer stepped the experts over
+    """benchmarks/published_runs.py: median 6.8%, max 26.6% over 10 rows with the dispatchers' fixed cost of each
+    token exchange (0.29 ms, from the Qwen3-30B-A3B A/B's profile, the tenth row: +0.0%), the expert GEMMs' host
+    time bounded by that profile (40 us, was 50) and a plain all-to-all priced as sending every routed copy across
+    nodes (was: once per node, as DeepEP); before those: 12.1%, 36.8% over 9 (37.1% before the optimizer stepped the experts over
     their own shard group; before the experts' output bias: 12.1%, 55.8%; before
     the permutation passes, DeepEP's dispatch and the AutoModel rows' configs: 14.8%, 63.8%; before the dispatch
     and launch terms: 29.8%, 62.8%). The four GPT-OSS 120B rows (Megatron-Bridge, 64 H100) are predicted 33-37% too
     fast, the Mixtral-8x22B rows 10-11% too
     fast and DeepSeek-V3 on 256 GPUs 20% too fast; the issue's bar (median <= 10%, max <= 20%) is not met."""
     errors = [abs(e) for run, e in MOE if not run.held_out]
-    assert statistics.median(errors) <= 0.125
-    assert max(errors) <= 0.369
+    assert statistics.median(errors) <= 0.069
+    assert max(errors) <= 0.266
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 18.4%, max 37.2% over 8 rows (18.7%, 37.4% before the optimizer stepped the experts over their own
+    """Median 15.8%, max 26.9% over 8 rows with the dispatchers' fixed cost of each token exchange (18.4%, 37.2%
+    before it; 18.7%, 37.4% before the optimizer stepped the experts over their own
     shard group; 16.2% over 7 before AutoModel's Kimi K2 row, -21.2%, was added; 27.3% over
     5 before AutoModel's GPT-OSS 20B and 120B rows, +0.2% and -8.4%; 22.0% before the NeMo 25.11 GPT-OSS row, +27.3%; 23.3% before AutoModel's
     synchronous pipeline exchanges; before the schedule
@@ -383,8 +389,8 @@ def test_moe_held_out_rows() -> None:
     while it was priced as per-micro-batch ZeRO-3 without recompute; its config recomputes every block and syncs FSDP once per step), Mixtral-8x7B (+16%),
     Megatron-FSDP Qwen3-235B (+11%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
-    assert statistics.median(errors) <= 0.185
-    assert max(errors) <= 0.373
+    assert statistics.median(errors) <= 0.159
+    assert max(errors) <= 0.269
 
 
 def test_megatron_fsdp_expert_gathers_hide_behind_the_token_exchange_too() -> None:
@@ -392,23 +398,25 @@ def test_megatron_fsdp_expert_gathers_hide_behind_the_token_exchange_too() -> No
     was +99.7%; the experts' gathers and reduce-scatters (InfiniBand) also run beside the dispatch and combine
     (NVLink), the row reduces gradients in bf16 as Megatron-FSDP's guide recommends (+67.1%), and it is priced as
     Megatron-FSDP (zero-copy double buffers: no per-collective hook time, contention of the SM share alone): +11.0%;
-    with DeepEP's once-per-rank dispatch and its two permutation passes: +10.7%."""
+    with DeepEP's once-per-rank dispatch and its two permutation passes: +10.7%; with the dispatchers' fixed cost of
+    each token exchange (`Calibration.moe_exchange_overhead_s`): +13.4%."""
     (error,) = [e for run, e in MOE if run.plan.pipelines[0].stages[0].strategies[0].zero == 3
                 and run.model.name == "qwen3-235b-a22b"]
-    assert round(error, 3) == 0.107
+    assert round(error, 3) == 0.134
 
 
 def test_cross_node_expert_parallel_rows_within_13_percent() -> None:
     """Qwen3-235B-A22B on 256 H100 with DeepEP (fully published layouts, no FSDP): EP32 across 4 nodes was
     +30% (every routed copy over InfiniBand) and TP4/EP8 with 16 small local experts -40%; then -8.8% and -12.1%;
-    with DeepEP's once-per-rank dispatch and the permutation passes -5.5% and -12.1%."""
+    with DeepEP's once-per-rank dispatch and the permutation passes -5.5% and -12.1%; with the dispatchers' fixed
+    cost of each token exchange and the expert GEMMs' host time at 40 us (was 50): +3.7% and -10.0%."""
     errors = [e for run, e in MOE if run.model.name == "qwen3-235b-a22b" and run.plan.pipelines[0].stages[0]
               .strategies[0].zero == 1]
     assert len(errors) == 2
     assert all(abs(e) <= 0.13 for e in errors)
 
 
-def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_over_30_percent_fast() -> None:
+def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_over_20_percent_fast() -> None:
     """Megatron-Bridge's 26.02-26.04 GPT-OSS perf configs set grad_reduce_in_fp32 False (bf16 gradient reduction):
     +57.6..62.6% became +59.2..64.2%. The attention kernel is the open question: TransformerEngine runs the sink
     attention in cuDNN (fused) only from cuDNN 9.13.1, else unfused, and unfused would add ~89 ms to each
@@ -420,9 +428,10 @@ def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_over_30_percent_fast() -
     batch 512 (8 micro-batches a pipeline, a larger bubble) is +26.9%: per micro-batch the stages run about 30%
     longer than priced in both layouts, so what is missing scales with the work, not with the step. The same model
     on NeMo AutoModel (FSDP2, DeepEP, FlexAttention; 64 H100) is predicted within 8.4%, and GPT-OSS 20B there within
-    0.2%: what is missing belongs to Megatron-Bridge's path, not to the model's shape."""
+    0.2%: what is missing belongs to Megatron-Bridge's path, not to the model's shape. With the dispatchers' fixed
+    cost of each token exchange (0.29 ms, 4 a layer and micro-batch): +23.0..26.9%."""
     errors = sorted(e for run, e in MOE if run.model.name == "gpt-oss-120b" and "Megatron-Bridge" in run.source)
-    assert [round(e, 3) for e in errors] == [0.269, 0.33, 0.332, 0.368, 0.372]
+    assert [round(e, 3) for e in errors] == [0.23, 0.232, 0.238, 0.266, 0.269]
 
 
 def test_automodel_rows_run_as_their_configs_say() -> None:
@@ -434,7 +443,9 @@ def test_automodel_rows_run_as_their_configs_say() -> None:
     pipeline schedule four times a step (schedule_runs 4). GPT-OSS runs without those FSDP optimizations: 120B
     re-gathers for backward (zero 3), 20B keeps the gathered weights (zero 2). Errors: Qwen3-30B -6.3%, DeepSeek-V3
     256 GPUs -16.2% (-14.9% with the later code's vpp 7 and 28 stages), 1024 GPUs -27.7% (-27.8% with vpp 4), GPT-OSS
-    120B -8.2%, 20B +0.3%. Kimi K2 (DeepSeek-V3's layer, 384 experts; pp 8, vpp 4, two schedule runs) -21.0%."""
+    120B -8.2%, 20B +0.3%. Kimi K2 (DeepSeek-V3's layer, 384 experts; pp 8, vpp 4, two schedule runs) -21.0%.
+    With the dispatchers' fixed cost of each token exchange and the expert GEMMs' host time at 40 us: -0.2%, -13.6%,
+    -25.5%, -4.3%, +6.9%, -18.2%."""
     auto = [(run, e) for run, e in MOE if "Automodel" in run.source]
     assert len(auto) == 6
     for run, _ in auto:
@@ -448,7 +459,7 @@ def test_automodel_rows_run_as_their_configs_say() -> None:
     for run, _ in auto:
         if run.model.name in ("deepseek-v3", "kimi-k2"):
             assert [b - a for a, b in (st.layers for st in run.plan.pipelines[0].stages)] == [2] * 29 + [1] * 3
-    assert sorted(round(e, 3) for _, e in auto) == [-0.277, -0.21, -0.162, -0.082, -0.063, 0.003]
+    assert sorted(round(e, 3) for _, e in auto) == [-0.255, -0.182, -0.136, -0.043, -0.002, 0.069]
 
 
 def test_automodel_rows_train_in_pure_bf16_and_fit() -> None:
@@ -473,19 +484,21 @@ def test_automodel_pipelines_exchange_as_torch_2_9_interleaved_1f1b_does() -> No
     """AutoModel's DeepSeek-V3 rows ran torch.distributed.pipelining's ScheduleInterleaved1F1B under torch
     2.8.0 (Automodel 01926a5's uv.lock; pyproject torch<=2.9.0), a PipelineScheduleMulti that waits on every
     time step's batched sends and receives before its next op (p2p=torch). Priced with asynchronous
-    exchanges instead, the rows would be -22.2% and -32.9%."""
+    exchanges instead, the rows would be -19.6% and -30.7% (-22.2% and -32.9% before the dispatchers' fixed cost of
+    each token exchange)."""
     deep = sorted(((run, e) for run, e in MOE if "Automodel" in run.source and run.model.name == "deepseek-v3"),
                   key=lambda item: item[0].cluster.world_size)
     assert [run.plan.p2p for run, _ in deep] == ["torch", "torch"]
     free = [next(iter(relative_errors(run, simulate(run.plan.model_copy(update={"p2p": "async"}), run.model,
                                                     run.cluster, run.cal)).values()))[2] for run, _ in deep]
-    assert [round(e, 3) for e in free] == [-0.222, -0.329]
+    assert [round(e, 3) for e in free] == [-0.196, -0.307]
     assert all(e > f for (_, e), f in zip(deep, free, strict=True))
 
 
 def test_megatron_rows_printed_after_the_causal_flop_count_are_compared_with_it() -> None:
     """Megatron-LM counts causal attention cores at half since MR !2789 (2025-03-06); the ModelZoo's Mixtral-8x22B
-    figures come from its 25.06 container: plait's model TFLOP/s are scaled by 0.9663 (+15-16% became +9.6-10.8%).
+    figures come from its 25.06 container: plait's model TFLOP/s are scaled by 0.9663 (+15-16% became +9.6-10.8%;
+    +2.5-3.6% with the dispatchers' fixed cost of each token exchange).
     The Mixtral-8x7B figure (MCore v0.9, 2024) keeps the whole count."""
     from plait.published import causal_mfu
 
@@ -496,7 +509,7 @@ def test_megatron_rows_printed_after_the_causal_flop_count_are_compared_with_it(
     (_, ours, _), = relative_errors(run, report).values()
     assert ours == pytest.approx(report.model_tflops_per_gpu * causal_mfu(report, run.model, 4096) / report.mfu)
     assert round(ours / report.model_tflops_per_gpu, 4) == 0.9663
-    assert sorted(round(e, 3) for _, e in causal) == [0.096, 0.108]
+    assert sorted(round(e, 3) for _, e in causal) == [0.025, 0.036]
 
 
 def test_megatron_fsdp_row_runs_at_its_infiniband_time() -> None:

@@ -67,6 +67,19 @@ class Calibration:
     fitted medians of 3-9%); re-chosen (from 2e-3) once llm-foundry's rows were priced with their Triton
     attention (`attention: triton`): 1.5e-3 gives the smallest fitted maximum (17.7%, median 4.8%) of the grid
     overlap_contention 0.3-0.6 x 1-3 ms; it matters where layers are small or micro-batches short."""
+    moe_exchange_overhead_s: float = 0.29e-3
+    """Seconds each token exchange of an MoE layer under expert parallelism (a dispatch or a combine, forward
+    or backward) takes beyond moving its bytes: Megatron's dropless dispatchers copy the received-token counts to
+    the host before each dispatch (a sync that drains the GPU's queue), and every exchange waits for the
+    slowest rank of the ep group to arrive. From a controlled, profiled run (Megatron-Bridge
+    skills/nemo-mbridge-perf-moe-comm-overlap, commit 7ded17dae: Qwen3-30B-A3B on 16 H100, TP1 PP1 EP16, MBS1
+    GBS1024, seq 4096, HybridEP, forced balance, expert-parallel overlap off): its Nsight profile counts 9.079
+    ms of communication beside compute as 0.11% of all communication time, so 8.25 s of communication kernels
+    in a 24.71 s step, of which the data-parallel collectives are ~0.03 s; plait prices the step's 12,288
+    exchanges (48 layers x 64 micro-batches x 4) at 4.67 s from their bytes: (8.25 - 0.03 - 4.67) s / 12,288 =
+    0.29 ms each (0.26-0.32 ms for 0.105-0.115%). Not chosen on any other row of
+    benchmarks/data/published_runs.json (that run is a row of its own); a profile that times the exchange
+    (`plait profile`, strategy `ep`) replaces it with the measured one."""
     measured: Measured | None = None
     """Costs measured by `plait profile` on this device type (`plait.cost.measured`), preferred to the
     analytic formulas wherever they cover a case."""

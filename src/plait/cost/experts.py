@@ -34,16 +34,19 @@ if TYPE_CHECKING:
     from plait.cost.layer import BlockContext
 
 
-EXPERT_GEMM_HOST_S = 50e-6
+EXPERT_GEMM_HOST_S = 40e-6
 """Host seconds to issue one local expert's GEMM in a grouped expert layer, exposed because the GPU waits on
 them. Megatron's dropless token dispatchers copy the tokens per expert to the host (a device-to-host sync that
-drains the GPU's queue) and TransformerEngine's GroupedLinear then splits the routed tokens and launches one
-cuBLAS GEMM per local expert from Python, so with many small experts the GPU idles behind the host; the reason
-Megatron captures `moe_router` and `moe_preprocess` in CUDA graphs and prefers ep = experts (MoE README,
-"CUDA Graph support", "Use EP ... Token permutation"). Eager PyTorch costs ~10-20 us of host time per
-operator; a GroupedLinear expert issues 3-5 (split view, GEMM, bias/accumulate, stream hand-off), so 30-100 us.
-Chosen in that range on the fitted MoE rows of benchmarks/data/published_runs.json (held-out rows untouched):
-it matters only where experts are small (tokens per expert x width), e.g. Qwen3-235B with 16 local experts."""
+drains the GPU's queue), after which the host issues the rest of the layer, the experts' GEMMs one per local
+expert (TransformerEngine's GroupedLinear: a torch.split of the routed tokens and a general_grouped_gemm call
+whose C++ loop launches them), so with many small experts the GPU idles behind the host; the reason Megatron
+captures `moe_router` and `moe_preprocess` in CUDA graphs and prefers ep = experts (MoE README, "CUDA Graph
+support"). Bounded by a profiled run: in Megatron-Bridge's Qwen3-30B-A3B A/B on 16 H100 (the run
+`Calibration.moe_exchange_overhead_s` is taken from; 8 local experts of 4,096 rows) the GPU was idle for 1.89 s
+of the 24.71 s step (GPU-active union 22.82 s), which 40 us an expert GEMM accounts for entirely (1.94 s: the
+experts' GEMMs take 0.43 ms a forward, their launches 0.64 ms); 50 us, the value before that profile was read,
+would idle it 3.4 s. The collected rows prefer the top of that bound: Qwen3-235B with 16 local experts of 512
+rows (TP4 EP8) is -10% at 40 us, -25% at 25 us."""
 
 
 def own_tokens(block: Block, s: Strategy, tokens: float) -> float:
@@ -221,7 +224,8 @@ def expert_sync_window(block: Block, s: Strategy, ctx: BlockContext, group: comm
 
 def dispatch_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> float:
     """Seconds of one pass's token exchange on the busiest rank: dispatch and combine all-to-alls over the
-    ep group, all-gather and reduce-scatter over the etp group (0 without experts or expert parallelism)."""
+    ep group, each with the dispatchers' fixed cost beyond its transfer (`Calibration.moe_exchange_overhead_s`),
+    all-gather and reduce-scatter over the etp group (0 without experts or expert parallelism)."""
     if block.kind != "moe":
         return 0.0
     cluster, cal = ctx.cluster, ctx.cal
@@ -230,54 +234,81 @@ def dispatch_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -
     a2a = token_exchange_time(block, sent, ctx)
     etp = comm.all_gather(gathered, ctx.etp_group, cluster, cal) + comm.reduce_scatter(gathered, ctx.etp_group,
                                                                                        cluster, cal)
-    return 2 * a2a + etp
+    overhead = cal.moe_exchange_overhead_s if ctx.ep_group.size > 1 else 0.0
+    return 2 * (a2a + overhead) + etp
 
 
-def destinations(experts: int, top_k: int, groups: int, routing: str = "random") -> float:
-    """Expected number of the `groups` equal groups of experts (the ranks, or the nodes, of the ep group) that a
-    token's top_k distinct experts fall in. Random routing: each group holds experts/groups of them and is missed
-    by all top_k picks with probability C(experts - experts/groups, top_k) / C(experts, top_k). Contiguous routing
-    (NeMo AutoModel's FakeBalancedGate, nemo_automodel/components/moe/layers.py: token t takes experts
-    t*top_k .. t*top_k + top_k - 1 modulo experts): a block of top_k consecutive experts starting at a multiple of
-    top_k, which spans ceil(top_k / (experts/groups)) groups."""
-    if groups <= 1:
-        return float(groups)
-    per_group = experts // groups
+def destinations(block: Block, parts: int, routing: str = "random") -> float:
+    """Expected number of the `parts` equal parts of `block`'s experts (the ranks, or the nodes, of the ep group)
+    that a token's top_k distinct experts fall in. Random routing (Megatron's forced balance draws random
+    logits): each part holds experts/parts of them and is missed by all top_k picks with probability
+    C(experts - experts/parts, top_k) / C(experts, top_k). With router groups (`Block.expert_groups`, DeepSeek's
+    node-limited routing) the picks come from group_top_k random groups (`_missed_with_groups`). Contiguous
+    routing (NeMo AutoModel's FakeBalancedGate, nemo_automodel/components/moe/layers.py: token t takes experts
+    t*top_k .. t*top_k + top_k - 1 modulo experts, whatever the groups): a block of top_k consecutive experts
+    starting at a multiple of top_k, which spans ceil(top_k / (experts/parts)) parts."""
+    if parts <= 1:
+        return float(parts)
+    experts, top_k = block.experts, block.top_k
+    per_part = experts // parts
     if routing == "contiguous":
-        return float(min(groups, math.ceil(top_k / per_group)))
-    miss = math.comb(experts - per_group, top_k) / math.comb(experts, top_k)
-    return groups * (1.0 - miss)
+        return float(min(parts, math.ceil(top_k / per_part)))
+    missed = _missed_with_groups(block, parts)
+    if missed is None:
+        missed = math.comb(experts - per_part, top_k) / math.comb(experts, top_k)
+    return parts * (1.0 - missed)
 
 
-def remote_nodes_per_token(experts: int, top_k: int, nodes: int, routing: str = "random") -> float:
-    """Expected number of other nodes a token's top_k distinct experts fall on, with the experts spread evenly
-    over `nodes` nodes (`destinations`; a token's own node is any one of them alike)."""
+def _missed_with_groups(block: Block, parts: int) -> float | None:
+    """Probability that a token's top_k experts all miss one of `parts` equal parts of the experts when they come
+    from the group_top_k of expert_groups groups it picks (random groups, then random experts of theirs). A part
+    of q whole groups is missed unless some of the c of them picked (hypergeometric) get a pick; a part inside
+    a group is missed unless its group is picked and one of the picked groups' top_k experts is its. None without
+    router groups, or where parts and groups do not nest (priced as without them)."""
+    groups, picked = block.expert_groups, block.group_top_k
+    if groups <= 1 or picked >= groups or (groups % parts and parts % groups):
+        return None
+    per_group = block.experts // groups
+    pool = picked * per_group
+    if groups % parts == 0:
+        q = groups // parts
+        return sum(math.comb(q, c) * math.comb(groups - q, picked - c) / math.comb(groups, picked)
+                   * math.comb(pool - c * per_group, block.top_k) / math.comb(pool, block.top_k)
+                   for c in range(min(q, picked) + 1))
+    chosen = picked / groups
+    inside = math.comb(pool - block.experts // parts, block.top_k) / math.comb(pool, block.top_k)
+    return (1.0 - chosen) + chosen * inside
+
+
+def remote_nodes_per_token(block: Block, nodes: int, routing: str = "random") -> float:
+    """Expected number of other nodes a token's top_k distinct experts fall on, with `block`'s experts spread
+    evenly over `nodes` nodes (`destinations`; a token's own node is any one of them alike)."""
     if nodes <= 1:
         return 0.0
-    return destinations(experts, top_k, nodes, routing) * (nodes - 1) / nodes
+    return destinations(block, nodes, routing) * (nodes - 1) / nodes
 
 
 def token_exchange_time(block: Block, sent: float, ctx: BlockContext) -> float:
     """Seconds of one dispatch (or combine) all-to-all of `sent` bytes of routed token copies over the ep group.
 
-    Megatron's all-to-all dispatcher (`ctx.dispatcher` "alltoall") sends every routed copy: inside a node each
-    crosses NVLink once. DeepEP ("deepep": Megatron's flex dispatcher, NeMo AutoModel) sends a token once per
-    destination rank inside a node (its is_token_in_rank layout; the receiver copies it to its experts).
-    Between nodes a token travels once per destination node, however many of its experts live there, and is
-    forwarded to them over that node's NVLink: DeepEP's normal kernels (DeepSeek-V3 report, sec. 3.2.2: "each
-    token ... transmitted via IB to the GPUs with the same in-node index on its target nodes ... then forwarded
-    via NVLink"), which Megatron recommends for cross-node expert parallelism. So the network carries the token's
-    bytes times the expected number of other nodes its experts fall on (`remote_nodes_per_token`), not top_k
-    times the remote share."""
+    Megatron's all-to-all dispatcher (`ctx.dispatcher` "alltoall", and plait's runtime) is one NCCL
+    all_to_all_single of every routed copy: each copy bound for another rank crosses NVLink inside the node and
+    the rank's NIC to another node, so across nodes the network carries top_k times the remote share of the
+    token's bytes. DeepEP and HybridEP ("deepep": Megatron's flex dispatcher, NeMo AutoModel) send a token once
+    per destination rank inside a node (its is_token_in_rank layout; the receiver copies it to its experts), and
+    between nodes once per destination node, however many of its experts live there, forwarded to them over
+    that node's NVLink (DeepSeek-V3 report, sec. 3.2.2: "each token ... transmitted via IB to the GPUs with the
+    same in-node index on its target nodes ... then forwarded via NVLink"): the network carries the token's bytes
+    times the expected number of other nodes its experts fall on (`remote_nodes_per_token`)."""
     group, cluster, cal = ctx.ep_group, ctx.cluster, ctx.cal
+    if ctx.dispatcher != "deepep":
+        return comm.all_to_all(sent, group, cluster, cal)
     token_bytes = sent / block.top_k
-    copies = sent
-    if ctx.dispatcher == "deepep":  # once per destination rank of the ep group
-        copies = token_bytes * destinations(block.experts, block.top_k, group.size, ctx.routing)
+    copies = token_bytes * destinations(block, group.size, ctx.routing)  # once per rank
     if group.nodes <= 1:
         return comm.all_to_all(copies, group, cluster, cal)
     local = comm.all_to_all(copies, comm.GroupShape(group.per_node, 1, group.per_node), cluster, cal)
-    remote_bytes = token_bytes * remote_nodes_per_token(block.experts, block.top_k, group.nodes, ctx.routing)
+    remote_bytes = token_bytes * remote_nodes_per_token(block, group.nodes, ctx.routing)
     remote = remote_bytes / (cluster.inter.bandwidth * cal.network_efficiency) + cluster.inter.latency
     return max(local, remote)
 

@@ -117,8 +117,12 @@ def _moe_layers(c: _Config, block: object, layers: int, model_type: str) -> tupl
     shared = int(c.get("shared_expert_intermediate_size") or 0) or expert_ffn * int(c.get("n_shared_experts") or 0)  # type: ignore[call-overload]
     every = int(c.get("decoder_sparse_step") or c.get("moe_layer_freq") or 1)  # type: ignore[call-overload]
     dense = tuple(int(i) for i in c.get("mlp_only_layers", []))  # type: ignore[union-attr]
+    groups = int(c.get("n_group") or 0)  # type: ignore[call-overload]
+    limited = groups > 1 and c.get("topk_method", "noaux_tc") != "greedy"  # DeepSeek-V2-Lite: greedy, no groups
     return stacks.moe_layers(block, layers, experts, top_k, expert_ffn, shared_ffn=shared,  # type: ignore[arg-type]
-                             dense_first=int(c.get("first_k_dense_replace") or 0), every=every, dense=dense)  # type: ignore[call-overload]
+                             dense_first=int(c.get("first_k_dense_replace") or 0), every=every, dense=dense,  # type: ignore[call-overload]
+                             expert_groups=groups if limited else 0,
+                             group_top_k=int(c.get("topk_group") or 0) if limited else 0)  # type: ignore[call-overload]
 
 
 def _t5_config(c: _Config, name: str) -> ModelSpec:

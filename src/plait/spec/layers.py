@@ -140,6 +140,11 @@ class Block:
     experts: int = 0  # routed experts (moe)
     top_k: int = 0  # experts per token (moe)
     expert_ffn: int = 0  # one routed expert's MLP width (moe)
+    # Group-limited routing (DeepSeek-V2/V3's n_group, topk_group): the experts fall in expert_groups equal
+    # groups of consecutive experts and a token takes its top_k from the group_top_k groups it scores highest;
+    # 0 = no groups.
+    expert_groups: int = 0
+    group_top_k: int = 0
     in_dim: int = 0  # input width of patch_embed (channels x patch^2) and projector (the tower's hidden)
     # Multi-head latent attention (DeepSeek-V2/V3), on when kv_lora > 0: queries (through a q_lora-wide
     # latent when q_lora > 0) and keys/values from a kv_lora-wide latent; each query/key head has head_dim
@@ -179,11 +184,22 @@ class Block:
         if self.kind == "moe" and (self.experts <= 0 or not 0 < self.top_k <= self.experts or self.expert_ffn <= 0):
             raise PlaitError(f"moe layer: needs experts > 0, 0 < top_k <= experts and expert_ffn > 0 (got experts="
                              f"{self.experts}, top_k={self.top_k}, expert_ffn={self.expert_ffn})")
+        if self.expert_groups or self.group_top_k:
+            self._check_expert_groups()
         if self.kind in ("patch_embed", "projector") and self.in_dim <= 0:
             raise PlaitError(f"{self.kind} layer: in_dim (input width) must be a positive integer")
         for f in ("window", "tokens", "memory_tokens"):
             if getattr(self, f) < 0:
                 raise PlaitError(f"{self.kind} layer: {f} must be >= 0, got {getattr(self, f)}")
+
+    def _check_expert_groups(self) -> None:
+        g, t = self.expert_groups, self.group_top_k
+        if self.kind != "moe" or g <= 0 or self.experts % g or not 0 < t <= g \
+                or self.top_k > t * (self.experts // g):
+            raise PlaitError(f"{self.kind} layer: group-limited routing needs a moe layer whose expert_groups "
+                             f"divide its experts and 0 < group_top_k <= expert_groups with top_k experts in "
+                             f"group_top_k groups (got experts={self.experts}, top_k={self.top_k}, "
+                             f"expert_groups={g}, group_top_k={t})")
 
     # ---- shape -----------------------------------------------------------------------------
     @property
@@ -462,8 +478,9 @@ class Block:
 
     @cached_property
     def fingerprint(self) -> str:
-        """A short hash of the layer's shape (every field): a profile names the layers it measured by it."""
-        return fields_hash(self, 12)
+        """A short hash of the layer's shape (every field; the router groups only where set, so layers without
+        them keep the names earlier profiles gave them): a profile names the layers it measured by it."""
+        return fields_hash(self, 12, skip=tuple(f for f in ("expert_groups", "group_top_k") if not getattr(self, f)))
 
 
 def fields_hash(obj: object, length: int, skip: tuple[str, ...] = ()) -> str:

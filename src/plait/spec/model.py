@@ -329,13 +329,15 @@ def _moe(name: str, dense: ModelSpec, attention: dict[str, int] | None = None, *
 
 
 def _deepseek_v3(name: str = "deepseek-v3", heads: int = 128, vocab: int = 129280, experts: int = 256,
-                 dense_first: int = 3) -> ModelSpec:
+                 dense_first: int = 3, expert_groups: int = 8, group_top_k: int = 4) -> ModelSpec:
     """DeepSeek-V3 (671B, 37B active; its config.json): multi-head latent attention, 3 dense layers, then
-    256 routed experts (top 8) and one shared expert per layer. The multi-token-prediction module is left out.
-    Kimi K2 is the same shape with other head, vocabulary, expert and dense-layer counts."""
+    256 routed experts (top 8, from the best 4 of 8 groups: n_group, topk_group) and one shared expert per layer.
+    The multi-token-prediction module is left out. Kimi K2 is the same shape with other head, vocabulary, expert
+    and dense-layer counts and no expert groups."""
     base = replace(_llama(name, 61, 7168, heads, heads, 18432, vocab, 4096), head_dim=128)
     return _moe(name, base, attention={"q_lora": 1536, "kv_lora": 512, "rope_head_dim": 64, "v_head_dim": 128},
-                experts=experts, top_k=8, expert_ffn=2048, shared_ffn=2048, dense_first=dense_first)
+                experts=experts, top_k=8, expert_ffn=2048, shared_ffn=2048, dense_first=dense_first,
+                expert_groups=expert_groups, group_top_k=group_top_k)
 
 
 def _qwen3_moe(name: str, layers: int, hidden: int, heads: int, kv_heads: int, experts: int, top_k: int,
@@ -404,7 +406,8 @@ PRESETS: dict[str, ModelSpec] = {
     "deepseek-v3": _deepseek_v3(),
     # Kimi K2 (moonshotai/Kimi-K2-Base config.json): DeepSeek-V3's layer with 64 heads, 384 routed experts and
     # one dense layer first.
-    "kimi-k2": _deepseek_v3("kimi-k2", heads=64, vocab=163840, experts=384, dense_first=1),
+    "kimi-k2": _deepseek_v3("kimi-k2", heads=64, vocab=163840, experts=384, dense_first=1, expert_groups=0,
+                            group_top_k=0),
     "gpt-oss-20b": _gpt_oss("gpt-oss-20b", 24, 32),
     "gpt-oss-120b": _gpt_oss("gpt-oss-120b", 36, 128),
     "llava-llama3-8b": _with_vision("llava-llama3-8b", _llama("llava-llama3-8b", 32, 4096, 32, 8, 14336, 128256,

@@ -24,12 +24,14 @@ def windowed(block: Block, layers: int, window: int, global_every: int = 0,
 
 
 def moe_layers(block: Block, layers: int, experts: int, top_k: int, expert_ffn: int, shared_ffn: int = 0,
-               dense_first: int = 0, every: int = 1, dense: tuple[int, ...] = ()) -> tuple[Block, ...]:
+               dense_first: int = 0, every: int = 1, dense: tuple[int, ...] = (), expert_groups: int = 0,
+               group_top_k: int = 0) -> tuple[Block, ...]:
     """`layers` layers of which the first `dense_first` (DeepSeek's first_k_dense_replace), those listed in
     `dense` (Qwen-MoE's mlp_only_layers) and those off the `every` step (decoder_sparse_step) are `block`
-    (dense); the rest route each token to `top_k` of `experts` experts of width `expert_ffn`, beside shared
-    experts of total width `shared_ffn`."""
-    moe = block.with_(kind="moe", experts=experts, top_k=top_k, expert_ffn=expert_ffn, ffn=shared_ffn)
+    (dense); the rest route each token to `top_k` of `experts` experts of width `expert_ffn` (from the
+    `group_top_k` best of `expert_groups` groups, when given), beside shared experts of total width `shared_ffn`."""
+    moe = block.with_(kind="moe", experts=experts, top_k=top_k, expert_ffn=expert_ffn, ffn=shared_ffn,
+                      expert_groups=expert_groups, group_top_k=group_top_k)
     every = max(every, 1)
     return tuple(block if (i < dense_first or i in dense or (i + 1) % every) else moe for i in range(layers))
 
