@@ -76,6 +76,32 @@ def test_routed_experts_match_a_dense_reference() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_router_groups_limit_a_tokens_experts_to_its_best_groups() -> None:
+    """DeepSeek-style group-limited routing (8 experts in 4 groups of 2, the best group, top 2; with top_k = 2 two
+    best groups never bind): each token's experts lie in the group whose most probable expert is highest, and are
+    the 2 most probable there; the same router without groups takes the plain top 2, and the balancing loss still
+    sees every probability."""
+    spec = parse_inline("llama:layers=1,hidden=16,heads=2,ffn=32,vocab=32,experts=8,top_k=2,expert_ffn=8,"
+                        "expert_groups=4,group_top_k=1")
+    grouped = MoE(spec.stack[0])
+    plain = MoE(spec.stack[0].with_(expert_groups=0, group_top_k=0))
+    plain.load_state_dict(grouped.state_dict())
+    x = torch.randn(200, 16)
+    probs, chosen, weights = grouped.route(x)
+    for p, c in zip(probs, chosen, strict=True):
+        best = set(p.view(4, 2).amax(dim=1).topk(1).indices.tolist())
+        assert {int(e) // 2 for e in c} <= best
+        allowed = torch.tensor([e // 2 in best for e in range(8)])
+        assert set(c.tolist()) == set(torch.where(allowed, p, torch.zeros_like(p)).topk(2).indices.tolist())
+    torch.testing.assert_close(weights.sum(dim=-1), torch.ones(200))
+    plain_probs, plain_chosen, _ = plain.route(x)
+    torch.testing.assert_close(probs, plain_probs)
+    assert (plain_chosen.sort(dim=-1).values == probs.topk(2).indices.sort(dim=-1).values).all()
+    assert (chosen.sort(dim=-1).values != plain_chosen.sort(dim=-1).values).any(), "groups must bind somewhere"
+    expect_error(lambda: parse_inline("llama:layers=1,hidden=16,heads=2,ffn=32,vocab=32,experts=8,top_k=2,"
+                                      "expert_ffn=8,expert_groups=3,group_top_k=2"), "group-limited routing")
+
+
 class _Allocated(TorchDispatchMode):
     """Bytes of every tensor an op creates while active."""
 

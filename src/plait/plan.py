@@ -262,8 +262,9 @@ class Plan(BaseModel):
                                description="routed tokens of the busiest expert rank over the mean (MoE layers): "
                                            "1 with balanced routing, the capacity factor with padded experts")
     dispatcher: Dispatcher = Field("alltoall", description="how MoE layers move routed tokens: alltoall "
-                                   "(Megatron's all-to-all dispatcher: every routed copy travels inside a node) "
-                                   "or deepep (DeepEP: a token travels once per destination rank)")
+                                   "(Megatron's all-to-all dispatcher and plait's runtime: every routed copy "
+                                   "travels, over the network too) or deepep (DeepEP, HybridEP: a token travels "
+                                   "once per destination rank in a node, once per destination node across)")
     routing: Routing = Field("random", description="which experts a token's top-k picks are: random (distinct "
                              "experts drawn at random, as balanced routers and Megatron's forced balance give) "
                              "or contiguous (top-k consecutive experts, NeMo AutoModel's fake balanced gate)")

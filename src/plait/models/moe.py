@@ -5,7 +5,10 @@ Shapes: B sequences, T tokens per sequence (this rank's part of them), H hidden,
 expert's width, k experts per token, N = B*T tokens, A = N*k (token, expert) assignments.
 
 Routing: probabilities p = softmax(router(x)) in fp32; each token goes to its k most probable experts with
-weights p renormalised over those k (Mixtral, Qwen3-MoE). No token is dropped.
+weights p renormalised over those k (Mixtral, Qwen3-MoE). No token is dropped. With router groups
+(`Block.expert_groups`, `group_top_k`: DeepSeek-V2's group-limited greedy routing) the experts fall in G equal
+groups of consecutive experts, each scored by its most probable expert, and a token's k experts come from its
+`group_top_k` best groups only.
 
 Load balancing: the Switch/GShard auxiliary loss per sequence s, E/k * sum_i f_si * P_si, with f_si = the
 share of s's assignments that went to expert i (times k: 1 when balanced) and P_si = the mean router
@@ -148,6 +151,7 @@ class MoE(nn.Module):
     def __init__(self, block: Block) -> None:
         super().__init__()
         self.top_k = block.top_k
+        self.groups, self.group_top_k = block.expert_groups, block.group_top_k
         self.router = nn.Linear(block.hidden, block.experts, bias=False)
         self.experts = Experts(block.experts, block.hidden, block.expert_ffn)
         self.shared = FeedForward(block) if block.ffn else None
@@ -159,8 +163,18 @@ class MoE(nn.Module):
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [N, H] -> (router probabilities fp32 [N, E], chosen experts [N, k], their weights [N, k])."""
         probs = F.softmax(self.router(x).float(), dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights, chosen = self._limited(probs).topk(self.top_k, dim=-1)
         return probs, chosen, weights / weights.sum(dim=-1, keepdim=True)
+
+    def _limited(self, probs: Tensor) -> Tensor:
+        """probs [N, E] with the experts outside each token's `group_top_k` best groups (by their most probable
+        expert) set to 0, so top-k picks inside those groups; `probs` itself without router groups."""
+        if self.groups <= 1 or self.group_top_k >= self.groups:
+            return probs
+        grouped = probs.view(probs.shape[0], self.groups, -1)  # [N, G, E/G]
+        best = grouped.amax(dim=-1).topk(self.group_top_k, dim=-1).indices  # [N, group_top_k]
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=probs.device).scatter(1, best, True)
+        return (grouped * keep.unsqueeze(-1)).view_as(probs)
 
     def routed(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
         """The weighted sum of each token's chosen experts: x [N, H], chosen/weights [N, k] -> [N, H]."""

@@ -427,10 +427,11 @@ _INLINE_KEYS = {
     "attention": "attention", "dropout": "dropout", "tied": "tied_embeddings",
 }
 _STACK_KEYS = ("window", "global_every", "experts", "top_k", "expert_ffn", "shared_ffn", "dense_first", "moe_every",
-               "encoder_layers", "decoder_layers", "gated", "vision")
+               "expert_groups", "group_top_k", "encoder_layers", "decoder_layers", "gated", "vision")
 """Inline keys that shape a mixed stack: sliding windows (every layer, or all but every global_every-th),
-MoE layers (after dense_first dense ones, every moe_every-th), T5's encoder and decoder layer counts, a
-vision tower by name (`plait.spec.stacks.VISION_TOWERS`)."""
+MoE layers (after dense_first dense ones, every moe_every-th; experts picked from the group_top_k best of
+expert_groups groups when given), T5's encoder and decoder layer counts, a vision tower by name
+(`plait.spec.stacks.VISION_TOWERS`)."""
 _FAMILIES = ("gpt", "llama", "t5")
 _INLINE_EXAMPLES = {
     "gpt": "gpt:layers=32,hidden=4096,heads=32,vocab=32000",
@@ -511,7 +512,8 @@ def _shape_stack(text: str, model: ModelSpec, shape: dict[str, object]) -> Model
         every = int(shape.pop("global_every", 0))  # type: ignore[call-overload]
         stack = tuple(b.with_(window=window if not (every and (i + 1) % every == 0) else 0)
                       if b.has_attention else b for i, b in enumerate(stack))
-    moe_keys = ("experts", "top_k", "expert_ffn", "shared_ffn", "dense_first", "moe_every")
+    moe_keys = ("experts", "top_k", "expert_ffn", "shared_ffn", "dense_first", "moe_every", "expert_groups",
+                "group_top_k")
     if any(k in shape for k in moe_keys):
         if model.family == "t5":
             raise PlaitError(f"inline model {text!r}: MoE keys apply to gpt and llama stacks only")
