@@ -266,7 +266,7 @@ def _missed_with_groups(block: Block, parts: int) -> float | None:
     a group is missed unless its group is picked and one of the picked groups' top_k experts is its. None without
     router groups, or where parts and groups do not nest (priced as without them)."""
     groups, picked = block.expert_groups, block.group_top_k
-    if groups <= 1 or picked >= groups or (groups % parts and parts % groups):
+    if not block.grouped_routing or (groups % parts and parts % groups):
         return None
     per_group = block.experts // groups
     pool = picked * per_group

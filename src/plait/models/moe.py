@@ -151,7 +151,8 @@ class MoE(nn.Module):
     def __init__(self, block: Block) -> None:
         super().__init__()
         self.top_k = block.top_k
-        self.groups, self.group_top_k = block.expert_groups, block.group_top_k
+        self.groups = block.expert_groups if block.grouped_routing else 0
+        self.group_top_k = block.group_top_k
         self.router = nn.Linear(block.hidden, block.experts, bias=False)
         self.experts = Experts(block.experts, block.hidden, block.expert_ffn)
         self.shared = FeedForward(block) if block.ffn else None
@@ -169,7 +170,7 @@ class MoE(nn.Module):
     def _limited(self, probs: Tensor) -> Tensor:
         """probs [N, E] with the experts outside each token's `group_top_k` best groups (by their most probable
         expert) set to 0, so top-k picks inside those groups; `probs` itself without router groups."""
-        if self.groups <= 1 or self.group_top_k >= self.groups:
+        if not self.groups:
             return probs
         grouped = probs.view(probs.shape[0], self.groups, -1)  # [N, G, E/G]
         best = grouped.amax(dim=-1).topk(self.group_top_k, dim=-1).indices  # [N, group_top_k]

@@ -203,6 +203,11 @@ class Block:
 
     # ---- shape -----------------------------------------------------------------------------
     @property
+    def grouped_routing(self) -> bool:
+        """Whether router groups limit a token's experts (more than one group, fewer of them picked than all)."""
+        return self.expert_groups > 1 and self.group_top_k < self.expert_groups
+
+    @property
     def has_attention(self) -> bool:
         return self.kind in ATTENTION_KINDS
 
