@@ -27,6 +27,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from plait.cached_hash import cached_hash
 from plait.errors import PlaitError
 from plait.io import write_atomically
 from plait.spec.cluster import Cluster
@@ -74,6 +75,7 @@ def _degrees(dp: int, tp: int, cp: int, ep: int, etp: int, shard: int = 0) -> De
     return Degrees(dp=dp, tp=tp, cp=cp, ep=ep, etp=etp, shard=shard)
 
 
+@cached_hash
 class Strategy(BaseModel):
     """How one layer is parallelised over its stage's devices (dp * tp * cp = devices of the stage)."""
 

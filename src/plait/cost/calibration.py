@@ -9,12 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from plait.cached_hash import cached_hash
+
 if TYPE_CHECKING:
     from plait.cost.measured import Measured
     from plait.cost.measured_memory import MeasuredMemory
     from plait.spec.cluster import GPU
 
 
+@cached_hash
 @dataclass(frozen=True)
 class Calibration:
     """Achievable efficiencies of one GPU type and its links."""

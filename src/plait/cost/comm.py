@@ -16,10 +16,12 @@ from functools import lru_cache
 
 import numpy as np
 
+from plait.cached_hash import cached_hash
 from plait.cost.calibration import Calibration
 from plait.spec.cluster import Cluster
 
 
+@cached_hash
 @dataclass(frozen=True)
 class GroupShape:
     """How a process group sits on the cluster."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from plait.cached_hash import cached_hash
 from plait.cost import comm, experts, offload
 from plait.cost.calibration import Calibration
 from plait.cost.comm import GroupShape
@@ -58,6 +59,7 @@ class BlockTime:
         return self.forward + self.backward + self.recompute
 
 
+@cached_hash
 @dataclass(frozen=True)
 class BlockContext:
     """Everything besides the strategy that a block's cost depends on (hashable, for caching)."""
@@ -226,16 +228,71 @@ def recompute_time(recompute: str, forward: float, attention: float, elementwise
             "gemm_kept": attention + elementwise, "full": forward}[recompute]
 
 
+@dataclass(frozen=True)
+class _Work:
+    """Seconds of one micro-batch of a layer on one device that depend only on how its work is split (tp, sp,
+    cp and its mode, ep, etp, moe_comm) and on the run, not on how its states are sharded (zero, shard),
+    recomputed or offloaded: shared by every strategy of the same split. Analytic terms (a profile's
+    timings replace some of them in `block_time`)."""
+
+    tokens: int  # tokens this device holds outside attention
+    gemm: tuple[float, float]  # (forward, backward) of the non-expert GEMMs
+    experts: tuple[float, float]  # of the routed experts
+    attention: tuple[float, float]  # of the attention cores
+    elementwise: float  # forward memory-bound kernels (backward: twice)
+    tp: float  # one pass's tensor-parallel collectives
+    cp: tuple[float, float]  # exposed context-parallel communication
+    ep: float  # one pass's expert dispatch and combine
+
+
+_SPLIT_ONLY = {"zero": 0, "recompute": "none", "shard": 0, "swap": 0.0, "offload": "none"}
+
+
+@lru_cache(maxsize=4096)
+def _split_of(s: Strategy) -> Strategy:
+    """`s` with what does not change a layer's work (`_Work`) at its defaults: one cache key per split."""
+    return s if all(getattr(s, k) == v for k, v in _SPLIT_ONLY.items()) else s.model_copy(update=_SPLIT_ONLY)
+
+
+@lru_cache(maxsize=16384)
+def _work(block: Block, s: Strategy, ctx: BlockContext) -> _Work:
+    """`_Work` of `block` under split `s` (`_split_of`) in the run `ctx`."""
+    cal, eb = ctx.cal, ctx.prec.activation
+    seq = block.seq(ctx.seq_len)
+    tokens = ctx.seqs * seq // s.cp
+    gemm = _gemms_time(block, s, tokens, ctx.seqs * block.memory_seq(ctx.seq_len) // s.cp, ctx)
+    attn_f, attn_b = _attention_time(block, s, ctx)
+    elem_f = elementwise_time(tokens * _elementwise_bytes_per_token(block, s, eb), ctx.cluster.gpu, cal, kernels=8)
+    # Tensor parallelism: per pass one all-reduce per sublayer (or, with sp, an all-gather and a
+    # reduce-scatter of the same total traffic) of the full hidden state of the device's tokens.
+    # An MoE layer's routed experts exchange tokens over their own groups instead (`experts.dispatch_time`).
+    act_bytes = tokens * block.tp_comm_elements_per_token * eb
+    sublayers = SUBLAYERS[block.kind] - (1 if block.kind == "moe" and not block.ffn else 0)
+    tp = sublayers * comm.all_reduce(act_bytes, ctx.tp_group, ctx.cluster, cal)
+    cp_fwd = cp_bwd = 0.0
+    if s.cp > 1 and block.has_attention:
+        if s.cp_mode == "ulysses":
+            cp_fwd = cp_bwd = comm.all_to_all(tokens * block.ulysses_elements_per_token // s.tp * eb, ctx.cp_group,
+                                              ctx.cluster, cal)
+        else:  # ring: cp-1 K/V block passes hidden behind the block attention they feed
+            kv = ctx.seqs * (seq // s.cp) * block.ring_kv_elements_per_token // s.tp * eb
+            step = comm.p2p(kv, ctx.cp_group.nodes > 1, ctx.cluster, cal)
+            cp_fwd = max(0.0, (s.cp - 1) * step - attn_f * cal.overlap_efficiency)
+            cp_bwd = max(0.0, 2 * (s.cp - 1) * step - attn_b * cal.overlap_efficiency)
+    return _Work(tokens=tokens, gemm=gemm, experts=experts.routed_time(block, s, tokens, ctx),
+                 attention=(attn_f, attn_b), elementwise=elem_f, tp=tp, cp=(cp_fwd, cp_bwd),
+                 ep=experts.dispatch_time(block, s, tokens, ctx))
+
+
 @lru_cache(maxsize=16384)
 def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     """Time of `block` for one micro-batch of `ctx.seqs` sequences on one device of strategy `s`."""
-    cal, eb = ctx.cal, ctx.prec.activation
+    cal = ctx.cal
     seq = block.seq(ctx.seq_len)
-    tokens = ctx.seqs * seq // s.cp  # tokens this device holds outside attention
-    fwd_gemm, bwd_gemm = _gemms_time(block, s, tokens, ctx.seqs * block.memory_seq(ctx.seq_len) // s.cp, ctx)
-    expert_f, expert_b = experts.routed_time(block, s, tokens, ctx)
-    attn_f, attn_b = _attention_time(block, s, ctx)
-    elem_f = elementwise_time(tokens * _elementwise_bytes_per_token(block, s, eb), ctx.cluster.gpu, cal, kernels=8)
+    work = _work(block, _split_of(s), ctx)
+    tokens = work.tokens
+    (fwd_gemm, bwd_gemm), (expert_f, expert_b), (attn_f, attn_b) = work.gemm, work.experts, work.attention
+    elem_f = work.elementwise
     forward = fwd_gemm + expert_f + attn_f + elem_f
     backward = bwd_gemm + expert_b + attn_b + 2 * elem_f
     m = ctx.model
@@ -252,12 +309,7 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
         measured_rc = cal.measured.seconds(with_rc.backward, tokens, seq, m.name)  # type: ignore[union-attr]
         recompute = max(0.0, measured_rc - (backward - extra_b))
 
-    # Tensor parallelism: per pass one all-reduce per sublayer (or, with sp, an all-gather and a
-    # reduce-scatter of the same total traffic) of the full hidden state of the device's tokens.
-    # An MoE layer's routed experts exchange tokens over their own groups instead (below).
-    act_bytes = tokens * block.tp_comm_elements_per_token * eb
-    sublayers = SUBLAYERS[block.kind] - (1 if block.kind == "moe" and not block.ffn else 0)
-    tp_fwd = tp_bwd = sublayers * comm.all_reduce(act_bytes, ctx.tp_group, ctx.cluster, cal)
+    tp_fwd = tp_bwd = work.tp
     runtime: dict[str, tuple[float, float]] = {}
     if measured_block(block, ctx):
         runtime = measured_overheads(s, ctx)
@@ -267,20 +319,9 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
         tp_fwd, tp_bwd = runtime["tp"]
 
     # Context parallelism.
-    cp_fwd = cp_bwd = 0.0
-    if s.cp > 1 and block.has_attention:
-        if "cp" in runtime:
-            cp_fwd, cp_bwd = runtime["cp"]
-        elif s.cp_mode == "ulysses":
-            a2a = comm.all_to_all(tokens * block.ulysses_elements_per_token // s.tp * eb, ctx.cp_group, ctx.cluster,
-                                  cal)
-            cp_fwd, cp_bwd = a2a, a2a
-        else:  # ring: cp-1 K/V block passes hidden behind the block attention they feed
-            kv = ctx.seqs * (seq // s.cp) * block.ring_kv_elements_per_token // s.tp * eb
-            cross = ctx.cp_group.nodes > 1
-            step = comm.p2p(kv, cross, ctx.cluster, cal)
-            cp_fwd = max(0.0, (s.cp - 1) * step - attn_f * cal.overlap_efficiency)
-            cp_bwd = max(0.0, 2 * (s.cp - 1) * step - attn_b * cal.overlap_efficiency)
+    cp_fwd, cp_bwd = work.cp
+    if s.cp > 1 and block.has_attention and "cp" in runtime:
+        cp_fwd, cp_bwd = runtime["cp"]
     # attn_kept re-runs the Ulysses all-to-alls around the kept core (queries, keys and values for its
     # backward; its output for the recomputed projection), not the ring's K/V passes, which feed the core;
     # gemm_kept re-runs the Ulysses all-to-alls with the core (it does not run with ring attention).
@@ -290,7 +331,7 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
 
     # Expert parallelism: dispatch and combine, nothing overlapped (as the runtime ran them where the profile
     # timed them); repeated by full recompute.
-    ep_fwd = ep_bwd = experts.dispatch_time(block, s, tokens, ctx)
+    ep_fwd = ep_bwd = work.ep
     if timed is not None and (ep_timed := measured_dispatch(block, s, ctx)) is not None:
         ep_fwd, ep_bwd = ep_timed
     ep_recompute = ep_fwd if s.recompute in REPEATS_FORWARD else 0.0

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from plait.cached_hash import cached_hash
 from plait.spec.cluster import GPU
 
 
+@cached_hash
 @dataclass(frozen=True)
 class PrecisionBytes:
     """Storage of one training precision.

@@ -34,6 +34,7 @@ from plait.planner.layerwise import solve_layers_pareto
 from plait.planner.space import SpaceLimits, block_strategies, divisors, pareto_front
 from plait.simulate import Report, finish, price_plan, simulate
 from plait.spec.cluster import Cluster
+from plait.spec.degrees import Degrees
 from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
@@ -134,6 +135,7 @@ class _Config:
         self.blocks = model.distinct_blocks
         self.block_index = {b: i for i, b in enumerate(self.blocks)}
         self.kind_of_layer = tuple(self.block_index[b] for b in model.stack)
+        self._contexts: dict[Degrees, BlockContext] = {}
         self.priced: list[list[_Priced]] = [
             [p for s in block_strategies(b, cluster, self.n, self.mb, seq_len, limits)
              if self._host_fits(p := self._price(b, s))]
@@ -158,9 +160,15 @@ class _Config:
         return self._relayouts[a, b]
 
     def _context(self, s: Strategy) -> BlockContext:
-        ranks = tuple(range(self.n))
-        return BlockContext.for_ranks(self.model, self.cluster, self.cal, self.prec, self.seq_len, self.mb // s.dp,
-                                      s, ranks, s.degrees.group(ranks, "data"), self.expert_load)
+        """The run as a layer of strategy `s` sees it; one object for every strategy of the same degrees."""
+        d = s.degrees
+        ctx = self._contexts.get(d)
+        if ctx is None:
+            ranks = tuple(range(self.n))
+            ctx = self._contexts[d] = BlockContext.for_ranks(
+                self.model, self.cluster, self.cal, self.prec, self.seq_len, self.mb // s.dp, s, ranks,
+                d.group(ranks, "data"), self.expert_load)
+        return ctx
 
     def _price(self, block: Block, s: Strategy) -> _Priced:
         c = price(block, s, self._context(s))

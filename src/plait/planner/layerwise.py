@@ -473,7 +473,7 @@ def _combine(a: _Sums, b: _Sums, limit: float, merge: float) -> _Sums:
     """Every entry of ``a`` plus every entry of ``b``, Pareto-pruned and merged into buckets."""
     memory = (a.memory[:, None] + b.memory[None, :]).reshape(-1)
     time = (a.time[:, None] + b.time[None, :]).reshape(-1)
-    order = np.argsort(memory, kind="stable")
+    order = np.argsort(memory)  # not stable: entries of equal memory keep the fastest whatever their order
     _, cols = _survivors(time[order][None, :], memory[order][None, :], limit, merge)
     picked = order[cols]
     left, right = np.divmod(picked, len(b.memory))

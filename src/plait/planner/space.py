@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from plait.plan import Strategy, strategy_problem
 from plait.spec.cluster import Cluster
@@ -64,6 +65,13 @@ def block_strategies(block: Block, cluster: Cluster, devices: int, micro_batch: 
                      limits: SpaceLimits = SpaceLimits()) -> list[Strategy]:
     """All valid strategies for `block` on a stage of `devices` devices whose micro-batches hold
     `micro_batch` sequences (layers without attention have no selective or attn_kept recompute)."""
+    return list(_block_strategies(block, cluster, devices, micro_batch, seq_len, limits))
+
+
+@lru_cache(maxsize=1024)
+def _block_strategies(block: Block, cluster: Cluster, devices: int, micro_batch: int, seq_len: int,
+                      limits: SpaceLimits) -> tuple[Strategy, ...]:
+    """`block_strategies`, once per stage (a search asks again for each schedule of a configuration)."""
     max_tp = min(limits.max_tp or cluster.gpus_per_node, devices)
     modes = [rc for rc in limits.recompute if block.has_attention or rc not in ATTENTION_RECOMPUTE]
     out: list[Strategy] = []
@@ -87,7 +95,7 @@ def block_strategies(block: Block, cluster: Cluster, devices: int, micro_batch: 
                                          moe_comm=comm)  # type: ignore[arg-type]
                             if ep == 1 and etp == 0 or not strategy_problem(s, block, devices, micro_batch, seq_len):
                                 out += below_device(s, limits)
-    return [s for s in out if limits.allow(s)] if limits.allow else out
+    return tuple(s for s in out if limits.allow(s)) if limits.allow else tuple(out)
 
 
 def below_device(s: Strategy, limits: SpaceLimits) -> list[Strategy]:

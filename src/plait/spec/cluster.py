@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from plait.cached_hash import cached_hash
 from plait.errors import PlaitError
 
 GIB = 1024**3
@@ -27,6 +28,7 @@ GB = 1e9
 TFLOPS = 1e12
 
 
+@cached_hash
 @dataclass(frozen=True)
 class GPU:
     """One accelerator type. FLOP/s are dense (no sparsity); bytes and bytes/s are decimal where vendors
@@ -40,6 +42,7 @@ class GPU:
     sm_count: int  # streaming multiprocessors (wave quantisation of GEMM tiles)
 
 
+@cached_hash
 @dataclass(frozen=True)
 class Link:
     """A communication path as seen by one GPU: bandwidth per direction (bytes/s) and per-message
@@ -149,6 +152,7 @@ def default_host(gpu_type: str, gpus_per_node: int) -> Host:
                    nvme_bandwidth=base.nvme_bandwidth * per)
 
 
+@cached_hash
 @dataclass(frozen=True)
 class Cluster:
     """`nodes` x `gpus_per_node` devices of one type on a two-level network."""

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from plait.cached_hash import cached_hash
 from plait.errors import PlaitError
 
 Dim = Literal["dp", "cp", "tp", "data", "shard", "replicate"]
@@ -25,6 +26,7 @@ MESH_DIMS: tuple[str, str, str] = ("dp", "cp", "tp")
 """Names of a stage's device-mesh dimensions, slowest first (Megatron order)."""
 
 
+@cached_hash
 @dataclass(frozen=True, order=True)
 class Degrees:
     """Degrees of data, tensor, context, pipeline and expert parallelism."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Literal
 
+from plait.cached_hash import cached_hash
 from plait.errors import PlaitError
 
 Kind = Literal["decoder", "moe", "encoder", "cross_decoder", "vision", "patch_embed", "projector"]
@@ -113,6 +114,7 @@ class ActivationBytes:
     GEMM's partial sums, kept by gemm_kept before their reduce)."""
 
 
+@cached_hash
 @dataclass(frozen=True)
 class Block:
     """Shape of one layer. Widths in elements; `tokens` and `memory_tokens` per sample (0: the run's

@@ -18,6 +18,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
+from plait.cached_hash import cached_hash
 from plait.errors import PlaitError
 from plait.spec import stacks
 from plait.spec.layers import (
@@ -37,6 +38,7 @@ __all__ = ["LSE_BYTES", "MASK_BYTES", "PRESETS", "ActivationBytes", "Attention",
 Family = Literal["gpt", "llama", "t5", "llava"]
 
 
+@cached_hash
 @dataclass(frozen=True)
 class ModelSpec:
     """A transformer: an embedding, an ordered stack of layers of named kinds, and a head.
@@ -92,13 +94,6 @@ class ModelSpec:
                 f"model {self.name!r}: heads={self.heads} is not a multiple of kv_heads={self.kv_heads}; "
                 "grouped-query attention needs kv_heads to divide heads"
             )
-
-    def __hash__(self) -> int:  # cached: a model is a key of every cached pricing call
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", cached)
-        return cached
 
     @cached_property
     def fingerprint(self) -> str:
