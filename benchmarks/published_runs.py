@@ -6,7 +6,8 @@ Reads the six reference runs in ../shared/data/published/training-runs.json (whe
 larger collection in benchmarks/data/published_runs.json, simulates each layout, and prints the published
 figure, plait's prediction and the relative error, then summary statistics by software family
 (Megatron-LM, DeepSpeed, FSDP, MoE, offload and long context; FSDP, MoE and offload also split into the rows
-constants were chosen on and the held-out rows). `--breakdown TEXT` prints instead, for every row whose source
+constants were chosen on and the held-out rows; MoE's held-out rows of the Mixtral and Qwen3 families on 64-256 H100
+also apart). `--breakdown TEXT` prints instead, for every row whose source
 or model contains TEXT (e.g. "MPT-30b", "seq 8192", "A100 40GB"), plait's step time by cause and the memory
 of its fullest device by term, beside the step time the published figure implies.
 """
@@ -54,6 +55,12 @@ def compact(strategy: str) -> str:
     if d.get("sp") == "1":
         parts.append("sp")
     return " ".join(parts)
+
+
+def named_held_out(run: PublishedRun) -> bool:
+    """Whether a row is of the held-out set the MoE bar names: Mixtral and Qwen3 families on 64-256 H100."""
+    return run.cluster.gpu.name.startswith("H100") and 64 <= run.cluster.world_size <= 256 and \
+        run.model.name.startswith(("mixtral", "qwen3"))
 
 
 def published_step_s(run: PublishedRun, report: Report) -> float:
@@ -132,7 +139,8 @@ def main() -> None:
                          no_wrap=True)
     errors: dict[str, list[float]] = {"reference": [], "megatron": [], "deepspeed": [], "fsdp": [],
                                       "fsdp fitted": [], "fsdp held-out": [], "fsdp A100": [], "fsdp H100": [],
-                                      "moe": [], "moe fitted": [], "moe held-out": [], "moe published layout": [],
+                                      "moe": [], "moe fitted": [], "moe held-out": [], "moe held-out named": [],
+                                      "moe published layout": [],
                                       "offload": [], "offload fitted": [], "offload held-out": []}
     rows = []
     skipped_all: list[str] = []
@@ -153,6 +161,8 @@ def main() -> None:
                     errors[f"{group} held-out" if run.held_out else f"{group} fitted"].append(err)
                     if group == "moe" and run.fully_published:
                         errors["moe published layout"].append(err)
+                    if group == "moe" and run.held_out and named_held_out(run):
+                        errors["moe held-out named"].append(err)
                 rows.append({"set": name, "group": group, "held_out": run.held_out, "source": run.source,
                              "gpus": run.cluster.world_size, "figure": key, "published": pub, "predicted": ours,
                              "error": err, "strategy": run.strategy})
@@ -176,7 +186,9 @@ def main() -> None:
               "fsdp": "collected, FSDP / ZeRO-2/3 (all)", "fsdp fitted": "  FSDP, rows constants were chosen on",
               "fsdp held-out": "  FSDP, held-out rows", "fsdp A100": "  FSDP on A100", "fsdp H100": "  FSDP on H100",
               "moe": "collected, mixture-of-experts (all)", "moe fitted": "  MoE, rows constants were chosen on",
-              "moe held-out": "  MoE, held-out rows", "moe published layout": "  MoE, layout fully published",
+              "moe held-out": "  MoE, held-out rows",
+              "moe held-out named": "  MoE held out: Mixtral, Qwen3 on 64-256 H100",
+              "moe published layout": "  MoE, layout fully published",
               "offload": "collected, offload and long context (all)",
               "offload fitted": "  offload, rows constants were chosen on", "offload held-out": "  offload, held-out rows"}
     for group, errs in errors.items():

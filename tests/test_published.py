@@ -353,17 +353,20 @@ MOE = _moe_errors()
 
 
 def test_moe_rows_are_collected_with_a_held_out_third() -> None:
-    assert len(MOE) == 18
-    # every third row, and every row found later but Megatron-Bridge's Qwen3-30B-A3B A/B, whose profile two
-    # constants were read from (Calibration.moe_exchange_overhead_s, experts.EXPERT_GEMM_HOST_S)
-    assert sum(run.held_out for run, _ in MOE) == 8
+    assert len(MOE) == 20
+    # every third row, and every row found later but Megatron-Bridge's Qwen3-30B-A3B A/B (two rows), whose profile
+    # and times three constants were read from (Calibration.moe_exchange_overhead_s and ep_overlap_hidden,
+    # experts.EXPERT_GEMM_HOST_S)
+    assert sum(run.held_out for run, _ in MOE) == 9
     assert {run.cluster.gpu.name for run, _ in MOE} == {"H100-80GB"}
     assert {run.model.name for run, _ in MOE} == {"qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x7b", "mixtral-8x22b",
                                                    "gpt-oss-20b", "gpt-oss-120b", "deepseek-v3", "kimi-k2"}
 
 
 def test_moe_rows_the_constants_were_chosen_on() -> None:
-    """benchmarks/published_runs.py: median 6.8%, max 26.6% over 10 rows with the dispatchers' fixed cost of each
+    """benchmarks/published_runs.py: median 3.7%, max 26.6% over 11 rows with the A/B's overlap-on row (+0.0%, the
+    share of a paired exchange Megatron's expert-parallel overlap hides, 0.46, read from it); median 6.8%, max
+    26.6% over 10 rows with the dispatchers' fixed cost of each
     token exchange (0.29 ms, from the Qwen3-30B-A3B A/B's profile, the tenth row: +0.0%), the expert GEMMs' host
     time bounded by that profile (40 us, was 50) and a plain all-to-all priced as sending every routed copy across
     nodes (was: once per node, as DeepEP); before those: 12.1%, 36.8% over 9 (37.1% before the optimizer stepped the experts over
@@ -373,12 +376,14 @@ def test_moe_rows_the_constants_were_chosen_on() -> None:
     fast, the Mixtral-8x22B rows 10-11% too
     fast and DeepSeek-V3 on 256 GPUs 20% too fast; the issue's bar (median <= 10%, max <= 20%) is not met."""
     errors = [abs(e) for run, e in MOE if not run.held_out]
-    assert statistics.median(errors) <= 0.069
+    assert statistics.median(errors) <= 0.038
     assert max(errors) <= 0.266
 
 
 def test_moe_held_out_rows() -> None:
-    """Median 15.8%, max 26.9% over 8 rows with the dispatchers' fixed cost of each token exchange (18.4%, 37.2%
+    """Median 13.4%, max 26.9% over 9 rows with Megatron-MoE-ModelZoo's Qwen3-235B '+1f1b overlap' row (-3.6%,
+    priced with the overlap's hidden share read from the Megatron-Bridge A/B; 19.7 s without overlap, +3.7%);
+    15.8%, 26.9% over 8 rows with the dispatchers' fixed cost of each token exchange (18.4%, 37.2%
     before it; 18.7%, 37.4% before the optimizer stepped the experts over their own
     shard group; 16.2% over 7 before AutoModel's Kimi K2 row, -21.2%, was added; 27.3% over
     5 before AutoModel's GPT-OSS 20B and 120B rows, +0.2% and -8.4%; 22.0% before the NeMo 25.11 GPT-OSS row, +27.3%; 23.3% before AutoModel's
@@ -389,8 +394,35 @@ def test_moe_held_out_rows() -> None:
     while it was priced as per-micro-batch ZeRO-3 without recompute; its config recomputes every block and syncs FSDP once per step), Mixtral-8x7B (+16%),
     Megatron-FSDP Qwen3-235B (+11%)."""
     errors = sorted(abs(e) for run, e in MOE if run.held_out)
-    assert statistics.median(errors) <= 0.159
+    assert statistics.median(errors) <= 0.135
     assert max(errors) <= 0.269
+
+
+def test_moe_held_out_rows_of_the_named_families_meet_the_bar() -> None:
+    """The held-out rows of the set the MoE bar names (Mixtral and Qwen3 families, 64-256 H100): Megatron-LM's
+    Mixtral-8x7B on 64 H100 (+9.3%), ModelZoo's Megatron-FSDP Qwen3-235B (+13.4%) and its '+1f1b overlap' row
+    (-3.6%): median 9.3%, max 13.4% (bar: 10%, 20%)."""
+    errors = [abs(e) for run, e in MOE if run.held_out and run.cluster.gpu.name == "H100-80GB"
+              and 64 <= run.cluster.world_size <= 256 and run.model.name.startswith(("mixtral", "qwen3"))]
+    assert len(errors) == 3
+    assert statistics.median(errors) <= 0.10 and max(errors) <= 0.20
+
+
+def test_expert_parallel_overlap_rows() -> None:
+    """Megatron's --overlap-moe-expert-parallel-comm on both published pairs: Megatron-Bridge's Qwen3-30B-A3B on 16
+    H100 (the hidden share is read from it: 24.71 -> 20.99 s published, +0.0% both) and ModelZoo's Qwen3-235B-A22B
+    TP2 EP32 PP8 VPP4 on 256 H100 (held out: 19.7 -> 17.6 s published, 20.43 -> 16.96 s priced)."""
+    pairs = {}
+    for run, e in MOE:
+        if run.model.name in ("qwen3-30b-a3b", "qwen3-235b-a22b") and run.plan.dispatcher == "deepep" and \
+                run.plan.pipelines[0].stages[0].strategies[0].ep in (16, 32):
+            pairs.setdefault(run.model.name, {})[run.plan.ep_overlap] = (run, e)
+    assert set(pairs) == {"qwen3-30b-a3b", "qwen3-235b-a22b"}
+    for name, pair in pairs.items():
+        (off, e_off), (on, e_on) = pair[False], pair[True]
+        assert on.held_out == (name == "qwen3-235b-a22b")
+        assert on.report().iteration_time_s < off.report().iteration_time_s
+        assert abs(e_on) <= 0.04 and abs(e_off) <= 0.04
 
 
 def test_megatron_fsdp_expert_gathers_hide_behind_the_token_exchange_too() -> None:
@@ -411,7 +443,7 @@ def test_cross_node_expert_parallel_rows_within_13_percent() -> None:
     with DeepEP's once-per-rank dispatch and the permutation passes -5.5% and -12.1%; with the dispatchers' fixed
     cost of each token exchange and the expert GEMMs' host time at 40 us (was 50): +3.7% and -10.0%."""
     errors = [e for run, e in MOE if run.model.name == "qwen3-235b-a22b" and run.plan.pipelines[0].stages[0]
-              .strategies[0].zero == 1]
+              .strategies[0].zero == 1 and not run.plan.ep_overlap]
     assert len(errors) == 2
     assert all(abs(e) <= 0.13 for e in errors)
 

@@ -53,8 +53,9 @@ ScheduleInterleaved1F1B is a _PipelineScheduleRuntime, whose sends are waited on
 Dispatcher = Literal["alltoall", "deepep"]
 Routing = Literal["random", "contiguous"]
 Offload = Literal["none", "optim", "params", "nvme"]
-PLAN_VERSION = 7
-"""Version of the plan file. 6: the plan's `p2p`, how stages exchange activations (absent in older files:
+PLAN_VERSION = 8
+"""Version of the plan file. 8: the plan's `ep_overlap` (absent in older files: False). 7: the plan's
+`schedule_runs` (absent: 1). 6: the plan's `p2p`, how stages exchange activations (absent in older files:
 "async", plait's runtime) and the MoE token `dispatcher` and `routing` (absent: "alltoall", "random").
 5: strategies carry the share of saved activations swapped to host `swap`, the
 `offload` of optimizer states to the host CPU and the MoE token exchange `moe_comm` (absent in older files: 0,
@@ -249,7 +250,7 @@ class Plan(BaseModel):
             raw = {**raw, "pipelines": [
                 {("micro_batch_sequences" if k == "micro_batch_size" else k): v for k, v in p.items()}
                 if isinstance(p, dict) else p for p in raw.get("pipelines", [])]}
-        return {**raw, "version": PLAN_VERSION}  # versions 2 -> ... -> 7 add fields with defaults
+        return {**raw, "version": PLAN_VERSION}  # versions 2 -> ... -> 8 add fields with defaults
 
     version: int = PLAN_VERSION
     model: str = Field(description="name of the model the plan was made for")
@@ -282,6 +283,10 @@ class Plan(BaseModel):
                                "step, each over micro_batches / schedule_runs micro-batches with its own fill and "
                                "drain; gradients are synchronised once, after the last (NeMo AutoModel's "
                                "gradient accumulation steps under pipeline parallelism)")
+    ep_overlap: bool = Field(False, description="MoE layers' token exchange runs beside another micro-batch's "
+                             "compute: Megatron-LM's --overlap-moe-expert-parallel-comm, which pairs each "
+                             "steady-state forward with an earlier micro-batch's backward (priced, "
+                             "Calibration.ep_overlap_hidden; the runtime does not overlap them and refuses it)")
     pipelines: tuple[Pipeline, ...] = Field(min_length=1)
 
     def own_schedule(self, pipeline: int) -> bool:
@@ -515,7 +520,7 @@ def _validate_strategy(s: Strategy, block: Block, devices: int, mbs: int, plan: 
 
 _STRATEGY_KEYS = ("tp", "pp", "dp", "cp", "mbs", "gbs", "recompute", "sp", "zero", "vpp", "schedule",
                   "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce", "p2p",
-                  "moe_comm", "swap", "offload", "dispatcher", "routing", "schedule_runs")
+                  "moe_comm", "swap", "offload", "dispatcher", "routing", "schedule_runs", "ep_overlap")
 
 
 def parse_strategy(text: str) -> dict[str, str]:
@@ -637,7 +642,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int, va
     parallel and expert tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh:
     LSH-MoE compression of the routed tokens), expert_load, dispatcher (alltoall|deepep) and routing
     (random|contiguous) (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), schedule_runs (pipeline
-    schedules a step, see Plan), swap (share of saved activations swapped to host), offload
+    schedules a step, see Plan), ep_overlap (0|1: Megatron's expert-parallel overlap, see Plan), swap (share of saved activations swapped to host), offload
     (none|optim|params|nvme), and optionally schedule, cp_mode, precision, grad_reduce (auto|fp32|bf16), p2p
     (runtime, the default: as the runtime's schedules exchange, Plan.runtime_p2p; async|megatron|torch),
     overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches. Without `validate`
@@ -684,7 +689,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int, va
                 routing=_choice(d, "routing", ("random", "contiguous")),  # type: ignore[arg-type]
                 grad_reduce=grad_reduce,  # type: ignore[arg-type]
                 p2p="async" if p2p == "runtime" else p2p,  # type: ignore[arg-type]
-                schedule_runs=_int(d, "schedule_runs", 1),
+                schedule_runs=_int(d, "schedule_runs", 1), ep_overlap=_bool(d, "ep_overlap", False),
                 pipelines=(Pipeline(stages=stages, micro_batches=gbs // (mbs * dp),
                                     micro_batch_sequences=mbs * dp),))
     if p2p == "runtime":

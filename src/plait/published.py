@@ -91,8 +91,10 @@ def _strategy(layout: dict) -> str:
         "grad_reduce": layout.get("reduce_dtype", "auto"),
     }
     # MoE rows: expert degrees, busiest expert rank's load, token dispatcher, routing; offload rows: swap,
-    # offload; schedule_runs: pipeline schedules a step (NeMo AutoModel: one per accumulation step).
-    layout_keys = ("ep", "etp", "expert_load", "dispatcher", "routing", "swap", "offload", "schedule_runs")
+    # offload; schedule_runs: pipeline schedules a step (NeMo AutoModel: one per accumulation step); ep_overlap:
+    # Megatron's expert-parallel overlap.
+    layout_keys = ("ep", "etp", "expert_load", "dispatcher", "routing", "swap", "offload", "schedule_runs",
+                   "ep_overlap")
     keys.update({k: layout[k] for k in layout_keys if k in layout})
     return ",".join(f"{k}={v}" for k, v in keys.items())
 

@@ -22,6 +22,7 @@ from plait.cost.pipeline import (
     PipelineResult,
     StageTimes,
     p2p_hold,
+    paired_share,
     peak_weighted_in_flight,
     repeat_runs,
     simulate_pipeline,
@@ -221,7 +222,18 @@ def _layer_context(plan: Plan, pipe_index: int, stage: Stage, s: Strategy, layer
     return _across_pipelines(
         BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, plan.pipelines[pipe_index].per_replica(s),
                                s, stage.ranks, _dp_ranks(plan, layer, s, stage.ranks), plan.expert_load,
-                               plan.dispatcher, plan.routing), plan, layer, s, stage)
+                               plan.dispatcher, plan.routing, exchange_hidden(plan, pipe_index, cal)),
+        plan, layer, s, stage)
+
+
+def exchange_hidden(plan: Plan, pipe_index: int, cal: Calibration) -> float:
+    """Share of MoE layers' token exchange that the plan's expert-parallel overlap (`Plan.ep_overlap`) hides
+    in pipeline `pipe_index`: the paired share of its schedule's passes (`paired_share`) at the calibrated
+    share of a paired exchange (`Calibration.ep_overlap_hidden`); 0 without it."""
+    if not plan.ep_overlap:
+        return 0.0
+    pp = len(plan.pipelines[pipe_index].stages) // plan.chunks
+    return cal.ep_overlap_hidden * paired_share(plan.schedule, pp, plan.run_micro_batches(pipe_index), plan.chunks)
 
 
 def _rank_pattern(ranks: tuple[int, ...], gpus_per_node: int) -> tuple[int, ...]:

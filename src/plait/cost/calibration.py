@@ -83,6 +83,14 @@ class Calibration:
     0.29 ms each (0.26-0.32 ms for 0.105-0.115%). Not chosen on any other row of
     benchmarks/data/published_runs.json (that run is a row of its own); a profile that times the exchange
     (`plait profile`, strategy `ep`) replaces it with the measured one."""
+    ep_overlap_hidden: float = 0.46
+    """Share of an MoE layer's token exchange that Megatron's expert-parallel overlap
+    (--overlap-moe-expert-parallel-comm, `Plan.ep_overlap`) hides when the schedule pairs the micro-batch's pass
+    with another's opposite pass: the exchanges run beside the other micro-batch's compute, slowed by the
+    communication kernels' share of the SMs and exposed where one sub-module's exchange outlasts the compute it
+    is paired with. From the same Megatron-Bridge A/B (overlap on: 20.99 s a step, off: 24.71 s): 3.73 s hidden
+    of the 8.23 s of exchanges plait prices there, 63 of 64 micro-batches paired: 0.46. Checked on Megatron-MoE-
+    ModelZoo's Qwen3-235B-A22B pair on 256 H100 (19.7 s off, 17.6 s on), a held-out row."""
     measured: Measured | None = None
     """Costs measured by `plait profile` on this device type (`plait.cost.measured`), preferred to the
     analytic formulas wherever they cover a case."""

@@ -80,6 +80,7 @@ class BlockContext:
     expert_load: float = 1.0  # routed tokens of the busiest expert rank over the mean (plan.expert_load)
     dispatcher: str = "alltoall"  # how routed tokens travel (plan.dispatcher): "alltoall" or "deepep"
     routing: str = "random"  # which experts a token picks (plan.routing): "random" or "contiguous"
+    ep_hidden: float = 0.0  # share of the token exchange hidden behind another micro-batch (plan.ep_overlap)
     pipeline_dp: int = 0  # several pipelines: the ranks of this pipeline's stage that shard the weights (0: one
     # pipeline); weights and gradients shard over these alone (`plait.runtime.replica_zero`)
     states_alike: bool = True  # several pipelines hold the layer in one shape: the optimizer state shards over
@@ -88,13 +89,14 @@ class BlockContext:
     @staticmethod
     def for_ranks(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: PrecisionBytes, seq_len: int,
                   seqs: int, s: Strategy, ranks: tuple[int, ...], dp_ranks: tuple[int, ...],
-                  expert_load: float = 1.0, dispatcher: str = "alltoall", routing: str = "random"
-                  ) -> BlockContext:
+                  expert_load: float = 1.0, dispatcher: str = "alltoall", routing: str = "random",
+                  ep_hidden: float = 0.0) -> BlockContext:
         """The context of strategy `s` on a stage's `ranks` (Megatron order: tp fastest, then cp, then dp;
         experts: etp, ep, edp); `dp_ranks` are the ranks sharing its weights (under HSDP cut into shard and
         replicate groups)."""
         groups = _group_shapes(s.degrees, tuple(ranks), tuple(dp_ranks), cluster.gpus_per_node, model.has_experts)
-        return BlockContext(model, cluster, cal, prec, seq_len, seqs, *groups, expert_load, dispatcher, routing)
+        return BlockContext(model, cluster, cal, prec, seq_len, seqs, *groups, expert_load, dispatcher, routing,
+                            ep_hidden)
 
 
 @lru_cache(maxsize=65536)
@@ -330,10 +332,12 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     cp_recompute = cp_fwd if repeats_cp else 0.0
 
     # Expert parallelism: dispatch and combine, nothing overlapped (as the runtime ran them where the profile
-    # timed them); repeated by full recompute.
+    # timed them) unless the plan overlaps them with another micro-batch (`ctx.ep_hidden`); repeated by full
+    # recompute.
     ep_fwd = ep_bwd = work.ep
     if timed is not None and (ep_timed := measured_dispatch(block, s, ctx)) is not None:
         ep_fwd, ep_bwd = ep_timed
+    ep_fwd, ep_bwd = ep_fwd * (1 - ctx.ep_hidden), ep_bwd * (1 - ctx.ep_hidden)
     ep_recompute = ep_fwd if s.recompute in REPEATS_FORWARD else 0.0
 
     # ZeRO-3 gathers parameters before forward and backward and reduce-scatters gradients each micro-batch;

@@ -556,3 +556,16 @@ def ideal_bubble_fraction(p: int, micro_batches: int, chunks: int = 1) -> float:
     """Bubble fraction of (interleaved) 1F1B with equal stages and free p2p:
     ``(p - 1) / (chunks * m + p - 1)``."""
     return (p - 1) / (chunks * micro_batches + p - 1)
+
+
+def paired_share(schedule: str, p: int, micro_batches: int, chunks: int = 1) -> float:
+    """Share of the first device's passes that the schedule runs beside another micro-batch's opposite pass, as
+    Megatron's expert-parallel overlap pairs them (each steady-state forward with an earlier micro-batch's
+    backward): all but the warm-up forwards, as many cool-down backwards and the first steady forward (with
+    one device: every micro-batch but the first forward and the last backward); none under GPipe, which runs
+    every forward before any backward. Dimensionless."""
+    if schedule == "gpipe":
+        return 0.0
+    passes = micro_batches * chunks
+    warm_up = 2 * (p - 1) + (chunks - 1) * p if chunks > 1 else p - 1  # Megatron's first-rank warm-up
+    return max(0, passes - min(passes, warm_up) - 1) / passes
