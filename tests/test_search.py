@@ -250,3 +250,23 @@ def test_stage_dp_packs_its_budget_in_bytes() -> None:
         assert sum(bytes_of[s] for s in picked) <= budget
         exact = solve_layers_pareto(times, memory, trans, 0.99 * budget)
         assert exact is not None and stage_time <= exact.time * (1 + 1e-12)
+
+
+def test_the_search_pauses_the_collector_only_while_it_runs() -> None:
+    """The search runs with CPython's cyclic collector paused and leaves it as it found it, on or off, even when
+    it fails."""
+    import gc
+
+    spec, cluster = PRESETS["tiny-llama"], dgx(1, 2, "A100-80GB")
+    seen = []
+    search(spec, cluster, 256, 8, progress=lambda *_: seen.append(gc.isenabled()))
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()
+    try:
+        search(spec, cluster, 256, 8)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(PlaitError):
+        search(spec, cluster, 0, 8)
+    assert gc.isenabled()
