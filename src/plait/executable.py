@@ -23,7 +23,7 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
         return reason
     if plan.ep_overlap:
         return ("ep_overlap: the runtime exchanges MoE tokens without overlapping them with another micro-batch "
-                "(Megatron-LM's option, priced for comparison); set ep_overlap to false to train")
+                "(Megatron-LM's option, priced for comparison); set ep_overlap=0 to train")
     for pi, pipe in enumerate(plan.pipelines):  # fewer micro-batches than stages: the runtime's own schedule
         if not pipe.even_widths and (reason := _uneven_problem(plan, model, pi)) is not None:
             return reason
