@@ -6,8 +6,8 @@ Reads the six reference runs in ../shared/data/published/training-runs.json (whe
 larger collection in benchmarks/data/published_runs.json, simulates each layout, and prints the published
 figure, plait's prediction and the relative error, then summary statistics by software family
 (Megatron-LM, DeepSpeed, FSDP, MoE, offload and long context; FSDP, MoE and offload also split into the rows
-constants were chosen on and the held-out rows; MoE's held-out rows of the Mixtral and Qwen3 families on 64-256 H100
-also apart). `--breakdown TEXT` prints instead, for every row whose source
+constants were chosen on and the held-out rows; MoE's held-out rows of the Mixtral and Qwen3 families on 64-256
+H100 also apart). `--breakdown TEXT` prints instead, for every row whose source
 or model contains TEXT (e.g. "MPT-30b", "seq 8192", "A100 40GB"), plait's step time by cause and the memory
 of its fullest device by term, beside the step time the published figure implies.
 """

@@ -642,11 +642,12 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int, va
     parallel and expert tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh:
     LSH-MoE compression of the routed tokens), expert_load, dispatcher (alltoall|deepep) and routing
     (random|contiguous) (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), schedule_runs (pipeline
-    schedules a step, see Plan), ep_overlap (0|1: Megatron's expert-parallel overlap, see Plan), swap (share of saved activations swapped to host), offload
-    (none|optim|params|nvme), and optionally schedule, cp_mode, precision, grad_reduce (auto|fp32|bf16), p2p
-    (runtime, the default: as the runtime's schedules exchange, Plan.runtime_p2p; async|megatron|torch),
-    overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp micro-batches. Without `validate`
-    the plan is not checked against the model and cluster (for layouts valid by construction).
+    schedules a step, see Plan), ep_overlap (0|1: Megatron's expert-parallel overlap, see Plan), swap (share of
+    saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
+    precision, grad_reduce (auto|fp32|bf16), p2p (runtime, the default: as the runtime's schedules exchange,
+    Plan.runtime_p2p; async|megatron|torch), overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp
+    micro-batches. Without `validate` the plan is not checked against the model and cluster (for layouts valid
+    by construction).
     """
     d = parse_strategy(text)
     tp, pp, cp = _int(d, "tp", 1), _int(d, "pp", 1), _int(d, "cp", 1)
