@@ -94,6 +94,16 @@ def test_simulate_prints_prediction_table():
     assert "Traceback" not in out
 
 
+def test_simulate_names_how_a_moe_plans_tokens_travel():
+    moe = ("-m", "qwen3-30b-a3b", "-c", "2x8xH100-80GB", "-s", "4096")
+    out = " ".join(ANSI.sub("", ok("simulate", *moe, "--strategy",
+                                   "dp=16,ep=16,gbs=1024,dispatcher=deepep,ep_overlap=1").stdout).split())
+    assert "routed tokens: deepep, ep overlap" in out
+    plain = " ".join(ANSI.sub("", ok("simulate", *moe, "--strategy", "dp=16,ep=16,gbs=1024").stdout).split())
+    assert "routed tokens: alltoall" in plain and "ep overlap" not in plain
+    assert "routed tokens" not in ANSI.sub("", ok("simulate", *GPT175, "--strategy", GPT175_STRATEGY).stdout)
+
+
 def test_simulate_json_report_keys_and_consistency():
     data = report(*GPT175, "--strategy", GPT175_STRATEGY)
     assert DESIGN_KEYS <= data.keys()
