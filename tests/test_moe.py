@@ -269,7 +269,7 @@ def test_router_groups_are_checked_and_keep_older_layer_names() -> None:
     assert v3.with_(group_top_k=1).group_top_k == 1  # top 8 of one group of 32 experts
     ungrouped = v3.with_(expert_groups=0, group_top_k=0)
     assert ungrouped.fingerprint != v3.fingerprint
-    assert ungrouped.fingerprint == fields_hash(ungrouped, 12, skip=("expert_groups", "group_top_k"))
+    assert ungrouped.fingerprint == fields_hash(ungrouped, 12, skip=("expert_groups", "group_top_k", "mtp"))
 
 
 def test_deepep_sends_a_token_once_per_destination_rank_and_permutes_twice() -> None:
@@ -384,3 +384,55 @@ def test_the_runtime_refuses_the_expert_parallel_overlap_in_one_line() -> None:
     assert reason is not None and reason.startswith("ep_overlap:") and "\n" not in reason
     with pytest.raises(PlaitError, match="ep_overlap must be 0 or 1"):
         uniform_plan("dp=8,ep=8,gbs=8,ep_overlap=yes", m, cluster, 4096)
+
+
+def test_deepseek_v3_multi_token_prediction_module() -> None:
+    """DeepSeek-V3's MTP module is one more MoE layer with a 2h -> h projection and three norms; with the
+    module's own copies of the embedding and head (as its checkpoint stores them) the total is the model card's
+    685B. The plain preset's layers keep their names; the runtime refuses the module in one line."""
+    plain, mtp = PRESETS["deepseek-v3"], PRESETS["deepseek-v3-mtp"]
+    last = mtp.stack[-1]
+    assert mtp.mtp_layers == 1 and plain.mtp_layers == 0 and mtp.stack[:-1] == plain.stack and last.mtp
+    assert last.with_(mtp=False, norms=plain.stack[-1].norms) == plain.stack[-1]
+    h = plain.hidden
+    assert mtp.params - plain.params == plain.stack[-1].params + 2 * h * h + 3 * h
+    assert mtp.params + 2 * mtp.vocab * h == pytest.approx(685e9, rel=0.005)  # model card: 671B + 14B MTP
+    assert mtp.fingerprint != plain.fingerprint and last.fingerprint != plain.stack[-1].fingerprint
+    # the names the plain model and its layers had before the flag existed (profiles and plans refer to them)
+    assert (plain.fingerprint, plain.stack[-1].fingerprint) == ("5e5fa63c3360ce10", "e8d504416490")
+    # Megatron's FLOP count: the module's layer and projection, and a second pass through the head
+    extra = mtp.model_flops_per_token(4096) - plain.model_flops_per_token(4096)
+    assert extra == pytest.approx(3 * (last.flops_per_token(4096) + 2 * h * mtp.vocab))
+    reason = unsupported(uniform_plan("dp=8,ep=8,gbs=8", mtp, dgx(1, 8, "H100-80GB"), 4096), mtp)
+    assert reason is not None and "multi-token-prediction" in reason and "\n" not in reason
+
+
+def test_multi_token_prediction_prices_a_head_pass_a_lookup_and_the_table_on_the_last_stage() -> None:
+    from plait.cost.head import head_activation_bytes, head_time
+    from plait.cost.price import edge_params
+
+    plain, mtp = PRESETS["deepseek-v3"], PRESETS["deepseek-v3-mtp"]
+    s = Strategy(dp=8, ep=8)
+    one, two = head_time(s, _context(plain, s)), head_time(s, _context(mtp, s))
+    assert 2 * one.forward < two.forward < 2.05 * one.forward  # a second pass and the next tokens' lookup
+    assert 2 * one.backward < two.backward < 2.05 * one.backward
+    assert head_activation_bytes(s, _context(mtp, s)) == 2 * head_activation_bytes(s, _context(plain, s))
+    table = plain.vocab * plain.hidden  # the last stage looks tokens up: it holds the table when pipelined
+    assert edge_params("head", _context(mtp, s), copy=True) - edge_params("head", _context(plain, s), copy=True) \
+        == table
+    assert edge_params("head", _context(mtp, s), copy=False) == edge_params("head", _context(plain, s), copy=False)
+    cluster = dgx(4, 8, "H100-80GB")
+    shorthand = "pp=4,dp=8,ep=8,gbs=64,recompute=full"
+    a, b = (simulate(uniform_plan(shorthand, m, cluster, 4096), m, cluster) for m in (plain, mtp))
+    assert b.iteration_time_s > a.iteration_time_s
+    assert b.devices[-1].memory.weights > a.devices[-1].memory.weights  # the module's layer and the table
+    assert b.devices[0].memory.weights == a.devices[0].memory.weights
+
+
+def test_inline_models_take_multi_token_prediction_modules() -> None:
+    from plait.spec.model import parse_inline
+
+    m = parse_inline("llama:layers=4,hidden=256,heads=4,vocab=1000,experts=8,top_k=2,expert_ffn=128,mtp=2")
+    assert [b.mtp for b in m.stack] == [False] * 4 + [True] * 2 and m.mtp_layers == 2 and m.layers == 6
+    with pytest.raises(PlaitError, match="mtp"):
+        parse_inline("t5:encoder_layers=2,decoder_layers=2,hidden=64,heads=2,vocab=100,mtp=1")

@@ -150,8 +150,12 @@ def unbuildable(model: ModelSpec) -> str | None:
     """Why the runtime cannot build `model` (one line), or None if it can: GPT and Llama stacks of identical
     decoder layers (but for their attention windows), T5-style encoder layers then cross-decoder layers, and
     LLaVA-style patch embedding, vision layers and projector then decoder layers; Llama stacks of decoder
-    and MoE layers; global or sliding-window attention on any layer."""
+    and MoE layers; global or sliding-window attention on any layer. Multi-token-prediction modules are
+    priced, not built."""
     kinds = ", ".join(f"{n} {k}" for k, n in model.kind_counts().items())
+    if model.mtp_layers:
+        return (f"model {model.name!r} ends in {model.mtp_layers} multi-token-prediction module(s), which the cost "
+                "model prices but the runtime does not build; train the model without them")
     if model.family not in BUILT_STACKS:
         return (f"model {model.name!r} has family {model.family!r}; the runtime builds "
                 f"{', '.join(BUILT_STACKS)} models")

@@ -450,8 +450,8 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
     if model.tied_embeddings and stage.layers == (0, model.layers) and tied_copies(plan):
         # a one-stage pipeline holding both copies: summed in place
         reduce_t += tied_copies_sum(stage.strategy(0), stage.strategy(model.layers - 1), stage.ranks, ctx)
-    elif model.tied_embeddings and len(plan.pipelines[0].stages) > 1:
-        reduce_t += tied_embedding_sync(ctx)
+    elif (model.tied_embeddings or model.mtp_layers) and len(plan.pipelines[0].stages) > 1:
+        reduce_t += tied_embedding_sync(ctx)  # the table's copy on the last stage (tied head, or MTP lookups)
     held = [Held(c, count, s, _optimizer_shards(plan, layer, s, stage)) for cost in costs
             for c, count, s, layer in cost.priced]
     return reduce_t, gather_t, optimizer_time(held, ctx)

@@ -1,7 +1,11 @@
 """Time and memory of the embedding (first stage) and the LM head with its loss (last stage).
 
 Both are vocabulary-parallel over the tensor-parallel group (Megatron's VocabParallelEmbedding and
-parallel cross-entropy). Seconds and bytes for one micro-batch on one device.
+parallel cross-entropy). A model's multi-token-prediction modules (`Block.mtp`, the last layers of its stack,
+so on the last stage) each look the next tokens up in the embedding table and run their own pass through the
+shared head and loss there: the last stage pays 1 + `mtp_layers` head passes and `mtp_layers` lookups, keeps
+every pass's logits for backward, and holds a copy of the embedding table when the embedding is on another
+stage. Seconds and bytes for one micro-batch on one device.
 """
 
 from __future__ import annotations
@@ -30,7 +34,19 @@ class EdgeTime:
 
 
 def head_time(s: Strategy, ctx: BlockContext) -> EdgeTime:
-    """Final norm, vocabulary-parallel LM projection and cross-entropy."""
+    """Final norm, vocabulary-parallel LM projection and cross-entropy, once for the trunk and once for each
+    multi-token-prediction module (with its embedding lookup)."""
+    one = _head_pass_time(s, ctx)
+    n = ctx.model.mtp_layers
+    if not n:
+        return one
+    lookup = _lookup_time(s, ctx)
+    return EdgeTime(forward=(1 + n) * one.forward + n * lookup, backward=(1 + n) * one.backward + 2 * n * lookup,
+                    tp_comm=(1 + n) * one.tp_comm + n * _lookup_comm(s, ctx))
+
+
+def _head_pass_time(s: Strategy, ctx: BlockContext) -> EdgeTime:
+    """One pass through the final norm, the LM projection and the cross-entropy."""
     m, gpu, cal, eb = ctx.model, ctx.cluster.gpu, ctx.cal, ctx.prec.activation
     peak = ctx.prec.peak_flops(gpu)
     tokens = ctx.seqs * ctx.seq_len // s.cp
@@ -63,12 +79,25 @@ def _with_runtime(t: EdgeTime, s: Strategy, ctx: BlockContext, part: str) -> Edg
                     backward=t.backward + sum(b for _, b in runtime.values()), tp_comm=tp)
 
 
+def _lookup_time(s: Strategy, ctx: BlockContext) -> float:
+    """Seconds of one vocabulary-parallel embedding lookup (memory-bound: read the rows, write the output)."""
+    m = ctx.model
+    tokens = ctx.seqs * ctx.seq_len // s.cp
+    return elementwise_time(2 * tokens * m.hidden * ctx.prec.activation, ctx.cluster.gpu, ctx.cal, kernels=2)
+
+
+def _lookup_comm(s: Strategy, ctx: BlockContext) -> float:
+    """Seconds of the all-reduce over the tp group that completes a vocabulary-parallel lookup."""
+    tokens = ctx.seqs * ctx.seq_len // s.cp
+    return comm.all_reduce(tokens * ctx.model.hidden * ctx.prec.activation, ctx.tp_group, ctx.cluster, ctx.cal)
+
+
 def embedding_time(s: Strategy, ctx: BlockContext) -> EdgeTime:
     """Vocabulary-parallel embedding lookup (memory-bound) and its all-reduce across the tp group."""
-    m, gpu, cal, eb = ctx.model, ctx.cluster.gpu, ctx.cal, ctx.prec.activation
+    m, cal = ctx.model, ctx.cal
     tokens = ctx.seqs * ctx.seq_len // s.cp
-    lookup = elementwise_time(2 * tokens * m.hidden * eb, gpu, cal, kernels=2)
-    tp = comm.all_reduce(tokens * m.hidden * eb, ctx.tp_group, ctx.cluster, cal)
+    lookup = _lookup_time(s, ctx)
+    tp = _lookup_comm(s, ctx)
     if cal.measured is not None and (measured := cal.measured.edge(m.name, "embedding", s.tp)) is not None:
         return _with_runtime(EdgeTime(forward=cal.measured.seconds(measured.forward, tokens, ctx.seq_len, m.name),
                                       backward=cal.measured.seconds(measured.backward, tokens, ctx.seq_len, m.name),
@@ -77,6 +106,7 @@ def embedding_time(s: Strategy, ctx: BlockContext) -> EdgeTime:
 
 
 def head_activation_bytes(s: Strategy, ctx: BlockContext) -> float:
-    """Peak transient bytes of the loss for one micro-batch: fp32 logits and their gradient."""
+    """Peak transient bytes of the loss for one micro-batch: fp32 logits and their gradient, of every head pass
+    (a multi-token-prediction module's loss keeps its own until backward)."""
     tokens = ctx.seqs * ctx.seq_len / s.cp
-    return 2 * tokens * (ctx.model.vocab / s.tp) * LOGIT_BYTES
+    return (1 + ctx.model.mtp_layers) * 2 * tokens * (ctx.model.vocab / s.tp) * LOGIT_BYTES

@@ -140,12 +140,12 @@ def _shards(s: Strategy, ctx: BlockContext) -> int:
 
 
 def edge_params(edge: Edge, ctx: BlockContext, copy: bool) -> float:
-    """Parameters of the embedding or the head (`copy`: a head tied to the embedding keeps its own copy of
-    the table, `plait.executable.tied_copies`)."""
+    """Parameters of the embedding or the head (`copy`: a head tied to the embedding, or whose stage runs
+    multi-token-prediction modules, keeps its own copy of the table, `plait.executable.tied_copies`)."""
     m = ctx.model
     if edge == "embedding":
         return m.embedding_params
-    return m.head_params + (m.vocab * m.hidden if m.tied_embeddings and copy else 0)
+    return m.head_params + (m.vocab * m.hidden if (m.tied_embeddings or m.mtp_layers) and copy else 0)
 
 
 @lru_cache(maxsize=4096)
@@ -224,8 +224,9 @@ def recompute_flops_per_token(block: Block, recompute: str, seq_len: int, ring: 
 
 
 def tied_embedding_sync(ctx: BlockContext) -> float:
-    """Seconds per step summing the gradients of an embedding and the head tied to it on another stage
-    (Megatron's embedding group: an all-reduce between the two stages' devices)."""
+    """Seconds per step summing the gradients of an embedding and its copy on another stage, the head tied to
+    it or the multi-token-prediction modules' lookups (Megatron's embedding group: an all-reduce between the
+    two stages' devices)."""
     m = ctx.model
     return comm.all_reduce(m.vocab * m.hidden * ctx.prec.grad, comm.GroupShape(2, 2, 1), ctx.cluster, ctx.cal)
 

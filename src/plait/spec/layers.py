@@ -18,7 +18,7 @@ collectives move. Counts are elements; sizes are in tokens; FLOPs count a multip
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Literal
 
@@ -61,6 +61,10 @@ UNGATED_MLP_SAVED = 2
 """ffn-wide tensors a two-matrix MLP keeps for backward: the activation's input and output (Korthikanti
 et al. 2022, Table 2: 8sbh + 8sbh at ffn = 4h)."""
 """Bytes per (token, expert) of the fp32 router logits and probabilities an MoE layer keeps for backward."""
+MTP_KEPT = 5
+"""Hidden-wide 16-bit tensors a multi-token-prediction module keeps per token outside its layer: the inputs of
+its two norms (the next token's embedding, the previous hidden state), of its projection (both, 2 wide) and
+of its final norm (Megatron-Core multi_token_prediction.py)."""
 IMAGE_CHANNELS = 3
 """Input channels of an image (RGB)."""
 
@@ -156,6 +160,11 @@ class Block:
     kv_lora: int = 0
     rope_head_dim: int = 0
     v_head_dim: int = 0  # 0 = head_dim
+    # A multi-token-prediction module (DeepSeek-V3, Megatron's --mtp-num-layers) around this layer: the next
+    # token's embedding and the previous depth's hidden state, each normed, concatenated and projected from
+    # 2 x hidden down to hidden (`mtp_proj`), then this layer and a final norm (`norms` counts the three extra
+    # norms); its logits come from the model's shared head (`plait.cost.head`).
+    mtp: bool = field(default=False, repr=False)  # out of repr: models without it keep their fingerprints
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -268,7 +277,12 @@ class Block:
 
     @cached_property
     def gemms(self) -> tuple[Gemm, ...]:
-        """The linear layers of the layer, in execution order."""
+        """The linear layers of the layer, in execution order (a multi-token-prediction module's projection
+        first, replicated on every tensor-parallel rank)."""
+        own = self._layer_gemms()
+        return (Gemm("mtp_proj", 2 * self.hidden, self.hidden, "none"), *own) if self.mtp else own
+
+    def _layer_gemms(self) -> tuple[Gemm, ...]:
         h = self.hidden
         if self.kind == "patch_embed":
             return (Gemm("patch", self.in_dim, h, "col"),)
@@ -355,8 +369,13 @@ class Block:
 
         With eager attention, dropout, LayerNorm and a 4h GeLU MLP a decoder layer reproduces Korthikanti
         et al. 2022, Table 2: s*b*h*(34 + 5*a*s/h) with no parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t))
-        with tensor parallelism, and 2*s*b*h under full recomputation.
+        with tensor parallelism, and 2*s*b*h under full recomputation. A multi-token-prediction module adds
+        what its recompute leaves outside the layer (`MTP_KEPT` hidden-wide tensors).
         """
+        kept = self._layer_activation_bytes(recompute, ring)
+        return replace(kept, replicated=kept.replicated + 2 * MTP_KEPT * self.hidden) if self.mtp else kept
+
+    def _layer_activation_bytes(self, recompute: Recompute, ring: bool) -> ActivationBytes:
         h = self.hidden
         if recompute == "full" or (recompute == "attn_kept" and not self.has_attention):
             # only the layer input survives (sharded by sequence parallelism)
@@ -485,9 +504,11 @@ class Block:
 
     @cached_property
     def fingerprint(self) -> str:
-        """A short hash of the layer's shape (every field; the router groups only where set, so layers without
-        them keep the names earlier profiles gave them): a profile names the layers it measured by it."""
-        return fields_hash(self, 12, skip=tuple(f for f in ("expert_groups", "group_top_k") if not getattr(self, f)))
+        """A short hash of the layer's shape (every field; the router groups and the multi-token-prediction
+        flag only where set, so layers without them keep the names earlier profiles gave them): a profile names
+        the layers it measured by it."""
+        unset = tuple(f for f in ("expert_groups", "group_top_k", "mtp") if not getattr(self, f))
+        return fields_hash(self, 12, skip=unset)
 
 
 def fields_hash(obj: object, length: int, skip: tuple[str, ...] = ()) -> str:

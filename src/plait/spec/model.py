@@ -99,7 +99,12 @@ class ModelSpec:
     def fingerprint(self) -> str:
         """A short hash of the architecture (every field but the name): plans and checkpoints record it, so
         one made for another model is refused even when the layer counts agree."""
-        return fields_hash(self, 16, skip=("name",))
+        plain = fields_hash(self, 16, skip=("name",))
+        if not self.mtp_layers:
+            return plain
+        import hashlib
+
+        return hashlib.sha256(f"{plain} mtp {self.mtp_layers}".encode()).hexdigest()[:16]
 
     # ---- layers -------------------------------------------------------------------------------
     @cached_property
@@ -129,6 +134,12 @@ class ModelSpec:
     def distinct_blocks(self) -> tuple[Block, ...]:
         """Each different layer once, in order of first appearance."""
         return tuple(b for b, _ in self.block_counts)
+
+    @cached_property
+    def mtp_layers(self) -> int:
+        """Multi-token-prediction modules at the end of the stack (`Block.mtp`), each a further pass through
+        the head and its loss on the last stage."""
+        return sum(b.mtp for b in self.stack)
 
     @cached_property
     def has_experts(self) -> bool:
@@ -269,10 +280,11 @@ class ModelSpec:
 
         For GPT shapes this is Megatron's 72*l*h^2*(1 + s/(6h) + V/(12lh)) per token. Layers that run on
         other tokens (a vision tower's patches) count per sequence, spread over its `seq_len` tokens; moe
-        layers count their active experts (as Megatron does).
+        layers count their active experts (as Megatron does), and each multi-token-prediction module its layer,
+        projection and head pass (as Megatron's num_floating_point_operations does).
         """
         per_sample = sum(b.flops_per_token(seq_len) * b.seq(seq_len) * n for b, n in self.block_counts)
-        return 3 * (per_sample / seq_len + self.head_flops_per_token)
+        return 3 * (per_sample / seq_len + self.head_flops_per_token * (1 + self.mtp_layers))
 
     def with_(self, **changes: object) -> ModelSpec:
         """A copy with some fields changed; kv_heads, ffn and head_dim that were derived from the old
@@ -324,15 +336,17 @@ def _moe(name: str, dense: ModelSpec, attention: dict[str, int] | None = None, *
 
 
 def _deepseek_v3(name: str = "deepseek-v3", heads: int = 128, vocab: int = 129280, experts: int = 256,
-                 dense_first: int = 3, expert_groups: int = 8, group_top_k: int = 4) -> ModelSpec:
+                 dense_first: int = 3, expert_groups: int = 8, group_top_k: int = 4, mtp: int = 0) -> ModelSpec:
     """DeepSeek-V3 (671B, 37B active; its config.json): multi-head latent attention, 3 dense layers, then
-    256 routed experts (top 8, from the best 4 of 8 groups: n_group, topk_group) and one shared expert per layer.
-    The multi-token-prediction module is left out. Kimi K2 is the same shape with other head, vocabulary, expert
-    and dense-layer counts and no expert groups."""
+    256 routed experts (top 8, from the best 4 of 8 groups: n_group, topk_group) and one shared expert per layer;
+    `mtp` multi-token-prediction modules after them (its config's num_nextn_predict_layers: 1; frameworks train
+    it when asked, Megatron with --mtp-num-layers). Kimi K2 is the same shape with other head, vocabulary,
+    expert and dense-layer counts and no expert groups."""
     base = replace(_llama(name, 61, 7168, heads, heads, 18432, vocab, 4096), head_dim=128)
-    return _moe(name, base, attention={"q_lora": 1536, "kv_lora": 512, "rope_head_dim": 64, "v_head_dim": 128},
-                experts=experts, top_k=8, expert_ffn=2048, shared_ffn=2048, dense_first=dense_first,
-                expert_groups=expert_groups, group_top_k=group_top_k)
+    model = _moe(name, base, attention={"q_lora": 1536, "kv_lora": 512, "rope_head_dim": 64, "v_head_dim": 128},
+                 experts=experts, top_k=8, expert_ffn=2048, shared_ffn=2048, dense_first=dense_first,
+                 expert_groups=expert_groups, group_top_k=group_top_k)
+    return replace(model, mixed=stacks.with_mtp(model.stack, mtp)) if mtp else model
 
 
 def _qwen3_moe(name: str, layers: int, hidden: int, heads: int, kv_heads: int, experts: int, top_k: int,
@@ -399,6 +413,7 @@ PRESETS: dict[str, ModelSpec] = {
     "qwen3-30b-a3b": _qwen3_moe("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 8, 768),
     "qwen3-235b-a22b": _qwen3_moe("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 8, 1536),
     "deepseek-v3": _deepseek_v3(),
+    "deepseek-v3-mtp": _deepseek_v3("deepseek-v3-mtp", mtp=1),  # with its multi-token-prediction module
     # Kimi K2 (moonshotai/Kimi-K2-Base config.json): DeepSeek-V3's layer with 64 heads, 384 routed experts and
     # one dense layer first.
     "kimi-k2": _deepseek_v3("kimi-k2", heads=64, vocab=163840, experts=384, dense_first=1, expert_groups=0,
@@ -422,11 +437,11 @@ _INLINE_KEYS = {
     "attention": "attention", "dropout": "dropout", "tied": "tied_embeddings",
 }
 _STACK_KEYS = ("window", "global_every", "experts", "top_k", "expert_ffn", "shared_ffn", "dense_first", "moe_every",
-               "expert_groups", "group_top_k", "encoder_layers", "decoder_layers", "gated", "vision")
+               "expert_groups", "group_top_k", "encoder_layers", "decoder_layers", "gated", "vision", "mtp")
 """Inline keys that shape a mixed stack: sliding windows (every layer, or all but every global_every-th),
 MoE layers (after dense_first dense ones, every moe_every-th; experts picked from the group_top_k best of
 expert_groups groups when given), T5's encoder and decoder layer counts, a vision tower by name
-(`plait.spec.stacks.VISION_TOWERS`)."""
+(`plait.spec.stacks.VISION_TOWERS`), multi-token-prediction modules after the last layer (mtp)."""
 _FAMILIES = ("gpt", "llama", "t5")
 _INLINE_EXAMPLES = {
     "gpt": "gpt:layers=32,hidden=4096,heads=32,vocab=32000",
@@ -520,6 +535,10 @@ def _shape_stack(text: str, model: ModelSpec, shape: dict[str, object]) -> Model
         moe["every"] = moe.pop("moe_every", 1)
         mixed = stacks.moe_layers(model.block, model.layers, **moe)
         stack = tuple(m if m.kind == "moe" else b for m, b in zip(mixed, stack, strict=True))
+    if "mtp" in shape:
+        if model.family == "t5":
+            raise PlaitError(f"inline model {text!r}: mtp (multi-token prediction) applies to gpt and llama stacks")
+        stack = stacks.with_mtp(stack, int(shape.pop("mtp")))  # type: ignore[call-overload]
     if "vision" in shape:
         stack = stacks.vision_stack(stacks.VISION_TOWERS[str(shape.pop("vision"))], model.hidden) + stack
         model = replace(model, family="llava")

@@ -36,6 +36,19 @@ def moe_layers(block: Block, layers: int, experts: int, top_k: int, expert_ffn: 
     return tuple(block if (i < dense_first or i in dense or (i + 1) % every) else moe for i in range(layers))
 
 
+MTP_NORMS = 3
+"""Norms a multi-token-prediction module adds to its layer: of the embedding, of the hidden state, and final."""
+
+
+def with_mtp(stack: tuple[Block, ...], modules: int) -> tuple[Block, ...]:
+    """`stack` followed by `modules` multi-token-prediction modules, each around a copy of its last layer
+    (`Block.mtp`; DeepSeek-V3's is one of its MoE layers)."""
+    if modules < 0:
+        raise PlaitError(f"multi-token-prediction modules must be >= 0, got {modules}")
+    last = stack[-1]
+    return stack + (last.with_(mtp=True, norms=last.norms + MTP_NORMS),) * modules
+
+
 def encoder_decoder(block: Block, encoder_layers: int, decoder_layers: int) -> tuple[Block, ...]:
     """T5: `encoder_layers` bidirectional layers, then `decoder_layers` causal layers with cross-attention
     to the encoder's output (one more norm each)."""
