@@ -48,11 +48,11 @@ def short_source(source: str) -> str:
 
 def compact(strategy: str) -> str:
     """'tp=8,pp=8,dp=24,...' -> 'tp8 pp8 dp24 mbs2 vpp2 full sp' (defaults dropped; Megatron's expert-parallel
-    overlap as 'ep-overlap')."""
+    overlap as 'ep-overlap', its recompute modules after the recompute mode: 'none+mla_up_proj+mlp')."""
     d = dict(item.split("=") for item in strategy.split(","))
     parts = [f"{k}{d[k]}" for k in ("tp", "pp", "cp", "dp", "ep", "etp", "mbs", "vpp", "zero", "shard")
              if d.get(k, "1") not in ("1", "0") or k in ("tp", "pp", "dp")]
-    parts.append(d["recompute"])
+    parts.append(d["recompute"] + (f"+{d['recompute_modules']}" if d.get("recompute_modules") else ""))
     if d.get("sp") == "1":
         parts.append("sp")
     if d.get("ep_overlap") in ("True", "1"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from helpers import expect_error
@@ -436,3 +437,51 @@ def test_inline_models_take_multi_token_prediction_modules() -> None:
     assert [b.mtp for b in m.stack] == [False] * 4 + [True] * 2 and m.mtp_layers == 2 and m.layers == 6
     with pytest.raises(PlaitError, match="mtp"):
         parse_inline("t5:encoder_layers=2,decoder_layers=2,hidden=64,heads=2,vocab=100,mtp=1")
+
+
+def test_megatron_recompute_modules_are_priced_where_they_apply(tmp_path) -> None:
+    """Each of Megatron's named recompute modules re-runs its part's forward in backward and drops what it kept,
+    in the layers it belongs to only, and not under a recompute that repeats the part already."""
+    from plait.cost.recompute_modules import dropped_bytes, modules_time
+    from plait.plan import load_plan
+
+    v3 = PRESETS["deepseek-v3"]
+    dense, moe = v3.stack[0], v3.stack[-1]
+    s = Strategy(dp=8, tp=2, sp=True, ep=8, etp=1)
+    tokens = 4096.0
+
+    def ctx(*mods: str) -> BlockContext:
+        return replace(_context(v3, s), recompute_modules=mods)
+
+    # mla_up_proj: every latent layer's queries, keys and values (q 128 x 192, k 128 x 192, v 128 x 128 per token)
+    assert dropped_bytes(moe, s, tokens, ctx("mla_up_proj")) == tokens * 128 * (192 + 192 + 128) / 2 * 2
+    assert dropped_bytes(dense, s, tokens, ctx("mla_up_proj")) == dropped_bytes(moe, s, tokens, ctx("mla_up_proj"))
+    assert modules_time(moe, s, tokens, ctx("mla_up_proj")) > 0
+    # mlp: the dense layers' MLP only (SwiGLU keeps four ffn-wide tensors)
+    assert dropped_bytes(dense, s, tokens, ctx("mlp")) == tokens * 4 * 18432 / 2 * 2
+    assert dropped_bytes(moe, s, tokens, ctx("mlp")) == 0 and modules_time(moe, s, tokens, ctx("mlp")) == 0
+    # moe_act: the routed experts' activation output and the product (two expert-wide tensors a routed row)
+    pairs = experts.routed_pairs(moe, s, tokens, ctx("moe_act"))
+    assert dropped_bytes(moe, s, tokens, ctx("moe_act")) == pytest.approx(pairs * 2 * 2048 * 2)
+    assert dropped_bytes(dense, s, tokens, ctx("moe_act")) == 0
+    # layernorm: both norm outputs, sharded by sequence parallelism
+    assert dropped_bytes(moe, s, tokens, ctx("layernorm")) == tokens * 2 * 7168 / 2 * 2
+    full = s.model_copy(update={"recompute": "full"})
+    assert dropped_bytes(moe, full, tokens, ctx("mla_up_proj")) == 0 == modules_time(moe, full, tokens,
+                                                                                         ctx("mla_up_proj"))
+    # in a whole plan: slower, smaller; the shorthand, the plan file and the runtime's refusal
+    cluster = dgx(32, 8, "H100-80GB")
+    shorthand = "tp=2,sp=1,pp=8,dp=16,ep=32,etp=1,gbs=512,zero=1"
+    plain = uniform_plan(shorthand, v3, cluster, 4096)
+    plan = uniform_plan(shorthand + ",recompute_modules=mla_up_proj+mlp", v3, cluster, 4096)
+    assert plan.recompute_modules == ("mla_up_proj", "mlp") and plain.recompute_modules == ()
+    a, b = simulate(plain, v3, cluster), simulate(plan, v3, cluster)
+    assert b.iteration_time_s > a.iteration_time_s and b.peak_memory_gib < a.peak_memory_gib - 5
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    assert load_plan(path) == plan
+    reason = unsupported(plan, v3)
+    assert reason is not None and reason.startswith("recompute_modules:") and "\n" not in reason
+    for bad, why in (("core_attn", "recompute=selective"), ("moe", "is not one of"), ("mlp+mlp", "twice")):
+        with pytest.raises(PlaitError, match=why):
+            uniform_plan(f"{shorthand},recompute_modules={bad}", v3, cluster, 4096)

@@ -24,6 +24,9 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     if plan.ep_overlap:
         return ("ep_overlap: the runtime exchanges MoE tokens without overlapping them with another micro-batch "
                 "(Megatron-LM's option, priced for comparison); set ep_overlap=0 to train")
+    if plan.recompute_modules:
+        return (f"recompute_modules: the runtime recomputes whole layers or attention cores, not Megatron-LM's "
+                f"named modules ({'+'.join(plan.recompute_modules)}, priced for comparison); drop them to train")
     for pi, pipe in enumerate(plan.pipelines):  # fewer micro-batches than stages: the runtime's own schedule
         if not pipe.even_widths and (reason := _uneven_problem(plan, model, pi)) is not None:
             return reason

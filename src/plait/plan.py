@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -53,8 +53,13 @@ ScheduleInterleaved1F1B is a _PipelineScheduleRuntime, whose sends are waited on
 Dispatcher = Literal["alltoall", "deepep"]
 Routing = Literal["random", "contiguous"]
 Offload = Literal["none", "optim", "params", "nvme"]
-PLAN_VERSION = 8
-"""Version of the plan file. 8: the plan's `ep_overlap` (absent in older files: False). 7: the plan's
+RecomputeModule = Literal["mla_up_proj", "mlp", "moe_act", "layernorm"]
+RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
+"""Megatron-LM's named recompute modules plait prices (`plait.cost.recompute_modules`); its `core_attn` is
+plait's recompute=selective."""
+PLAN_VERSION = 9
+"""Version of the plan file. 9: the plan's `recompute_modules` (absent in older files: none). 8: the plan's
+`ep_overlap` (absent in older files: False). 7: the plan's
 `schedule_runs` (absent: 1). 6: the plan's `p2p`, how stages exchange activations (absent in older files:
 "async", plait's runtime) and the MoE token `dispatcher` and `routing` (absent: "alltoall", "random").
 5: strategies carry the share of saved activations swapped to host `swap`, the
@@ -287,6 +292,11 @@ class Plan(BaseModel):
                              "compute: Megatron-LM's --overlap-moe-expert-parallel-comm, which pairs each "
                              "steady-state forward with an earlier micro-batch's backward (priced, "
                              "Calibration.ep_overlap_hidden; the runtime does not overlap them and refuses it)")
+    recompute_modules: tuple[RecomputeModule, ...] = Field((), description="Megatron-LM's module-wise selective "
+                                                           "recompute (--recompute-modules) in every layer whose "
+                                                           "strategy recomputes none or the attention core "
+                                                           "(plait.cost.recompute_modules; priced, the runtime "
+                                                           "recomputes whole layers or cores and refuses it)")
     pipelines: tuple[Pipeline, ...] = Field(min_length=1)
 
     def own_schedule(self, pipeline: int) -> bool:
@@ -520,7 +530,8 @@ def _validate_strategy(s: Strategy, block: Block, devices: int, mbs: int, plan: 
 
 _STRATEGY_KEYS = ("tp", "pp", "dp", "cp", "mbs", "gbs", "recompute", "sp", "zero", "vpp", "schedule",
                   "cp_mode", "precision", "overlap", "ep", "etp", "expert_load", "shard", "grad_reduce", "p2p",
-                  "moe_comm", "swap", "offload", "dispatcher", "routing", "schedule_runs", "ep_overlap")
+                  "moe_comm", "swap", "offload", "dispatcher", "routing", "schedule_runs", "ep_overlap",
+                  "recompute_modules")
 
 
 def parse_strategy(text: str) -> dict[str, str]:
@@ -607,6 +618,20 @@ def _choice(d: dict[str, str], key: str, allowed: tuple[str, ...], default: str 
     return value
 
 
+def _recompute_modules(d: dict[str, str]) -> tuple[str, ...]:
+    """The shorthand's `recompute_modules`: Megatron's module names joined by `+` (none when absent)."""
+    names = tuple(n.strip() for n in d.get("recompute_modules", "").split("+") if n.strip())
+    for name in names:
+        if name == "core_attn":
+            raise PlaitError("--strategy: recompute_modules core_attn is recompute=selective; give that instead")
+        if name not in RECOMPUTE_MODULES:
+            raise PlaitError(f"--strategy: recompute_modules {name!r} is not one of {', '.join(RECOMPUTE_MODULES)}; "
+                             "join several with +")
+    if len(set(names)) != len(names):
+        raise PlaitError(f"--strategy: recompute_modules names a module twice ({'+'.join(names)}); give each once")
+    return names
+
+
 def _expert_load(d: dict[str, str]) -> float:
     """The shorthand's `expert_load` (>= 1; 1 when absent)."""
     return _number(d, "expert_load", "1", lambda v: 1.0 <= v < math.inf,
@@ -642,7 +667,8 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int, va
     parallel and expert tensor parallel degrees of MoE layers; etp defaults to tp), moe_comm (alltoall|lsh:
     LSH-MoE compression of the routed tokens), expert_load, dispatcher (alltoall|deepep) and routing
     (random|contiguous) (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), schedule_runs (pipeline
-    schedules a step, see Plan), ep_overlap (0|1: Megatron's expert-parallel overlap, see Plan), swap (share of
+    schedules a step, see Plan), ep_overlap (0|1: Megatron's expert-parallel overlap, see Plan),
+    recompute_modules (Megatron's named modules joined by +, e.g. mla_up_proj+mlp, see Plan), swap (share of
     saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
     precision, grad_reduce (auto|fp32|bf16), p2p (runtime, the default: as the runtime's schedules exchange,
     Plan.runtime_p2p; async|megatron|torch), overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp
@@ -691,6 +717,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int, va
                 grad_reduce=grad_reduce,  # type: ignore[arg-type]
                 p2p="async" if p2p == "runtime" else p2p,  # type: ignore[arg-type]
                 schedule_runs=_int(d, "schedule_runs", 1), ep_overlap=_bool(d, "ep_overlap", False),
+                recompute_modules=_recompute_modules(d),  # type: ignore[arg-type]
                 pipelines=(Pipeline(stages=stages, micro_batches=gbs // (mbs * dp),
                                     micro_batch_sequences=mbs * dp),))
     if p2p == "runtime":

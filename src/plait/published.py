@@ -92,10 +92,12 @@ def _strategy(layout: dict) -> str:
     }
     # MoE rows: expert degrees, busiest expert rank's load, token dispatcher, routing; offload rows: swap,
     # offload; schedule_runs: pipeline schedules a step (NeMo AutoModel: one per accumulation step); ep_overlap:
-    # Megatron's expert-parallel overlap.
+    # Megatron's expert-parallel overlap; recompute_modules: Megatron's module-wise recompute (mla_up_proj+mlp).
     layout_keys = ("ep", "etp", "expert_load", "dispatcher", "routing", "swap", "offload", "schedule_runs",
-                   "ep_overlap")
+                   "ep_overlap", "recompute_modules")
     keys.update({k: layout[k] for k in layout_keys if k in layout})
+    if "overlap_grad_reduce" in layout:  # Megatron's overlap_grad_reduce (the default: on)
+        keys["overlap"] = int(bool(layout["overlap_grad_reduce"]))
     return ",".join(f"{k}={v}" for k, v in keys.items())
 
 

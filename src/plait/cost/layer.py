@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from plait.cached_hash import cached_hash
-from plait.cost import comm, experts, offload
+from plait.cost import comm, experts, offload, recompute_modules
 from plait.cost.calibration import Calibration
 from plait.cost.comm import GroupShape
 from plait.cost.compute import eager_attention_time, elementwise_time, flash_attention_time, gemm_time
@@ -81,6 +81,7 @@ class BlockContext:
     dispatcher: str = "alltoall"  # how routed tokens travel (plan.dispatcher): "alltoall" or "deepep"
     routing: str = "random"  # which experts a token picks (plan.routing): "random" or "contiguous"
     ep_hidden: float = 0.0  # share of the token exchange hidden behind another micro-batch (plan.ep_overlap)
+    recompute_modules: tuple[str, ...] = ()  # Megatron's module-wise recompute (plan.recompute_modules)
     pipeline_dp: int = 0  # several pipelines: the ranks of this pipeline's stage that shard the weights (0: one
     # pipeline); weights and gradients shard over these alone (`plait.runtime.replica_zero`)
     states_alike: bool = True  # several pipelines hold the layer in one shape: the optimizer state shards over
@@ -90,13 +91,13 @@ class BlockContext:
     def for_ranks(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: PrecisionBytes, seq_len: int,
                   seqs: int, s: Strategy, ranks: tuple[int, ...], dp_ranks: tuple[int, ...],
                   expert_load: float = 1.0, dispatcher: str = "alltoall", routing: str = "random",
-                  ep_hidden: float = 0.0) -> BlockContext:
+                  ep_hidden: float = 0.0, recompute_modules: tuple[str, ...] = ()) -> BlockContext:
         """The context of strategy `s` on a stage's `ranks` (Megatron order: tp fastest, then cp, then dp;
         experts: etp, ep, edp); `dp_ranks` are the ranks sharing its weights (under HSDP cut into shard and
         replicate groups)."""
         groups = _group_shapes(s.degrees, tuple(ranks), tuple(dp_ranks), cluster.gpus_per_node, model.has_experts)
         return BlockContext(model, cluster, cal, prec, seq_len, seqs, *groups, expert_load, dispatcher, routing,
-                            ep_hidden)
+                            ep_hidden, recompute_modules=recompute_modules)
 
 
 @lru_cache(maxsize=65536)
@@ -310,6 +311,7 @@ def block_time(block: Block, s: Strategy, ctx: BlockContext) -> BlockTime:
     if s.recompute != "none" and (with_rc := measured_layer(block, s, ctx, s.recompute)) is not None:
         measured_rc = cal.measured.seconds(with_rc.backward, tokens, seq, m.name)  # type: ignore[union-attr]
         recompute = max(0.0, measured_rc - (backward - extra_b))
+    recompute += recompute_modules.modules_time(block, s, tokens, ctx)
 
     tp_fwd = tp_bwd = work.tp
     runtime: dict[str, tuple[float, float]] = {}
@@ -485,4 +487,5 @@ def block_activation_bytes(block: Block, s: Strategy, ctx: BlockContext, recompu
     per_token = ((a.replicated * scale + a.replicated_masks) / replicated_div
                  + (a.sharded * scale + a.sharded_fp32) / s.tp + a.whole * scale
                  + (a.quadratic_per_seq_token * scale + a.sharded_quadratic_masks) * block.keys(ctx.seq_len) / s.tp)
-    return tokens * per_token + experts.routed_activation_bytes(block, s, tokens, ctx, recompute or s.recompute)
+    kept = tokens * per_token + experts.routed_activation_bytes(block, s, tokens, ctx, recompute or s.recompute)
+    return kept - (recompute_modules.dropped_bytes(block, s, tokens, ctx) if recompute is None else 0.0)
