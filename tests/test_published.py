@@ -353,18 +353,21 @@ MOE = _moe_errors()
 
 
 def test_moe_rows_are_collected_with_a_held_out_third() -> None:
-    assert len(MOE) == 20
+    assert len(MOE) == 21
     # every third row, and every row found later but Megatron-Bridge's Qwen3-30B-A3B A/B (two rows), whose profile
     # and times three constants were read from (Calibration.moe_exchange_overhead_s and ep_overlap_hidden,
     # experts.EXPERT_GEMM_HOST_S)
-    assert sum(run.held_out for run, _ in MOE) == 9
+    assert sum(run.held_out for run, _ in MOE) == 10
     assert {run.cluster.gpu.name for run, _ in MOE} == {"H100-80GB"}
     assert {run.model.name for run, _ in MOE} == {"qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x7b", "mixtral-8x22b",
-                                                   "gpt-oss-20b", "gpt-oss-120b", "deepseek-v3", "kimi-k2"}
+                                                   "gpt-oss-20b", "gpt-oss-120b", "deepseek-v3", "kimi-k2",
+                                                   "deepseek-v3-mtp"}
 
 
 def test_moe_rows_the_constants_were_chosen_on() -> None:
-    """benchmarks/published_runs.py: median 3.7%, max 26.6% over 11 rows with the A/B's overlap-on row (+0.0%, the
+    """benchmarks/published_runs.py: median 4.4%, max 25.4% over 11 rows with the norms' and the expert
+    activation's recompute that the Qwen3-235B (ModelZoo 'norm, act') and GPT-OSS rows ran priced
+    (`Plan.recompute_modules`); median 3.7%, max 26.6% with the A/B's overlap-on row (+0.0%, the
     share of a paired exchange Megatron's expert-parallel overlap hides, 0.46, read from it); median 6.8%, max
     26.6% over 10 rows with the dispatchers' fixed cost of each
     token exchange (0.29 ms, from the Qwen3-30B-A3B A/B's profile, the tenth row: +0.0%), the expert GEMMs' host
@@ -376,8 +379,8 @@ def test_moe_rows_the_constants_were_chosen_on() -> None:
     fast, the Mixtral-8x22B rows 10-11% too
     fast and DeepSeek-V3 on 256 GPUs 20% too fast; the issue's bar (median <= 10%, max <= 20%) is not met."""
     errors = [abs(e) for run, e in MOE if not run.held_out]
-    assert statistics.median(errors) <= 0.038
-    assert max(errors) <= 0.266
+    assert statistics.median(errors) <= 0.045
+    assert max(errors) <= 0.255
 
 
 def test_moe_held_out_rows() -> None:
@@ -411,7 +414,8 @@ def test_moe_held_out_rows_of_the_named_families_meet_the_bar() -> None:
 def test_expert_parallel_overlap_rows() -> None:
     """Megatron's --overlap-moe-expert-parallel-comm on both published pairs: Megatron-Bridge's Qwen3-30B-A3B on 16
     H100 (the hidden share is read from it: 24.71 -> 20.99 s published, +0.0% both) and ModelZoo's Qwen3-235B-A22B
-    TP2 EP32 PP8 VPP4 on 256 H100 (held out: 19.7 -> 17.6 s published, 20.43 -> 16.96 s priced)."""
+    TP2 EP32 PP8 VPP4 on 256 H100 (held out: 19.7 -> 17.6 s published, 20.56 -> 17.09 s priced with the norms'
+    and the expert activation's recompute the table's 'norm, act' names)."""
     pairs = {}
     for run, e in MOE:
         if run.model.name in ("qwen3-30b-a3b", "qwen3-235b-a22b") and run.plan.dispatcher == "deepep" and \
@@ -422,7 +426,7 @@ def test_expert_parallel_overlap_rows() -> None:
         (off, e_off), (on, e_on) = pair[False], pair[True]
         assert on.held_out == (name == "qwen3-235b-a22b")
         assert on.report().iteration_time_s < off.report().iteration_time_s
-        assert abs(e_on) <= 0.04 and abs(e_off) <= 0.04
+        assert abs(e_on) <= 0.045 and abs(e_off) <= 0.045
 
 
 def test_megatron_fsdp_expert_gathers_hide_behind_the_token_exchange_too() -> None:
@@ -461,9 +465,10 @@ def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_over_20_percent_fast() -
     longer than priced in both layouts, so what is missing scales with the work, not with the step. The same model
     on NeMo AutoModel (FSDP2, DeepEP, FlexAttention; 64 H100) is predicted within 8.4%, and GPT-OSS 20B there within
     0.2%: what is missing belongs to Megatron-Bridge's path, not to the model's shape. With the dispatchers' fixed
-    cost of each token exchange (0.29 ms, 4 a layer and micro-batch): +23.0..26.9%."""
+    cost of each token exchange (0.29 ms, 4 a layer and micro-batch): +23.0..26.9%. With the recompute of the
+    norms and the expert activation their configs set (`Plan.recompute_modules` layernorm+moe_act): +21.8..25.7%."""
     errors = sorted(e for run, e in MOE if run.model.name == "gpt-oss-120b" and "Megatron-Bridge" in run.source)
-    assert [round(e, 3) for e in errors] == [0.23, 0.232, 0.238, 0.266, 0.269]
+    assert [round(e, 3) for e in errors] == [0.218, 0.22, 0.223, 0.254, 0.257]
 
 
 def test_automodel_rows_run_as_their_configs_say() -> None:
@@ -628,3 +633,14 @@ def test_offload_group_errors() -> None:
                     for _, _, err in relative_errors(run, run.report()).values())
     assert errors == pytest.approx([-0.147, 0.164], abs=0.001)
     assert statistics.median(abs(e) for e in errors) == pytest.approx(0.156, abs=0.001)
+
+
+def test_deepseek_v3_with_its_mtp_module_and_module_recompute_on_1024_h100() -> None:
+    """Megatron-Bridge's DeepSeek-V3 model card on 1,024 H100 (61.756 s a step; held out): one multi-token-
+    prediction module in its own last chunk (layout Et|(tt|)*30mL), the latent up-projections and the dense MLPs
+    recomputed (`recompute_modules` mla_up_proj+mlp), HybridEP priced as the deepep dispatcher: 58.29 s, -5.6%."""
+    (run, e), = [(run, e) for run, e in MOE if run.model.name == "deepseek-v3-mtp"]
+    assert run.held_out and run.model.mtp_layers == 1 and run.plan.recompute_modules == ("mla_up_proj", "mlp")
+    assert not run.plan.overlap_grad_reduce and run.plan.chunks == 4
+    assert [st.layers[1] - st.layers[0] for st in run.plan.pipelines[0].stages][-1] == 1  # the module alone
+    assert round(e, 3) == -0.056
