@@ -170,7 +170,7 @@ def experts_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) ->
     for g in block.gemms:
         if g.rows != "routed":
             continue
-        k, n = (g.k, g.n // s.expert_tp) if g.split == "col" else (g.k // s.expert_tp, g.n)
+        k, n = g.shard(s.expert_tp)
         fwd += local * gemm_time(rows, n, k, gpu, cal, peak, eb)
         bwd += local * (gemm_time(rows, k, n, gpu, cal, peak, eb) + gemm_time(k, n, rows, gpu, cal, peak, eb))
         calls += 1

@@ -176,10 +176,7 @@ def _gemms_time(block: Block, s: Strategy, tokens: float, memory_tokens: float, 
     for g in block.gemms:
         if g.rows == "routed":  # experts: cost/experts.py
             continue
-        if g.split == "none":  # replicated on every tensor-parallel rank
-            k, n = g.k, g.n
-        else:
-            k, n = (g.k, g.n // s.tp) if g.split == "col" else (g.k // s.tp, g.n)
+        k, n = g.shard(s.tp)  # "none": replicated on every tensor-parallel rank
         rows = max(1, int(tokens if g.rows == "self" else memory_tokens))
         fwd += g.count * gemm_time(rows, n, k, gpu, cal, peak, eb)
         bwd += g.count * (gemm_time(rows, k, n, gpu, cal, peak, eb) + gemm_time(k, n, rows, gpu, cal, peak, eb))
@@ -468,10 +465,17 @@ def measured_overheads(s: Strategy, ctx: BlockContext, part: str = "block") -> d
 
 
 def block_activation_bytes(block: Block, s: Strategy, ctx: BlockContext, recompute: str | None = None) -> float:
-    """Bytes `block` keeps for backward for one micro-batch on one device (Korthikanti's terms)."""
+    """Bytes `block` keeps for backward for one micro-batch on one device (Korthikanti's terms), less what the
+    plan's recompute modules drop under the strategy's own recompute (`recompute` None)."""
+    tokens = ctx.seqs * block.seq(ctx.seq_len) / s.cp
+    dropped = recompute_modules.dropped_bytes(block, s, tokens, ctx) if recompute is None else 0.0
+    return _kept_activation_bytes(block, s, ctx, recompute, tokens) - dropped
+
+
+def _kept_activation_bytes(block: Block, s: Strategy, ctx: BlockContext, recompute: str | None, tokens: float
+                           ) -> float:
+    """Bytes `block` keeps for backward under `recompute` (the strategy's when None): measured, or analytic."""
     eb = ctx.prec.activation
-    seq = block.seq(ctx.seq_len)
-    tokens = ctx.seqs * seq / s.cp
     measured = measured_layer(block, s, ctx, recompute or s.recompute)
     if measured is not None and not s.sp:  # in the profile's dtype: scaled to the plan's (masks aside)
         per_element = eb / ctx.cal.measured.element_bytes  # type: ignore[union-attr]
@@ -487,5 +491,4 @@ def block_activation_bytes(block: Block, s: Strategy, ctx: BlockContext, recompu
     per_token = ((a.replicated * scale + a.replicated_masks) / replicated_div
                  + (a.sharded * scale + a.sharded_fp32) / s.tp + a.whole * scale
                  + (a.quadratic_per_seq_token * scale + a.sharded_quadratic_masks) * block.keys(ctx.seq_len) / s.tp)
-    kept = tokens * per_token + experts.routed_activation_bytes(block, s, tokens, ctx, recompute or s.recompute)
-    return kept - (recompute_modules.dropped_bytes(block, s, tokens, ctx) if recompute is None else 0.0)
+    return tokens * per_token + experts.routed_activation_bytes(block, s, tokens, ctx, recompute or s.recompute)

@@ -52,9 +52,10 @@ def modules_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) ->
     peak = ctx.prec.peak_flops(gpu)
     rows = max(1, int(tokens))
     names = _gemm_names(block, ctx.recompute_modules)
-    seconds = sum(g.count * gemm_time(rows, g.n // s.tp, g.k, gpu, cal, peak, eb) if g.split == "col" else
-                  g.count * gemm_time(rows, g.n, g.k // s.tp, gpu, cal, peak, eb)
-                  for g in block.gemms if g.name in names)
+    seconds = 0.0
+    for g in (g for g in block.gemms if g.name in names):
+        k, n = g.shard(s.tp)
+        seconds += g.count * gemm_time(rows, n, k, gpu, cal, peak, eb)
     elements = 0.0
     if "mlp" in ctx.recompute_modules and _dense_mlp(block):
         elements += tokens * (3 if block.gated_mlp else 2) * block.ffn / s.tp  # the activation: read, write

@@ -94,6 +94,12 @@ class Gemm:
     def params(self) -> int:
         return self.k * self.n * self.count
 
+    def shard(self, tp: int) -> tuple[int, int]:
+        """(k, n) of one rank's share when tensor parallelism of degree `tp` splits it as `split` says."""
+        if self.split == "none":
+            return self.k, self.n
+        return (self.k, self.n // tp) if self.split == "col" else (self.k // tp, self.n)
+
 
 @dataclass(frozen=True)
 class ActivationBytes:
