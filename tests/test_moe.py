@@ -404,8 +404,11 @@ def test_deepseek_v3_multi_token_prediction_module() -> None:
     # Megatron's FLOP count: the module's layer and projection, and a second pass through the head
     extra = mtp.model_flops_per_token(4096) - plain.model_flops_per_token(4096)
     assert extra == pytest.approx(3 * (last.flops_per_token(4096) + 2 * h * mtp.vocab))
-    reason = unsupported(uniform_plan("dp=8,ep=8,gbs=8", mtp, dgx(1, 8, "H100-80GB"), 4096), mtp)
-    assert reason is not None and "multi-token-prediction" in reason and "\n" not in reason
+    cluster = dgx(1, 8, "H100-80GB")
+    assert unsupported(uniform_plan("dp=8,ep=8,gbs=8", mtp, cluster, 4096), mtp) is None  # the runtime builds it
+    for refused in ("dp=4,cp=2,ep=8,gbs=8", "tp=2,sp=1,dp=4,ep=8,etp=1,gbs=8"):  # cp anywhere, tp on the module
+        reason = unsupported(uniform_plan(refused, mtp, cluster, 4096), mtp)
+        assert reason is not None and "multi-token-prediction" in reason and "\n" not in reason
 
 
 def test_multi_token_prediction_prices_a_head_pass_a_lookup_and_the_table_on_the_last_stage() -> None:

@@ -200,6 +200,8 @@ FOUR_RANKS = {
     "ep2 x dp2 on tp2+sp zero3": "dp=2,tp=2,sp=1,ep=2,etp=1,zero=3,gbs=4",
     "ep4 over dp2 x tp2+sp": "dp=2,tp=2,sp=1,ep=4,etp=1,gbs=4",
     "pp2 x ep2": "pp=2,dp=2,ep=2,mbs=1,gbs=4",
+    "pp2 x ep2 on the runtime's own schedule": "pp=2,dp=2,ep=2,p2p=megatron,mbs=1,gbs=4",  # the balancing
+    # loss's gradient divided by the micro-batches as the loss's
     "pp2 dp2|tp2-sp-ep2 then dp2-ep2|dp2": _plan(MODEL, [
         ((0, 2), (0, 1), (S(dp=2), S(tp=2, sp=True, ep=2, etp=1))),
         ((2, 4), (2, 3), (S(dp=2, ep=2), S(dp=2)))], 2, 2),

@@ -21,6 +21,8 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
+    if model.mtp_layers and (reason := _mtp_problem(plan, model)) is not None:
+        return reason
     if plan.ep_overlap:
         return ("ep_overlap: the runtime exchanges MoE tokens without overlapping them with another micro-batch "
                 "(Megatron-LM's option, priced for comparison); set ep_overlap=0 to train")
@@ -96,6 +98,23 @@ def _unsupported_hierarchy(plan: Plan, model: ModelSpec) -> str | None:
     return None
 
 
+def _mtp_problem(plan: Plan, model: ModelSpec) -> str | None:
+    """Multi-token-prediction modules (`plait.models.mtp`) run in plans of one pipeline without context
+    parallelism, on layers without tensor parallelism: they read the step's targets whole on the last stage
+    and look them up in a plain copy of the embedding table."""
+    if len(plan.pipelines) > 1:
+        return (f"model {model.name!r} ends in multi-token-prediction modules, which the runtime trains in plans of "
+                "one pipeline; plan one pipeline")
+    for stage in plan.pipelines[0].stages:
+        for layer in range(*stage.layers):
+            s = stage.strategy(layer)
+            if s.cp > 1 or (s.tp > 1 and layer >= model.layers - model.mtp_layers):
+                return (f"layer {layer} ({s.short()}): the runtime trains multi-token-prediction models without "
+                        "context parallelism and their modules without tensor parallelism; use cp=1 (and tp=1 on "
+                        "the modules)")
+    return None
+
+
 def _unsupported_recompute(plan: Plan, model: ModelSpec) -> str | None:
     """gemm_kept (op-level selective checkpointing, `plait.runtime.parallelize.apply_ac`) keeps every GEMM
     output in the checkpointed block: ring attention (`plait.runtime.ring`) multiplies its score blocks with
@@ -153,17 +172,21 @@ def unbuildable(model: ModelSpec) -> str | None:
     """Why the runtime cannot build `model` (one line), or None if it can: GPT and Llama stacks of identical
     decoder layers (but for their attention windows), T5-style encoder layers then cross-decoder layers, and
     LLaVA-style patch embedding, vision layers and projector then decoder layers; Llama stacks of decoder
-    and MoE layers; global or sliding-window attention on any layer. Multi-token-prediction modules are
-    priced, not built."""
+    and MoE layers; global or sliding-window attention on any layer; latent attention (DeepSeek-V2/V3) on
+    every layer of a Llama stack; multi-token-prediction modules after a Llama stack with an untied head."""
     kinds = ", ".join(f"{n} {k}" for k, n in model.kind_counts().items())
-    if model.mtp_layers:
-        return (f"model {model.name!r} ends in {model.mtp_layers} multi-token-prediction module(s), which the cost "
-                "model prices but the runtime does not build; train the model without them")
+    if model.mtp_layers and (model.family != "llama" or model.tied_embeddings):
+        return (f"model {model.name!r}: the runtime builds multi-token-prediction modules in llama models with "
+                "an untied head; untie it (tied=0) or drop mtp")
     if model.family not in BUILT_STACKS:
         return (f"model {model.name!r} has family {model.family!r}; the runtime builds "
                 f"{', '.join(BUILT_STACKS)} models")
     if "moe" in model.kind_counts() and model.family != "llama":
         return f"model {model.name!r} has MoE layers ({kinds}); the runtime builds MoE layers in llama models"
+    latent = {b.rope_head_dim if b.latent else None for b in model.stack if b.has_attention}
+    if latent != {None} and (model.family != "llama" or len(latent) > 1):
+        return (f"model {model.name!r} has latent-attention layers; the runtime builds them in llama models whose "
+                "every layer uses latent attention with one rotary width")
     if model.family == "gpt" and any(b.with_(window=0) != model.block.with_(window=0) for b in model.stack):
         return (f"model {model.name!r} mixes layer kinds ({kinds}); the runtime builds {model.family} stacks of "
                 "identical decoder layers")

@@ -127,6 +127,9 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
     if "moe" in model.spec.kind_counts():
         raise PlaitError(f"Hugging Face checkpoints of MoE models do not load yet ({model.spec.name}); start it "
                          "from the seed instead")
+    if any(b.latent for b in model.spec.stack):
+        raise PlaitError(f"Hugging Face checkpoints of latent-attention models do not load yet ({model.spec.name}); "
+                         "start it from the seed instead")
     path = Path(directory)
     if not path.is_dir():
         raise PlaitError(f"checkpoint directory {str(path)!r} does not exist; give a folder with *.safetensors")

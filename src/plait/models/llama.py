@@ -71,6 +71,12 @@ def rope_theta(spec: ModelSpec) -> float:
     return float(theta) if theta else (500000.0 if spec.vocab >= 128000 else 10000.0)
 
 
+def rope_dims(spec: ModelSpec) -> int:
+    """Channels RoPE rotates in each query/key head: a latent-attention model's rotary dims
+    (`plait.models.mla`), else the whole head."""
+    return next((b.rope_head_dim for b in spec.stack if b.latent), spec.head_dim)
+
+
 def copy_full_(param: Tensor, full: Tensor) -> None:
     """Copy a full (unsharded) tensor into `param`, which may be a DTensor (TP/FSDP2): each rank keeps its
     own shard, sliced locally without communication."""
@@ -97,15 +103,19 @@ class Attention(nn.Module):
 
     def __init__(self, spec: ModelSpec | Block, dropout: float = 0.0, causal: bool = True) -> None:
         super().__init__()
-        self.head_dim = spec.head_dim
-        self.dropout = dropout
-        self.causal = causal
-        self.window = spec.window if causal else 0
+        self._core_settings(spec, dropout, causal)
         qkv_bias, out_bias = spec.bias or spec.qkv_bias, spec.bias or spec.out_bias
         self.wq = nn.Linear(spec.hidden, spec.q_dim, bias=qkv_bias)
         self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
         self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=out_bias)
+
+    def _core_settings(self, spec: ModelSpec | Block, dropout: float, causal: bool) -> None:
+        """The attention core's head width, dropout, direction and sliding window (from `spec`)."""
+        self.head_dim = spec.head_dim
+        self.dropout = dropout
+        self.causal = causal
+        self.window = spec.window if causal else 0
 
     recompute_core: bool = False
     """Set by the runtime for selective recomputation (Megatron-LM's): the attention core keeps only its
@@ -126,9 +136,7 @@ class Attention(nn.Module):
                   ) -> Tensor:
         """Queries from x [B, T, H], keys and values from memory [B, T, H] (x itself for self-attention)."""
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, -1, self.head_dim)
-        k = self.wk(memory).view(b, memory.shape[1], -1, self.head_dim)
-        v = self.wv(memory).view(b, memory.shape[1], -1, self.head_dim)
+        q, k, v = self.project(x, memory)
         if (cp := self.context_parallel) is not None:  # Ulysses: whole sequence, some heads; ring: the chunk
             if cp.splits_heads and k.shape[2] % cp.degree:  # fewer kv heads than ranks: share them out as query
                 rep = q.shape[2] // k.shape[2]               # heads (as GQA reads)
@@ -137,7 +145,7 @@ class Attention(nn.Module):
             freqs = cp.rope(freqs) if freqs is not None else None
             attend = attend or cp.attend
         if freqs is not None:
-            q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+            q, k = self.rotate(q, freqs), self.rotate(k, freqs)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, D]
         if (rep := q.shape[1] // k.shape[1]) > 1:  # GQA: query head j reads kv head j // rep (as HF)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -149,6 +157,17 @@ class Attention(nn.Module):
         if cp is not None:
             out = cp.to_sequence(out)
         return self.wo(out.reshape(b, t, -1))
+
+    def project(self, x: Tensor, memory: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries from x [B, T, H], keys and values from memory [B, T', H]: [B, T(' ), heads, D] each."""
+        b, t, _ = x.shape
+        m = memory.shape[1]
+        return (self.wq(x).view(b, t, -1, self.head_dim), self.wk(memory).view(b, m, -1, self.head_dim),
+                self.wv(memory).view(b, m, -1, self.head_dim))
+
+    def rotate(self, x: Tensor, freqs: Tensor) -> Tensor:
+        """Queries or keys [B, T, heads, D] with their rotary positions applied (every channel here)."""
+        return apply_rope(x, freqs)
 
     def _core(self, attend: Callable | None) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
         """The attention core, q, k, v [B, heads, T, D] -> [B, heads, T, D]: `attend` (told the layer's window)
@@ -225,13 +244,15 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): make_layer(i, block) for i, block in enumerate(spec.stack)})
         self.norm: nn.Module | None = make_norm()
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        self.mtp_embeddings: nn.Embedding | None = None  # the last stage's copy of the table, for MTP modules
+        self.trunk_layers = spec.layers - spec.mtp_layers  # the multi-token-prediction modules come after
         if spec.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.freqs_cis: Tensor | None
         self.register_buffer("freqs_cis", None if spec.learned_positions else self._rope(), persistent=False)
 
     def _rope(self, device: torch.device | str | None = None) -> Tensor:
-        return rope_cache(self.spec.head_dim, self.spec.max_seq_len, rope_theta(self.spec), device)
+        return rope_cache(rope_dims(self.spec), self.spec.max_seq_len, rope_theta(self.spec), device)
 
     sequence_slice: tuple[int, int] | None = None
     """Set by the runtime for context parallelism: the [start, end) token positions this rank keeps after
@@ -241,8 +262,23 @@ class Transformer(nn.Module):
     """Set by the runtime where consecutive layers (or stages) split the hidden state differently: a
     function applied to the hidden state before each named layer."""
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, attend: Callable | None = None) -> Tensor:
-        """tokens [B, T] (or hidden [B, T, H] without tok_embeddings) -> logits float [B, T, V] (or hidden).
+    @property
+    def head_modules(self) -> list[nn.Module]:
+        """The modules that go with the head (the last layers' strategy): the final norm, the LM projection
+        and the multi-token-prediction modules' copy of the embedding table, those this chunk has."""
+        return [m for m in (self.norm, self.output, self.mtp_embeddings) if m is not None]
+
+    @property
+    def holds_mtp(self) -> bool:
+        """Whether this model (chunk) runs multi-token-prediction modules (`plait.models.mtp`): its forward
+        then takes the micro-batch's targets as `next_tokens` and returns every depth's logits."""
+        return self.output is not None and any(int(name) >= self.trunk_layers for name in self.layers)
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, attend: Callable | None = None,
+                next_tokens: Tensor | None = None) -> Tensor:
+        """tokens [B, T] (or hidden [B, T, H] without tok_embeddings) -> logits float [B, T, V] (or hidden);
+        with multi-token-prediction modules (`holds_mtp`), given `next_tokens` [B, T] (the targets), the
+        trunk's and every module's logits, [1 + D, B, T, V] (`plait.models.mtp`).
 
         Packed variable-length batches give `positions` [T] (each token's place in its own document: the
         RoPE angle or learned position of every token the attention core sees) and `attend`, the attention
@@ -253,7 +289,11 @@ class Transformer(nn.Module):
             h = self.embed(tokens, positions)
             if self.sequence_slice is not None:
                 h = h[:, self.sequence_slice[0]: self.sequence_slice[1]]
+        modules = []
         for name, layer in self.layers.items():
+            if int(name) >= self.trunk_layers:
+                modules.append(layer)
+                continue
             if self.relayouts and name in self.relayouts:
                 h = self.relayouts[name](h)
             h = layer(h, freqs) if attend is None else layer(h, freqs, attend)
@@ -262,7 +302,17 @@ class Transformer(nn.Module):
         h = self.readout(h)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h).float()
+        logits = self.output(h).float()
+        if not modules:
+            return logits
+        if next_tokens is None:
+            raise ValueError("a model with multi-token-prediction modules needs next_tokens (the targets)")
+        table = self.mtp_embeddings if self.mtp_embeddings is not None else self.tok_embeddings
+        outputs = [logits]
+        for k, module in enumerate(modules):  # depth k + 1 reads the token k + 1 ahead: next_tokens[i + k]
+            h = module(h, freqs, embedded=table(next_tokens.roll(-k, dims=1) if k else next_tokens))
+            outputs.append(self.output(h).float())
+        return torch.stack(outputs)
 
     def embed(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
         """tokens [B, T] -> the state the first layer reads: hidden [B, T, H] (+ learned positions)."""
@@ -288,8 +338,8 @@ class Transformer(nn.Module):
         resid_std = 0.02 / math.sqrt(2 * self.n_layers)
         for name, param in self.named_parameters():
             name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-            if name == "output.weight" and self.spec.tied_embeddings:
-                name = "tok_embeddings.weight"  # the tied table, on a stage without the embedding
+            if (name == "output.weight" and self.spec.tied_embeddings) or name == "mtp_embeddings.weight":
+                name = "tok_embeddings.weight"  # the table's copy on a stage without the embedding
             if name.endswith("bias"):
                 full = torch.zeros(param.shape)
             elif "norm" in name.split(".")[-2]:
@@ -305,18 +355,24 @@ class Transformer(nn.Module):
 
 class Llama(Transformer):
     """Llama: RMSNorm, SwiGLU MLP, RoPE, no biases by default, untied head unless the spec ties it; the `moe`
-    layers of a mixed stack get a mixture of experts (`plait.models.moe.MoE`) as their feed-forward."""
+    layers of a mixed stack get a mixture of experts (`plait.models.moe.MoE`) as their feed-forward, layers
+    with latent attention (DeepSeek-V2/V3) `plait.models.mla.LatentAttention`."""
 
     def __init__(self, spec: ModelSpec, dropout: float = 0.0) -> None:
         eps = float(getattr(spec, "norm_eps", None) or 1e-5)
 
-        def norm() -> nn.Module:
-            return nn.RMSNorm(spec.hidden, eps=eps)
+        def norm(width: int = spec.hidden) -> nn.Module:
+            return nn.RMSNorm(width, eps=eps)
 
         def make_layer(i: int, block: Block) -> TransformerBlock:
+            from plait.models.mla import LatentAttention
             from plait.models.moe import MoE
+            from plait.models.mtp import MTPLayer
 
             ffn = MoE(block) if block.kind == "moe" else FeedForward(block)
-            return TransformerBlock(norm(), Attention(block, dropout), norm(), ffn, dropout)
+            attention = LatentAttention(block, norm, dropout) if block.latent else Attention(block, dropout)
+            layer = TransformerBlock(norm(), attention, norm(), ffn, dropout)
+            return MTPLayer(layer, norm, block.hidden) if block.mtp else layer
 
-        super().__init__(spec, norm, lambda: FeedForward(spec), dropout, None if spec.uniform else make_layer)
+        plain = spec.uniform and not spec.block.latent
+        super().__init__(spec, norm, lambda: FeedForward(spec), dropout, None if plain else make_layer)

@@ -163,9 +163,11 @@ def layer_targets(spec: ModelSpec, tps: tuple[int, ...], eps: tuple[int, ...] = 
     that splits every layer (`Block.tp_divides`; the embedding and head split their vocabulary) and each
     distinct layer of `spec`, its tp shard; an MoE layer also at each expert-parallel width ep of `eps` that
     leaves it whole experts, at least top_k of them (experts/ep local experts taking all the rank's routed
-    tokens, each expert split tp ways: etp = tp). A uniform decoder stack has one layer, the trunk (shape "")."""
+    tokens, each expert split tp ways: etp = tp). A uniform decoder stack has one layer, the trunk (shape "").
+    Multi-token-prediction modules (`Block.mtp`), which read the tokens ahead beside the hidden state, are not
+    measured: the cost model prices them from their shape."""
     out: dict[Target, ModelSpec] = {}
-    blocks = spec.distinct_blocks
+    blocks = tuple(b for b in spec.distinct_blocks if not b.mtp)
     for tp in dict.fromkeys(tps):
         if tp < 1 or any(b.tp_divides(tp) for b in blocks) or not _divides(spec, tp):
             continue

@@ -214,9 +214,18 @@ def _replace_dir(new: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-TIED = ("output.weight", "tok_embeddings.weight")
-"""A head tied to the embedding is saved once under the embedding's name by a plan that keeps both on one
-stage; a plan that splits them onto two stages reads the head's copy from there."""
+TABLE_COPIES = ("output.weight", "mtp_embeddings.weight")
+"""Copies of the embedding table (`tok_embeddings.weight`): a head tied to it, and the last stage's copy for
+multi-token-prediction modules. A plan that keeps one table saves it once under the embedding's name; a plan
+that holds a copy on another stage reads it from there when the checkpoint lacks the copy's own."""
+
+
+def table_alias(key: str) -> str:
+    """`key` (a state entry's name) with a copy of the embedding table named as the table itself
+    (`TABLE_COPIES`); other keys unchanged."""
+    for name in TABLE_COPIES:
+        key = key.replace(name, "tok_embeddings.weight")
+    return key
 
 
 def _names(state: dict, path: Path) -> dict[tuple[str, str], str]:
@@ -226,7 +235,7 @@ def _names(state: dict, path: Path) -> dict[tuple[str, str], str]:
     names = {}
     for top, entries in state.items():
         for key in entries:
-            alias = key.replace(*TIED)
+            alias = table_alias(key)
             names[top, key] = alias if alias != key and f"{top}.{key}" not in saved else key
     return names
 

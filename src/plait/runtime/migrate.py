@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from plait.errors import PlaitError
-from plait.runtime.checkpoint import TIED, apply_state, local_state
+from plait.runtime.checkpoint import apply_state, local_state, table_alias
 
 BUCKET_BYTES = 64 * 2**20
 """Bytes of transfers per round of point-to-point ops (bounds a rank's extra memory during a switch)."""
@@ -115,10 +115,11 @@ def describe(state: dict) -> tuple[dict[str, Held], dict[str, object]]:
 
 
 def _source_key(key: str, holders: dict[str, list[tuple[int, Held]]]) -> str:
-    """`key`, or the tied embedding's name for a head the old plan kept on the embedding's stage."""
+    """`key`, or the embedding's name for a copy of the table (a tied head, MTP's) the old plan kept as the
+    embedding's own on its stage."""
     if key in holders:
         return key
-    alias = key.replace(*TIED)
+    alias = table_alias(key)
     if alias in holders:
         return alias
     raise PlaitError(f"cannot switch plans: no rank holds {key!r} under the old plan; switch with --switch-via dcp")
@@ -226,7 +227,7 @@ def move(old_chunks: list[torch.nn.Module], old_optimizers: list[torch.optim.Opt
             _local(_entry(new_state, t.key))[t.region.within(new_held[t.key].box)].copy_(buffer)
     for name in new_other:
         top, key = name.split(".", 1)
-        source = name if name in values else name.replace(*TIED)
+        source = name if name in values else table_alias(name)
         if source in values:
             new_state[top][key] = values[source]
     apply_state(new_state, keys, new_chunks, new_optimizers)

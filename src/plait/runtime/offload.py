@@ -246,7 +246,7 @@ def hosted_params(model: nn.Module, chunk: Chunk) -> dict[int, str]:
         if k == 0:
             modules += [m for m in (model.tok_embeddings, model.pos_embeddings) if m is not None]
         if k == len(segments) - 1:
-            modules += [m for m in (model.norm, model.output) if m is not None]
+            modules += model.head_modules
         for module in modules:
             for p in module.parameters():
                 out.setdefault(id(p), seg.strategy.offload)

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from plait.models.llama import Attention
+from plait.models.mla import LatentAttention
 from plait.models.moe import MoE
 from plait.plan import Strategy
 from plait.runtime import recompute
@@ -66,6 +67,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, layers: list[str],
             plan[""] = PrepareModuleInput(input_layouts=(Replicate(), None),  # full sequence
                                           desired_input_layouts=(Shard(1), None), use_local_output=True)
         parallelize_module(model.layers[name], tp_mesh, plan)
+        if _latent(model.layers[name]):
+            model.layers[name].attention.tp_mesh = tp_mesh
 
 
 ATTENTIONS = ("attention", "cross_attention")
@@ -73,15 +76,16 @@ ATTENTIONS = ("attention", "cross_attention")
 
 
 def layer_tp_plan(layer: nn.Module, sp: bool) -> dict[str, object]:
-    """Megatron tensor parallelism of one layer, from the modules it has: q/k/v and MLP-in column-wise, the
-    attention output and MLP-down row-wise (reduce-scattered along the sequence with `sp`, whose norms then
-    run sequence-sharded and whose attention and MLP inputs are gathered), a patch embedding's projection
-    column-wise and gathered."""
+    """Megatron tensor parallelism of one layer, from the modules it has: q/k/v (latent attention's
+    up-projections) and MLP-in column-wise, the attention output and MLP-down row-wise (reduce-scattered
+    along the sequence with `sp`, whose norms then run sequence-sharded and whose attention and MLP inputs
+    are gathered), a patch embedding's projection column-wise and gathered."""
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, object] = {}
     for attn in (a for a in ATTENTIONS if hasattr(layer, a)):
-        plan |= {f"{attn}.wq": ColwiseParallel(), f"{attn}.wk": ColwiseParallel(), f"{attn}.wv": ColwiseParallel(),
-                 f"{attn}.wo": RowwiseParallel(output_layouts=seq)}
+        split = getattr(layer, attn).column_parallel if _latent(layer) else ("wq", "wk", "wv")
+        plan |= {f"{attn}.{name}": ColwiseParallel() for name in split}
+        plan[f"{attn}.wo"] = RowwiseParallel(output_layouts=seq)
     routed = isinstance(getattr(layer, "feed_forward", None), MoE)  # experts: plait.runtime.experts
     if (ffn := getattr(layer, "feed_forward", None)) is not None and not routed:
         plan |= {"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq)}
@@ -92,7 +96,8 @@ def layer_tp_plan(layer: nn.Module, sp: bool) -> dict[str, object]:
     if sp:
         plan |= {
             "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+                                            use_local_output=_latent(layer)),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(
                 Shard(1) if routed else Replicate(),), use_local_output=routed),  # MoE: this rank's tokens
         }
@@ -102,6 +107,13 @@ def layer_tp_plan(layer: nn.Module, sp: bool) -> dict[str, object]:
         if getattr(layer, "output_norm", None) is not None:
             plan["output_norm"] = SequenceParallel(use_local_output=True)
     return plan
+
+
+def _latent(layer: nn.Module) -> bool:
+    """Whether the layer's attention is latent (`plait.models.mla`): its down-projections and latent norms stay
+    whole on every rank, so under sp it reads the gathered sequence as a plain tensor (each up-projection's
+    column-parallel input then sums its input gradient over the tp group)."""
+    return isinstance(getattr(layer, "attention", None), LatentAttention)
 
 
 _GEMM_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
@@ -322,7 +334,7 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
         if k == 0:
             edges += [m for m in (model.tok_embeddings, model.pos_embeddings) if m is not None]
         if k == len(segments) - 1:
-            edges += [m for m in (model.norm, model.output) if m is not None]
+            edges += model.head_modules
         if apply_dp_segment(model, layers, edges, seg.weight_mesh, seg.strategy.zero, seg.strategy.offload,
                             reduce_dtype):
             params = [p for name in layers for p in model.layers[name].parameters() if id(p) not in synced]

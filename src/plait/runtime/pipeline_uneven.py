@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from plait.models.mtp import next_token_kwargs
 from plait.runtime.boundary import Boundary
 from plait.runtime.zero import micro_batch_flags
 
@@ -74,7 +75,7 @@ class UnevenSchedule:
             x = self.before.receive(True, self.dtype, self.device).requires_grad_()
         self._settle(pending)
         with self.timed():
-            out = self.chunk(x)
+            out = self.chunk(x, **next_token_kwargs(self.chunk, y))
             if self.after is None:
                 out = self.loss_fn(out, y)
                 if losses is not None:

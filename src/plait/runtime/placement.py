@@ -239,8 +239,9 @@ def place(plan: Plan, rank: int, tied_embeddings: bool = False, expert_layers: f
           ) -> Placement:
     """Build all groups (collectively) and return this rank's placement. With `tied_embeddings` and
     several stages (or one that lays them out differently, `tied_copies`), the first stage's embedding and
-    the last stage's head are copies of one weight whose gradients are summed over the tied groups
-    (Megatron's embedding group). With several pipelines, each
+    the last stage's head (or multi-token-prediction modules' table, `plait.models.mtp`) are copies of one
+    weight whose gradients are summed over the tied groups (Megatron's embedding group). With several
+    pipelines, each
     layer's gradients are also reduced over the ranks that hold its shard in every pipeline (`replicas`).
     Segments holding any of `expert_layers` (MoE layers) get their expert groups."""
     groups = _Groups()

@@ -118,7 +118,7 @@ def replica_shards(chunks: list[nn.Module], where: Placement, plan: Plan, layers
         stage = stages[chunk.index]
         parts = [(-1, m) for m in (model.tok_embeddings, model.pos_embeddings) if m is not None]
         parts += [(int(name), block) for name, block in model.layers.items()]
-        parts += [(layers, m) for m in (model.norm, model.output) if m is not None]
+        parts += [(layers, m) for m in model.head_modules]
         by_group: dict[Replicas, list[nn.Parameter]] = {}
         for key, module in parts:
             r = where.replicas.get(key)

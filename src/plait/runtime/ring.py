@@ -66,21 +66,22 @@ class _RingAttention(torch.autograd.Function):
         n, me = len(layout.ranks), layout.me
         ctx.window = window
         scale = 1.0 / math.sqrt(q.shape[-1])
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = k.shape[-1]
+        out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        kv = torch.cat([k, v], dim=-1).contiguous()  # one message; values may be narrower (latent attention)
         for step in range(n):
             j = (me - step) % n
             mask = layout.mask(j, ctx.window)
             nxt = _exchange(kv, layout) if step < n - 1 else None
             if mask.any():
-                s = _block(q, kv[0], mask, scale)
+                s = _block(q, kv[..., :dk], mask, scale)
                 block_lse = torch.logsumexp(s, dim=-1)  # -inf for rows with no key here
                 new = torch.logaddexp(lse, block_lse)
                 seen = torch.isfinite(new)
                 p = torch.where(seen[..., None], torch.exp(s - new.where(seen, 0)[..., None]), 0.0)
                 keep = torch.where(seen, torch.exp(lse - new.where(seen, 0)), 0.0)
-                out = out * keep[..., None] + p @ kv[1].float()
+                out = out * keep[..., None] + p @ kv[..., dk:].float()
                 lse = new
             if nxt is not None:
                 kv = nxt
@@ -97,7 +98,8 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.float()
         delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        dk = k.shape[-1]
+        kv = torch.cat([k, v], dim=-1).contiguous()
         # gradients of the block held now, travelling along
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         for step in range(n):
@@ -105,21 +107,22 @@ class _RingAttention(torch.autograd.Function):
             mask = layout.mask(j, ctx.window)
             nxt = _exchange(kv, layout) if step < n - 1 else None
             if mask.any():
-                kj, vj = kv[0].float(), kv[1].float()
+                kj, vj = kv[..., :dk].float(), kv[..., dk:].float()
                 p = torch.exp(_block(q, kj, mask, scale) - lse[..., None])
-                dkv[1] += p.transpose(-1, -2) @ dout
+                dkv[..., dk:] += p.transpose(-1, -2) @ dout
                 ds = p * (dout @ vj.transpose(-1, -2) - delta)
                 dq += (ds @ kj) * scale
-                dkv[0] += (ds.transpose(-1, -2) @ q.float()) * scale
+                dkv[..., :dk] += (ds.transpose(-1, -2) @ q.float()) * scale
             dkv = _exchange(dkv, layout)  # one hop on; after n hops each block's gradients are home
             if nxt is not None:
                 kv = nxt
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, window: int = 0) -> Tensor:
     """Document-masked causal attention of this rank's queries over the whole row's keys (those within a
-    sliding `window` of tokens; 0: all earlier ones): [B, heads, T_local, D] -> [B, heads, T_local, D].
+    sliding `window` of tokens; 0: all earlier ones): q, k [B, heads, T_local, D], v [B, heads, T_local, Dv]
+    -> [B, heads, T_local, Dv].
     Differentiable (ring backward). Under recompute=attn_kept it runs outside the recomputed region
     (plait.runtime.recompute.RingKeep)."""
     if (keep := ring_keep()) is None:

@@ -42,7 +42,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from plait.errors import PlaitError
 from plait.plan import Pipeline, Plan, Stage, Strategy
@@ -211,6 +210,9 @@ class Adaptive:
 
     def probe(self) -> None:
         """A rank the plan leaves out: one sequence through the whole model, timed (seen recovering)."""
+        from plait.models.mtp import next_token_kwargs
+        from plait.runtime.train import loss_function
+
         if self._probe is None:
             from plait.models import build_model
 
@@ -221,8 +223,8 @@ class Adaptive:
             self._probe = (model, tokens)
         model, tokens = self._probe
         with self.clock.compute():
-            logits = model(tokens[:, :-1])
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+            loss_function(self.spec, tokens.shape[1] - 1)(model(tokens[:, :-1], **next_token_kwargs(
+                model, tokens[:, 1:])), tokens[:, 1:]).backward()
         model.zero_grad(set_to_none=True)
 
     def after_step(self, step: int, placed, record: dict) -> Plan | None:

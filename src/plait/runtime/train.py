@@ -8,6 +8,7 @@ its tokens; in fp32 any plan reproduces the single-process loss curve.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import sys
@@ -27,6 +28,7 @@ from plait.errors import PlaitError
 from plait.executable import tied_copies
 from plait.models import build_model
 from plait.models.hf_weights import load_hf_safetensors
+from plait.models.mtp import mtp_loss, next_token_kwargs
 from plait.models.vision import IGNORE_INDEX, image_targets
 from plait.plan import SYNC_P2P, Plan
 from plait.runtime import checkpoint, memory, offload, preflight, swap
@@ -118,6 +120,8 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
         for name in list(model.layers.keys()):
             if not start <= int(name) < end:
                 del model.layers[name]
+        if spec.mtp_layers and j == len(stages) - 1 and (j != 0 or tied_copies(plan)):
+            model.mtp_embeddings = copy.deepcopy(model.tok_embeddings)  # summed with the first stage's
         if j != 0:
             model.tok_embeddings = None
             model.pos_embeddings = None
@@ -130,7 +134,12 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
             load_hf_safetensors(model, hf_checkpoint)
         if dtype is not None:
             model.to(dtype)
-        accumulated = 1 if where.pp > 1 else plan.pipelines[where.pipeline].micro_batches
+        # micro-batches whose mean loss one backward pass sums: torch's pipeline schedules scale the gradients
+        # themselves, the runtime's own divide each micro-batch's loss by a run's micro-batches
+        if plan.own_schedule(where.pipeline):
+            accumulated = plan.run_micro_batches(where.pipeline)
+        else:
+            accumulated = 1 if where.pp > 1 else plan.pipelines[where.pipeline].micro_batches
         synced = parallelize_chunk(model, chunk, plan.seq_len, pipelined=where.pp > 1 or hand_sync,
                                    grad_accumulation=accumulated, reduce_dtype=reduce)
         manual_sync += [GradientSync(params, group, weight, reduce_dtype=reduce)
@@ -197,7 +206,7 @@ def _replica_sync(chunks: list[torch.nn.Module], where: Placement, plan: Plan, l
     for model in chunks:
         parts = [(-1, m) for m in (model.tok_embeddings, model.pos_embeddings) if m is not None]
         parts += [(int(name), block) for name, block in model.layers.items()]
-        parts += [(layers, m) for m in (model.norm, model.output) if m is not None]
+        parts += [(layers, m) for m in model.head_modules]
         for key, module in parts:
             for p in module.parameters():
                 if id(p) not in seen:
@@ -223,7 +232,10 @@ def _text_loss(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> tor
 
 def loss_function(spec: ModelSpec, seq_len: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The loss of a micro-batch: the mean cross-entropy, over the text targets when an image takes the
-    first positions (`plait.models.vision.image_targets`)."""
+    first positions (`plait.models.vision.image_targets`), with the multi-token-prediction modules' losses
+    (`plait.models.mtp.mtp_loss`)."""
+    if spec.mtp_layers:
+        return mtp_loss
     left_out = max(spec.image_tokens - 1, 0)
     return token_loss if not left_out else partial(_text_loss, scale=seq_len / (seq_len - left_out))
 
@@ -265,13 +277,15 @@ def _untie(model: torch.nn.Module) -> None:
 
 
 def _tied_weights(chunks: list[torch.nn.Module], where: Placement, plan: Plan) -> list[torch.nn.Parameter]:
-    """This rank's copies of an embedding table tied to the head, whose gradients are summed after backward:
-    the embedding's on the first stage, the head's on the last (both in a one-stage pipeline that holds
-    two); none when one parameter serves both."""
+    """This rank's copies of an embedding table that the head is tied to or multi-token-prediction modules
+    read (`plait.models.mtp`), whose gradients are summed after backward: the embedding's on the first
+    stage, the head's (the modules' own copy) on the last, both in a one-stage pipeline that holds two; none
+    when one parameter serves both."""
     if where.tied_group is None and where.tied_whole is None:
         return []
+    end = chunks[-1].mtp_embeddings if chunks[-1].mtp_embeddings is not None else chunks[-1].output
     return ([chunks[0].tok_embeddings.weight] if where.first else []) + \
-        ([chunks[-1].output.weight] if where.last(plan) else [])
+        ([end.weight] if where.last(plan) else [])
 
 
 def _sum_tied_grad(copies: list[torch.nn.Parameter], group: dist.ProcessGroup | None,
@@ -372,7 +386,7 @@ class Placed:
 def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeClock | None = None,
                hand_sync: bool = False) -> Placed:
     """Build this rank's share of `plan` (collective: every rank builds every group)."""
-    where = place(plan, dist.get_rank(), spec.tied_embeddings,
+    where = place(plan, dist.get_rank(), spec.tied_embeddings or spec.mtp_layers > 0,  # MTP: a table copy
                   frozenset(i for i, block in enumerate(spec.stack) if block.kind == "moe"))
     loss = loss_function(spec, plan.seq_len)
     if where.idle:
@@ -420,7 +434,7 @@ def _forward_backward(placed: Placed, inputs: list[torch.Tensor], targets: list[
             micro_batch_flags(chunks[0], last=i == len(inputs) - 1)  # each unit as its ZeRO stage says
             with timed():
                 with autocast:
-                    loss = placed.loss(chunks[0](x), y)
+                    loss = placed.loss(chunks[0](x, **next_token_kwargs(chunks[0], y)), y)
                 (loss / len(inputs)).backward()
             loss_sum[0] += loss.detach().double() * rows
             loss_sum[1] += rows
@@ -433,6 +447,8 @@ def _forward_backward(placed: Placed, inputs: list[torch.Tensor], targets: list[
         mine = slice(k * per_run, (k + 1) * per_run)
         run_losses: list[torch.Tensor] = []  # torch's schedules clear the list they are given
         kwargs = {"target": torch.cat(targets[mine]), "losses": run_losses} if last else {}
+        if last and not placed.plan.own_schedule(where.pipeline):  # torch's: MTP chunks' next tokens
+            kwargs |= next_token_kwargs(chunks[-1], kwargs["target"])
         with autocast:
             if where.first:
                 schedule.step(torch.cat(inputs[mine]), **kwargs)

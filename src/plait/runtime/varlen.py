@@ -371,6 +371,9 @@ def check_config(cfg, spec: ModelSpec, world: int) -> None:
     if spec.family not in VARLEN_FAMILIES:
         raise PlaitError(f"--varlen packs documents for decoder-only models ({', '.join(VARLEN_FAMILIES)}), not "
                          f"{spec.family} ({spec.name}); drop --varlen")
+    if spec.mtp_layers:
+        raise PlaitError(f"--varlen packs documents, and {spec.name} ends in multi-token-prediction modules, which "
+                         "read the tokens ahead of whole sequences; drop --varlen or mtp")
     if cfg.varlen not in METHODS:
         raise PlaitError(f"--varlen must be one of {', '.join(METHODS)}, got {cfg.varlen!r}")
     if cfg.varlen_states not in STATES:

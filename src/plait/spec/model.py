@@ -429,6 +429,9 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny-llava": _with_vision("tiny-llava", _llama("tiny-llava", 2, 128, 4, 2, 384, 512, 256), "tiny-vit"),
     "tiny-moe": _moe("tiny-moe", _llama("tiny-moe", 4, 64, 4, 2, 192, 512, 256), experts=8, top_k=2, expert_ffn=64,
                      shared_ffn=64, dense_first=1),
+    "tiny-deepseek": _moe("tiny-deepseek", replace(_llama("tiny-deepseek", 4, 64, 4, 4, 192, 512, 256), head_dim=16),
+                          attention={"q_lora": 32, "kv_lora": 16, "rope_head_dim": 8, "v_head_dim": 16}, experts=8,
+                          top_k=2, expert_ffn=64, shared_ffn=64, dense_first=1, expert_groups=4, group_top_k=2),
 }
 
 _INLINE_KEYS = {
@@ -437,11 +440,15 @@ _INLINE_KEYS = {
     "attention": "attention", "dropout": "dropout", "tied": "tied_embeddings",
 }
 _STACK_KEYS = ("window", "global_every", "experts", "top_k", "expert_ffn", "shared_ffn", "dense_first", "moe_every",
-               "expert_groups", "group_top_k", "encoder_layers", "decoder_layers", "gated", "vision", "mtp")
+               "expert_groups", "group_top_k", "encoder_layers", "decoder_layers", "gated", "vision", "mtp",
+               "q_lora", "kv_lora", "rope_head_dim", "v_head_dim")
 """Inline keys that shape a mixed stack: sliding windows (every layer, or all but every global_every-th),
 MoE layers (after dense_first dense ones, every moe_every-th; experts picked from the group_top_k best of
 expert_groups groups when given), T5's encoder and decoder layer counts, a vision tower by name
-(`plait.spec.stacks.VISION_TOWERS`), multi-token-prediction modules after the last layer (mtp)."""
+(`plait.spec.stacks.VISION_TOWERS`), multi-token-prediction modules after the last layer (mtp), latent
+attention on every layer (kv_lora, with q_lora, rope_head_dim and v_head_dim; head_dim is then each query/key
+head's plain dims)."""
+_LATENT_KEYS = ("q_lora", "kv_lora", "rope_head_dim", "v_head_dim")
 _FAMILIES = ("gpt", "llama", "t5")
 _INLINE_EXAMPLES = {
     "gpt": "gpt:layers=32,hidden=4096,heads=32,vocab=32000",
@@ -535,6 +542,14 @@ def _shape_stack(text: str, model: ModelSpec, shape: dict[str, object]) -> Model
         moe["every"] = moe.pop("moe_every", 1)
         mixed = stacks.moe_layers(model.block, model.layers, **moe)
         stack = tuple(m if m.kind == "moe" else b for m, b in zip(mixed, stack, strict=True))
+    if any(k in shape for k in _LATENT_KEYS):
+        if model.family != "llama":
+            raise PlaitError(f"inline model {text!r}: latent attention keys apply to llama stacks")
+        if "kv_lora" not in shape:
+            raise PlaitError(f"inline model {text!r}: latent attention needs kv_lora too; give e.g. "
+                             "q_lora=1536,kv_lora=512,rope_head_dim=64,v_head_dim=128")
+        latent = {k: int(shape.pop(k)) for k in _LATENT_KEYS if k in shape}  # type: ignore[call-overload]
+        stack = tuple(b.with_(**latent) for b in stack)
     if "mtp" in shape:
         if model.family == "t5":
             raise PlaitError(f"inline model {text!r}: mtp (multi-token prediction) applies to gpt and llama stacks")
