@@ -324,3 +324,56 @@ def test_loss_goes_down(name: str) -> None:
         losses.append(loss.item())
     assert abs(losses[0] - math.log(spec.vocab)) < 0.1  # small init: near-uniform predictions
     assert losses[-1] < 0.5 * losses[0]
+
+
+SMALL_HF = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-6}
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16}
+
+
+def _saved_hf(kind: str, tmp_path: Path, **config: object) -> torch.nn.Module:
+    """A randomly initialised Hugging Face model of `kind` (Llama, Qwen2, Qwen3) saved to tmp_path."""
+    import transformers
+
+    cls, cfg = (getattr(transformers, f"{kind}ForCausalLM"), getattr(transformers, f"{kind}Config"))
+    torch.manual_seed(0)
+    model = cls(cfg(**SMALL_HF, **config)).eval()
+    model.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("kind, config", [
+    ("Llama", {"rope_theta": 5e5}),  # the base read from config.json (transformers 5: rope_parameters)
+    ("Llama", {"rope_theta": 5e5, "rope_scaling": LLAMA3_SCALING}),  # Llama 3.1's scaled frequencies
+    ("Llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    ("Qwen2", {"rope_theta": 1e6}),  # q/k/v biases
+])
+def test_hugging_face_checkpoints_give_hugging_face_logits(kind: str, config: dict, tmp_path: Path) -> None:
+    """A saved Hugging Face model loads from its config.json and weights into the runtime's model, which then
+    computes its logits (RoPE base and scaling, norm epsilon, biases as configured)."""
+    from plait.spec.model import load_model
+
+    hf = _saved_hf(kind, tmp_path, **config)
+    model = build_model(load_model(str(tmp_path / "config.json")), seed=5).eval()
+    load_hf_safetensors(model, tmp_path)
+    tokens = _tokens(128, t=60)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoints_of_layers_the_runtime_builds_otherwise_are_refused(tmp_path: Path) -> None:
+    """Qwen3's q/k norms have no place in the runtime's layer, and YaRN's RoPE is not applied: loading either
+    would give another model, so both are refused in one line."""
+    from plait.spec.model import load_model
+
+    _saved_hf("Qwen3", tmp_path / "qwen3", head_dim=8)
+    model = build_model(load_model(str(tmp_path / "qwen3" / "config.json")))
+    with pytest.raises(PlaitError, match="self_attn.k_norm.weight.*no place") as err:
+        load_hf_safetensors(model, tmp_path / "qwen3")
+    assert "\n" not in str(err.value)
+    _saved_hf("Llama", tmp_path / "yarn", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 16})
+    model = build_model(load_model(str(tmp_path / "yarn" / "config.json")))
+    with pytest.raises(PlaitError, match="'yarn'"):
+        load_hf_safetensors(model, tmp_path / "yarn")

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from plait.errors import PlaitError
-from plait.models.llama import Transformer, copy_full_
+from plait.models.llama import SCALED_ROPE, Transformer, copy_full_
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -127,6 +127,11 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
     if "moe" in model.spec.kind_counts():
         raise PlaitError(f"Hugging Face checkpoints of MoE models do not load yet ({model.spec.name}); start it "
                          "from the seed instead")
+    scaling = dict(model.spec.rope_scaling)
+    if scaling and (kind := scaling.get("rope_type", scaling.get("type"))) not in SCALED_ROPE:
+        raise PlaitError(f"{model.spec.name} scales RoPE as {kind!r}, which the runtime does not apply (it applies "
+                         f"{', '.join(SCALED_ROPE)}); its weights would load into another model, so start it from "
+                         "the seed instead")
     if any(b.latent for b in model.spec.stack):
         raise PlaitError(f"Hugging Face checkpoints of latent-attention models do not load yet ({model.spec.name}); "
                          "start it from the seed instead")
@@ -141,12 +146,32 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
         hf.update(read_safetensors(file))
     hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
     gpt2 = model.spec.family == "gpt"
+    used: set[str] = set()
     for name, param in model.named_parameters():
         full = _from_hf(hf, name, model, gpt2)
+        used.add(_hf_name(name, gpt2))
         if full.shape != param.shape:
             raise PlaitError(f"tensor {_hf_name(name, gpt2)!r} has shape {list(full.shape)} but {name} of model "
                              f"{model.spec.name!r} needs {list(param.shape)}; the checkpoint is of another shape")
         copy_full_(param, full.to(param.dtype))
+    if unused := _unused_layer_tensors(hf, used, model, gpt2):
+        more = f" and {len(unused) - 2} more" if len(unused) > 2 else ""
+        raise PlaitError(f"checkpoint tensors {', '.join(unused[:2])}{more} have no place in plait's "
+                         f"{model.spec.family} layers (e.g. Qwen3's q/k norms, Gemma-2's extra norms): the runtime "
+                         "does not build this architecture's layer; start it from the seed instead")
+
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+"""Buffers some checkpoints store in a layer that are not weights (rotary frequencies, GPT-2's causal mask)."""
+
+
+def _unused_layer_tensors(hf: dict[str, Tensor], used: set[str], model: Transformer, gpt2: bool) -> list[str]:
+    """The checkpoint's tensors of the layers `model` holds that no parameter read (sorted): weights of a layer
+    the runtime builds differently, which loading must not drop silently."""
+    held = set(model.layers.keys())
+    prefix = re.compile(r"h\.(\d+)\." if gpt2 else r"model\.layers\.(\d+)\.")
+    return sorted(k for k in hf if k not in used and not k.endswith(IGNORED_SUFFIXES)
+                  and (m := prefix.match(k)) is not None and m.group(1) in held)
 
 
 def save_hf_safetensors(model: Transformer, directory: str | Path, filename: str = "model.safetensors") -> Path:

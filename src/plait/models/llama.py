@@ -16,8 +16,8 @@ carried state.
 
 RoPE follows Hugging Face's "rotate_half" convention (the two halves of each head are the pairs, not
 interleaved neighbours as in Meta's original code): HF's conversion script permutes q/k weights into that
-layout, so weights from HF Llama checkpoints load unchanged. Llama 3's long-context rope_scaling is not
-applied.
+layout, so weights from HF Llama checkpoints load unchanged. Its base and scaling come from config.json
+(linear and Llama 3.1's "llama3" scaling applied; `SCALED_ROPE`).
 """
 
 from __future__ import annotations
@@ -35,13 +35,39 @@ from plait.spec.layers import Block
 from plait.spec.model import ModelSpec
 
 
-def rope_cache(head_dim: int, max_seq_len: int, theta: float = 10000.0, device: torch.device | str | None = None
-               ) -> Tensor:
-    """cos/sin of every (position, channel): float32 [max_seq_len, 2, D]; [:, 0] = cos, [:, 1] = sin."""
+def rope_cache(head_dim: int, max_seq_len: int, theta: float = 10000.0, device: torch.device | str | None = None,
+               scaling: tuple[tuple[str, float | str], ...] = ()) -> Tensor:
+    """cos/sin of every (position, channel): float32 [max_seq_len, 2, D]; [:, 0] = cos, [:, 1] = sin; the
+    frequencies scaled as `scaling` (config.json's rope_scaling pairs) says (`scaled_frequencies`)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    inv_freq = scaled_frequencies(inv_freq, dict(scaling))
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)  # HF layout: channel i and i + D/2 share a frequency
     return torch.stack([angles.cos(), angles.sin()], dim=1)
+
+
+SCALED_ROPE = ("linear", "llama3")
+"""RoPE scalings the runtime applies (Hugging Face's rope_type); others leave the frequencies as they are."""
+
+
+def scaled_frequencies(inv_freq: Tensor, scaling: dict[str, float | str]) -> Tensor:
+    """RoPE's inverse frequencies under a config's scaling: "linear" divides them by `factor`; "llama3" (Llama
+    3.1's) divides the low ones (wavelengths beyond original_max_position_embeddings / low_freq_factor) by
+    `factor`, keeps the high ones (below original / high_freq_factor) and blends in between, as Hugging Face's
+    `_compute_llama3_parameters`; none (or another kind) leaves them."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind != "llama3":
+        return inv_freq
+    factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    original = float(scaling["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(medium, blended, scaled)
 
 
 def causal_mask(q_index: Tensor, k_index: Tensor, window: int = 0) -> Tensor:
@@ -252,7 +278,8 @@ class Transformer(nn.Module):
         self.register_buffer("freqs_cis", None if spec.learned_positions else self._rope(), persistent=False)
 
     def _rope(self, device: torch.device | str | None = None) -> Tensor:
-        return rope_cache(rope_dims(self.spec), self.spec.max_seq_len, rope_theta(self.spec), device)
+        return rope_cache(rope_dims(self.spec), self.spec.max_seq_len, rope_theta(self.spec), device,
+                          self.spec.rope_scaling)
 
     sequence_slice: tuple[int, int] | None = None
     """Set by the runtime for context parallelism: the [start, end) token positions this rank keeps after

@@ -70,7 +70,8 @@ def _decoder(c: _Config, name: str, model_type: str) -> ModelSpec:
         out_bias=bool(c.get("attention_bias", False)),
         mlp_bias=bool(c.get("mlp_bias", model_type == "gpt_oss")),  # GPT-OSS experts carry biases
         dropout=False, tied_embeddings=bool(c.get("tie_word_embeddings", model_type == "gemma2")),
-        learned_positions=False,
+        learned_positions=False, rope_theta=float(c.get("rope_theta") or _rope_parameters(c).get("rope_theta") or 0),
+        norm_eps=float(c.get("rms_norm_eps") or 0), rope_scaling=_rope_scaling(c),
     )
     block = model.block.with_(norms=4) if model_type == "gemma2" else model.block
     if c.get("kv_lora_rank"):  # DeepSeek-V2/V3 multi-head latent attention
@@ -85,6 +86,23 @@ def _decoder(c: _Config, name: str, model_type: str) -> ModelSpec:
         mixed = _moe_layers(c, block, layers, model_type)
         stack = tuple(m.with_(window=b.window) if m.kind == "moe" else b for m, b in zip(mixed, stack, strict=True))
     return replace(model, mixed=stack) if stack != model.stack else model
+
+
+def _rope_parameters(c: _Config) -> dict:
+    """The config's `rope_parameters` table (transformers 5 moves rope_theta there), or {}."""
+    table = c.get("rope_parameters")
+    return table if isinstance(table, dict) else {}
+
+
+def _rope_scaling(c: _Config) -> tuple[tuple[str, float | str], ...]:
+    """The config's RoPE scaling (transformers 4's `rope_scaling`, 5's `rope_parameters`) as sorted (key,
+    value) pairs of its numbers and names, rope_theta aside; () when it has none or is the default."""
+    table = c.get("rope_scaling")
+    table = {**_rope_parameters(c), **(table if isinstance(table, dict) else {})}
+    pairs = tuple(sorted((str(k), v if isinstance(v, str) else float(v)) for k, v in table.items()
+                         if k != "rope_theta" and isinstance(v, (int, float, str)) and not isinstance(v, bool)))
+    kind = dict(pairs).get("rope_type", dict(pairs).get("type", "default"))
+    return () if kind == "default" else pairs
 
 
 def _local_layers(c: _Config, layers: int, model_type: str) -> tuple[bool, ...] | None:

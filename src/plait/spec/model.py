@@ -13,7 +13,7 @@ Sources of a ModelSpec: presets (`PRESETS`), a Hugging Face `config.json`, or an
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -36,6 +36,11 @@ __all__ = ["LSE_BYTES", "MASK_BYTES", "PRESETS", "ActivationBytes", "Attention",
            "Recompute", "load_model", "parse_inline"]
 
 Family = Literal["gpt", "llama", "t5", "llava"]
+
+
+NUMERICS = ("rope_theta", "norm_eps", "rope_scaling")
+"""ModelSpec fields that change the runtime's numbers but not its cost; at their defaults they leave the
+fingerprint as it was before they existed."""
 
 
 @cached_hash
@@ -71,6 +76,12 @@ class ModelSpec:
     attention: Attention = "flash"
     window: int = 0  # sliding-window attention of the default layer, tokens (0: global; Mistral: 4096)
     mixed: tuple[Block, ...] = ()  # every layer in order when they differ; () = `layers` copies of `block`
+    # Numerics that cost nothing (the runtime's, from config.json): RoPE's base (0: 500000 for vocabularies of
+    # 128k and more, else 10000) and the norms' epsilon (0: 1e-5).
+    rope_theta: float = field(default=0.0, repr=False)
+    norm_eps: float = field(default=0.0, repr=False)
+    rope_scaling: tuple[tuple[str, float | str], ...] = field(default=(), repr=False)  # config.json's
+    # rope_scaling (rope_parameters) entries but rope_theta, sorted; () = none
 
     def __post_init__(self) -> None:
         if not self.kv_heads:
@@ -99,7 +110,8 @@ class ModelSpec:
     def fingerprint(self) -> str:
         """A short hash of the architecture (every field but the name): plans and checkpoints record it, so
         one made for another model is refused even when the layer counts agree."""
-        plain = fields_hash(self, 16, skip=("name",))
+        numerics = tuple(f for f in NUMERICS if not getattr(self, f))  # at their defaults: as before they were
+        plain = fields_hash(self, 16, skip=("name", *numerics))
         if not self.mtp_layers:
             return plain
         import hashlib
