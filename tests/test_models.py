@@ -333,7 +333,7 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 
 
 def _saved_hf(kind: str, tmp_path: Path, **config: object) -> torch.nn.Module:
-    """A randomly initialised Hugging Face model of `kind` (Llama, Qwen2, Qwen3) saved to tmp_path."""
+    """A randomly initialised Hugging Face model of `kind` (Llama, Qwen2, Qwen3, Mixtral) saved to tmp_path."""
     import transformers
 
     cls, cfg = (getattr(transformers, f"{kind}ForCausalLM"), getattr(transformers, f"{kind}Config"))
@@ -344,6 +344,7 @@ def _saved_hf(kind: str, tmp_path: Path, **config: object) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("kind, config", [
+    ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # routed experts, one tensor an expert
     ("Llama", {"rope_theta": 5e5}),  # the base read from config.json (transformers 5: rope_parameters)
     ("Llama", {"rope_theta": 5e5, "rope_scaling": LLAMA3_SCALING}),  # Llama 3.1's scaled frequencies
     ("Llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
@@ -351,7 +352,8 @@ def _saved_hf(kind: str, tmp_path: Path, **config: object) -> torch.nn.Module:
 ])
 def test_hugging_face_checkpoints_give_hugging_face_logits(kind: str, config: dict, tmp_path: Path) -> None:
     """A saved Hugging Face model loads from its config.json and weights into the runtime's model, which then
-    computes its logits (RoPE base and scaling, norm epsilon, biases as configured)."""
+    computes its logits (RoPE base and scaling, norm epsilon, biases, routed experts as configured); the
+    model saved again loads back into Hugging Face's class."""
     from plait.spec.model import load_model
 
     hf = _saved_hf(kind, tmp_path, **config)
@@ -360,6 +362,12 @@ def test_hugging_face_checkpoints_give_hugging_face_logits(kind: str, config: di
     tokens = _tokens(128, t=60)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+    back = tmp_path / "back"
+    save_hf_safetensors(model, back)  # and Hugging Face loads plait's file back into the same model
+    (back / "config.json").write_text((tmp_path / "config.json").read_text())
+    again = type(hf).from_pretrained(back).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_checkpoints_of_layers_the_runtime_builds_otherwise_are_refused(tmp_path: Path) -> None:

@@ -6,12 +6,15 @@ relative to the end of the header). Names understood:
 
 - Llama (also Mistral, Qwen2): `model.embed_tokens`, `model.layers.{i}.input_layernorm`,
   `self_attn.{q,k,v,o}_proj`, `post_attention_layernorm`, `mlp.{gate,up,down}_proj`, `model.norm`,
-  `lm_head`. q/k are used as stored: plait's RoPE uses HF's rotate_half layout.
+  `lm_head`. q/k are used as stored: plait's RoPE uses HF's rotate_half layout. Mixtral's MoE layers:
+  `block_sparse_moe.gate` (the router) and `block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up, down: one
+  tensor an expert, stacked into plait's `Experts`).
 - GPT-2, with or without a `transformer.` prefix: `wte`, `wpe`, `h.{i}.ln_1`, `attn.c_attn` (Conv1D
   [in, out] layout holding q, k and v side by side), `attn.c_proj`, `ln_2`, `mlp.c_fc`, `mlp.c_proj`, `ln_f`.
 
-Tensors the model does not have (attention-mask buffers, rotary inv_freq, layers deleted by a pipeline
-stage) are ignored; a tensor the model needs and the files lack is an error.
+Buffers (attention masks, rotary inv_freq) and the layers a pipeline stage deleted are ignored; a tensor the
+model needs and the files lack is an error, and so is a weight of a held layer that no parameter reads (the
+runtime builds that layer otherwise).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ _LLAMA = {  # plait suffix of layers.{i}. -> HF suffix of model.layers.{i}.
     "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
 }
+_LLAMA_MOE = {"feed_forward.router": "block_sparse_moe.gate"}  # Mixtral's router; its experts: `_expert_names`
 _LLAMA_TOP = {"tok_embeddings": "model.embed_tokens", "pos_embeddings": "model.embed_positions",
               "norm": "model.norm", "output": "lm_head"}
 _GPT2 = {"attention_norm": "ln_1", "attention.wo": "attn.c_proj", "ffn_norm": "ln_2",
@@ -81,7 +85,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, Tensor]) -> None:
 
 def _hf_name(name: str, gpt2: bool) -> str:
     """The HF name of a plait parameter name (e.g. layers.3.attention.wq.weight)."""
-    top, blocks = (_GPT2_TOP, _GPT2) if gpt2 else (_LLAMA_TOP, _LLAMA)
+    top, blocks = (_GPT2_TOP, _GPT2) if gpt2 else (_LLAMA_TOP, _LLAMA | _LLAMA_MOE)
     if m := re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name):
         i, module, kind = m.groups()
         if gpt2 and module in ("attention.wq", "attention.wk", "attention.wv"):
@@ -91,11 +95,42 @@ def _hf_name(name: str, gpt2: bool) -> str:
     return f"{top[module]}.{kind}"
 
 
+EXPERTS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
+"""A MoE layer's stacked experts [E, ...] (`plait.models.moe.Experts`), stored one expert a tensor."""
+
+
+def _expert_names(name: str, experts: int) -> list[str] | None:
+    """The HF names of the experts stacked in plait parameter `name` (Mixtral's layout: block_sparse_moe.experts.
+    {e}.w1 gate, w3 up, w2 down, as plait's), or None for another parameter."""
+    if (m := EXPERTS.fullmatch(name)) is None:
+        return None
+    i, w = m.groups()
+    return [f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight" for e in range(experts)]
+
+
+def _hf_names(name: str, model: Transformer, gpt2: bool) -> list[str]:
+    """The HF tensors plait parameter `name` is read from (several for stacked experts)."""
+    stacked = None if gpt2 else _expert_names(name, _experts_of(model, name))
+    return stacked if stacked is not None else [_hf_name(name, gpt2)]
+
+
+def _experts_of(model: Transformer, name: str) -> int:
+    """Routed experts of the layer that parameter `name` belongs to (0 outside MoE layers)."""
+    m = EXPERTS.fullmatch(name)
+    return model.spec.stack[int(m.group(1))].experts if m else 0
+
+
 def _from_hf(hf: dict[str, Tensor], name: str, model: Transformer, gpt2: bool) -> Tensor:
     """The full tensor for plait parameter `name` from the HF tensors, in plait's [out, in] layout."""
     if name == "output.weight" and model.spec.tied_embeddings and "lm_head.weight" not in hf:
         name = "tok_embeddings.weight"  # tied checkpoints store only the embedding
-    key = _hf_name(name, gpt2)
+    keys = _hf_names(name, model, gpt2)
+    if len(keys) > 1:
+        if missing := [k for k in keys if k not in hf]:
+            raise PlaitError(f"checkpoint lacks tensor {missing[0]!r} (for {name}); MoE checkpoints load in "
+                             "Mixtral's layout (block_sparse_moe.experts.E.w1/w2/w3)")
+        return torch.stack([hf[k] for k in keys])
+    key = keys[0]
     if key not in hf:
         raise PlaitError(f"checkpoint lacks tensor {key!r} (for {name}); is it a checkpoint of this model?")
     t = hf[key]
@@ -124,9 +159,6 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
     if model.spec.family not in HF_FAMILIES:
         raise PlaitError(f"Hugging Face checkpoints load into {' and '.join(HF_FAMILIES)} models, not "
                          f"{model.spec.family} ({model.spec.name}); start it from the seed instead")
-    if "moe" in model.spec.kind_counts():
-        raise PlaitError(f"Hugging Face checkpoints of MoE models do not load yet ({model.spec.name}); start it "
-                         "from the seed instead")
     scaling = dict(model.spec.rope_scaling)
     if scaling and (kind := scaling.get("rope_type", scaling.get("type"))) not in SCALED_ROPE:
         raise PlaitError(f"{model.spec.name} scales RoPE as {kind!r}, which the runtime does not apply (it applies "
@@ -149,9 +181,9 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
     used: set[str] = set()
     for name, param in model.named_parameters():
         full = _from_hf(hf, name, model, gpt2)
-        used.add(_hf_name(name, gpt2))
+        used.update(_hf_names(name, model, gpt2))
         if full.shape != param.shape:
-            raise PlaitError(f"tensor {_hf_name(name, gpt2)!r} has shape {list(full.shape)} but {name} of model "
+            raise PlaitError(f"tensor {_hf_names(name, model, gpt2)[0]!r} has shape {list(full.shape)} but {name} of model "
                              f"{model.spec.name!r} needs {list(param.shape)}; the checkpoint is of another shape")
         copy_full_(param, full.to(param.dtype))
     if unused := _unused_layer_tensors(hf, used, model, gpt2):
@@ -184,6 +216,9 @@ def save_hf_safetensors(model: Transformer, directory: str | Path, filename: str
         t = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
         if name == "output.weight" and model.spec.tied_embeddings:
             name = "tok_embeddings.weight"
+        if (stacked := None if gpt2 else _expert_names(name, _experts_of(model, name))) is not None:
+            hf.update(zip(stacked, t.unbind(0)))
+            continue
         key = _hf_name(name, gpt2)
         if gpt2 and key.endswith(_CONV1D):
             t = t.t()
