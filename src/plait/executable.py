@@ -108,7 +108,7 @@ def _mtp_problem(plan: Plan, model: ModelSpec) -> str | None:
     for stage in plan.pipelines[0].stages:
         for layer in range(*stage.layers):
             s = stage.strategy(layer)
-            if s.cp > 1 or (s.tp > 1 and layer >= model.layers - model.mtp_layers):
+            if s.cp > 1 or (s.tp > 1 and layer >= model.trunk_layers):
                 return (f"layer {layer} ({s.short()}): the runtime trains multi-token-prediction models without "
                         "context parallelism and their modules without tensor parallelism; use cp=1 (and tp=1 on "
                         "the modules)")

@@ -448,11 +448,10 @@ def _grad_sync(costs: list[StageCost], plan: Plan, stage: Stage, model: ModelSpe
     reduce_t += _whole_reduce(costs, plan, stage, model, cluster, cal, prec)
     gather_t = sum(count * c.param_gather for cost in costs for c, count, _, _ in cost.priced)
     ctx = BlockContext(model, cluster, cal, prec, plan.seq_len, 1, comm.SINGLE, comm.SINGLE, comm.SINGLE)
-    shares_table = model.tied_embeddings or model.mtp_layers > 0  # a tied head or MTP modules read the table
-    if shares_table and stage.layers == (0, model.layers) and tied_copies(plan):
+    if model.shares_table and stage.layers == (0, model.layers) and tied_copies(plan):
         # a one-stage pipeline holding both copies: summed in place
         reduce_t += tied_copies_sum(stage.strategy(0), stage.strategy(model.layers - 1), stage.ranks, ctx)
-    elif shares_table and len(plan.pipelines[0].stages) > 1:
+    elif model.shares_table and len(plan.pipelines[0].stages) > 1:
         reduce_t += tied_embedding_sync(ctx)  # the table's copy on the last stage (tied head, or MTP lookups)
     held = [Held(c, count, s, _optimizer_shards(plan, layer, s, stage)) for cost in costs
             for c, count, s, layer in cost.priced]

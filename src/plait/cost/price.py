@@ -145,7 +145,7 @@ def edge_params(edge: Edge, ctx: BlockContext, copy: bool) -> float:
     m = ctx.model
     if edge == "embedding":
         return m.embedding_params
-    return m.head_params + (m.vocab * m.hidden if (m.tied_embeddings or m.mtp_layers) and copy else 0)
+    return m.head_params + (m.vocab * m.hidden if m.shares_table and copy else 0)
 
 
 @lru_cache(maxsize=4096)

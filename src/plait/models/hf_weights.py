@@ -41,8 +41,8 @@ _LLAMA = {  # plait suffix of layers.{i}. -> HF suffix of model.layers.{i}.
     "attention_norm": "input_layernorm", "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
     "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.router": "block_sparse_moe.gate",  # Mixtral's router; its experts: `_hf_names`
 }
-_LLAMA_MOE = {"feed_forward.router": "block_sparse_moe.gate"}  # Mixtral's router; its experts: `_expert_names`
 _LLAMA_TOP = {"tok_embeddings": "model.embed_tokens", "pos_embeddings": "model.embed_positions",
               "norm": "model.norm", "output": "lm_head"}
 _GPT2 = {"attention_norm": "ln_1", "attention.wo": "attn.c_proj", "ffn_norm": "ln_2",
@@ -85,7 +85,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, Tensor]) -> None:
 
 def _hf_name(name: str, gpt2: bool) -> str:
     """The HF name of a plait parameter name (e.g. layers.3.attention.wq.weight)."""
-    top, blocks = (_GPT2_TOP, _GPT2) if gpt2 else (_LLAMA_TOP, _LLAMA | _LLAMA_MOE)
+    top, blocks = (_GPT2_TOP, _GPT2) if gpt2 else (_LLAMA_TOP, _LLAMA)
     if m := re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name):
         i, module, kind = m.groups()
         if gpt2 and module in ("attention.wq", "attention.wk", "attention.wv"):
@@ -99,25 +99,14 @@ EXPERTS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
 """A MoE layer's stacked experts [E, ...] (`plait.models.moe.Experts`), stored one expert a tensor."""
 
 
-def _expert_names(name: str, experts: int) -> list[str] | None:
-    """The HF names of the experts stacked in plait parameter `name` (Mixtral's layout: block_sparse_moe.experts.
-    {e}.w1 gate, w3 up, w2 down, as plait's), or None for another parameter."""
-    if (m := EXPERTS.fullmatch(name)) is None:
-        return None
-    i, w = m.groups()
-    return [f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight" for e in range(experts)]
-
-
 def _hf_names(name: str, model: Transformer, gpt2: bool) -> list[str]:
-    """The HF tensors plait parameter `name` is read from (several for stacked experts)."""
-    stacked = None if gpt2 else _expert_names(name, _experts_of(model, name))
-    return stacked if stacked is not None else [_hf_name(name, gpt2)]
-
-
-def _experts_of(model: Transformer, name: str) -> int:
-    """Routed experts of the layer that parameter `name` belongs to (0 outside MoE layers)."""
-    m = EXPERTS.fullmatch(name)
-    return model.spec.stack[int(m.group(1))].experts if m else 0
+    """The HF tensors plait parameter `name` is stored as: one, or for a MoE layer's stacked experts one an
+    expert (Mixtral's layout: block_sparse_moe.experts.{e}.w1 gate, w3 up, w2 down, as plait's)."""
+    if gpt2 or (m := EXPERTS.fullmatch(name)) is None:
+        return [_hf_name(name, gpt2)]
+    i, w = m.groups()
+    return [f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
+            for e in range(model.spec.stack[int(i)].experts)]
 
 
 def _from_hf(hf: dict[str, Tensor], name: str, model: Transformer, gpt2: bool) -> Tensor:
@@ -125,7 +114,7 @@ def _from_hf(hf: dict[str, Tensor], name: str, model: Transformer, gpt2: bool) -
     if name == "output.weight" and model.spec.tied_embeddings and "lm_head.weight" not in hf:
         name = "tok_embeddings.weight"  # tied checkpoints store only the embedding
     keys = _hf_names(name, model, gpt2)
-    if len(keys) > 1:
+    if EXPERTS.fullmatch(name):
         if missing := [k for k in keys if k not in hf]:
             raise PlaitError(f"checkpoint lacks tensor {missing[0]!r} (for {name}); MoE checkpoints load in "
                              "Mixtral's layout (block_sparse_moe.experts.E.w1/w2/w3)")
@@ -181,9 +170,10 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
     used: set[str] = set()
     for name, param in model.named_parameters():
         full = _from_hf(hf, name, model, gpt2)
-        used.update(_hf_names(name, model, gpt2))
+        keys = _hf_names(name, model, gpt2)
+        used.update(keys)
         if full.shape != param.shape:
-            raise PlaitError(f"tensor {_hf_names(name, model, gpt2)[0]!r} has shape {list(full.shape)} but {name} of model "
+            raise PlaitError(f"tensor {keys[0]!r} has shape {list(full.shape)} but {name} of model "
                              f"{model.spec.name!r} needs {list(param.shape)}; the checkpoint is of another shape")
         copy_full_(param, full.to(param.dtype))
     if unused := _unused_layer_tensors(hf, used, model, gpt2):
@@ -216,8 +206,8 @@ def save_hf_safetensors(model: Transformer, directory: str | Path, filename: str
         t = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
         if name == "output.weight" and model.spec.tied_embeddings:
             name = "tok_embeddings.weight"
-        if (stacked := None if gpt2 else _expert_names(name, _experts_of(model, name))) is not None:
-            hf.update(zip(stacked, t.unbind(0)))
+        if EXPERTS.fullmatch(name):  # one tensor an expert
+            hf.update(zip(_hf_names(name, model, gpt2), t.unbind(0)))
             continue
         key = _hf_name(name, gpt2)
         if gpt2 and key.endswith(_CONV1D):

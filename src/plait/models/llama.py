@@ -143,6 +143,9 @@ class Attention(nn.Module):
         self.causal = causal
         self.window = spec.window if causal else 0
 
+    column_parallel: tuple[str, ...] = ("wq", "wk", "wv")
+    """The projections tensor parallelism splits by heads (column-wise; the output projection row-wise)."""
+
     recompute_core: bool = False
     """Set by the runtime for selective recomputation (Megatron-LM's): the attention core keeps only its
     queries, keys and values and runs again in backward (`plait.models.recomputed`). Ring attention, its own
@@ -271,7 +274,6 @@ class Transformer(nn.Module):
         self.norm: nn.Module | None = make_norm()
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
         self.mtp_embeddings: nn.Embedding | None = None  # the last stage's copy of the table, for MTP modules
-        self.trunk_layers = spec.layers - spec.mtp_layers  # the multi-token-prediction modules come after
         if spec.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.freqs_cis: Tensor | None
@@ -299,7 +301,7 @@ class Transformer(nn.Module):
     def holds_mtp(self) -> bool:
         """Whether this model (chunk) runs multi-token-prediction modules (`plait.models.mtp`): its forward
         then takes the micro-batch's targets as `next_tokens` and returns every depth's logits."""
-        return self.output is not None and any(int(name) >= self.trunk_layers for name in self.layers)
+        return self.output is not None and any(int(name) >= self.spec.trunk_layers for name in self.layers)
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, attend: Callable | None = None,
                 next_tokens: Tensor | None = None) -> Tensor:
@@ -318,7 +320,7 @@ class Transformer(nn.Module):
                 h = h[:, self.sequence_slice[0]: self.sequence_slice[1]]
         modules = []
         for name, layer in self.layers.items():
-            if int(name) >= self.trunk_layers:
+            if int(name) >= self.spec.trunk_layers:
                 modules.append(layer)
                 continue
             if self.relayouts and name in self.relayouts:
@@ -401,5 +403,4 @@ class Llama(Transformer):
             layer = TransformerBlock(norm(), attention, norm(), ffn, dropout)
             return MTPLayer(layer, norm, block.hidden) if block.mtp else layer
 
-        plain = spec.uniform and not spec.block.latent
-        super().__init__(spec, norm, lambda: FeedForward(spec), dropout, None if plain else make_layer)
+        super().__init__(spec, norm, lambda: FeedForward(spec), dropout, None if spec.uniform else make_layer)

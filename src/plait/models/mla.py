@@ -58,8 +58,8 @@ class LatentAttention(Attention):
     key computed whole on every rank, so its gradient is summed over the group (`_summed_in_backward`)."""
 
     @property
-    def column_parallel(self) -> tuple[str, ...]:
-        """The projections tensor parallelism splits by heads (column-wise)."""
+    def column_parallel(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The up-projections, which tensor parallelism splits by heads (column-wise)."""
         return ("wq_b" if hasattr(self, "wq_b") else "wq", "wkv_b")
 
     def project(self, x: Tensor, memory: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -83,8 +83,7 @@ def layer_tp_plan(layer: nn.Module, sp: bool) -> dict[str, object]:
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, object] = {}
     for attn in (a for a in ATTENTIONS if hasattr(layer, a)):
-        split = getattr(layer, attn).column_parallel if _latent(layer) else ("wq", "wk", "wv")
-        plan |= {f"{attn}.{name}": ColwiseParallel() for name in split}
+        plan |= {f"{attn}.{name}": ColwiseParallel() for name in getattr(layer, attn).column_parallel}
         plan[f"{attn}.wo"] = RowwiseParallel(output_layouts=seq)
     routed = isinstance(getattr(layer, "feed_forward", None), MoE)  # experts: plait.runtime.experts
     if (ffn := getattr(layer, "feed_forward", None)) is not None and not routed:

@@ -386,7 +386,7 @@ class Placed:
 def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeClock | None = None,
                hand_sync: bool = False) -> Placed:
     """Build this rank's share of `plan` (collective: every rank builds every group)."""
-    where = place(plan, dist.get_rank(), spec.tied_embeddings or spec.mtp_layers > 0,  # MTP: a table copy
+    where = place(plan, dist.get_rank(), spec.shares_table,
                   frozenset(i for i, block in enumerate(spec.stack) if block.kind == "moe"))
     loss = loss_function(spec, plan.seq_len)
     if where.idle:

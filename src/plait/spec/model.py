@@ -153,6 +153,17 @@ class ModelSpec:
         the head and its loss on the last stage."""
         return sum(b.mtp for b in self.stack)
 
+    @property
+    def trunk_layers(self) -> int:
+        """Layers before the multi-token-prediction modules (all of them without any)."""
+        return self.layers - self.mtp_layers
+
+    @property
+    def shares_table(self) -> bool:
+        """Whether the embedding table is read again after the last layer: by a tied head, or by
+        multi-token-prediction modules looking up the tokens ahead (a copy on the last pipeline stage)."""
+        return self.tied_embeddings or self.mtp_layers > 0
+
     @cached_property
     def has_experts(self) -> bool:
         """Whether any layer routes tokens to experts."""
