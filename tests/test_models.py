@@ -338,9 +338,16 @@ def _saved_hf(kind: str, tmp_path: Path, **config: object) -> torch.nn.Module:
 
     cls, cfg = (getattr(transformers, f"{kind}ForCausalLM"), getattr(transformers, f"{kind}Config"))
     torch.manual_seed(0)
-    model = cls(cfg(**SMALL_HF, **config)).eval()
+    model = cls(cfg(**{**SMALL_HF, **config})).eval()
+    with torch.no_grad():  # DeepSeek-V3's routers' choice biases start at 0: make them count
+        for name, t in model.state_dict().items():
+            if name.endswith("e_score_correction_bias"):
+                t.normal_(0.0, 0.1)
     model.save_pretrained(tmp_path)
     return model
+
+
+MOE_HF = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 
 
 @pytest.mark.parametrize("kind, config", [
@@ -349,11 +356,29 @@ def _saved_hf(kind: str, tmp_path: Path, **config: object) -> torch.nn.Module:
     ("Llama", {"rope_theta": 5e5, "rope_scaling": LLAMA3_SCALING}),  # Llama 3.1's scaled frequencies
     ("Llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     ("Qwen2", {"rope_theta": 1e6}),  # q/k/v biases
+    ("Llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                "truncate": False}}),  # YaRN: ramped frequencies, cos and sin scaled
+    ("Qwen3", {"head_dim": 8}),  # q/k norms
+    ("Qwen3Moe", {"num_experts": 4, "norm_topk_prob": True, "head_dim": 8, **MOE_HF}),
+    ("Qwen2Moe", {"num_experts": 4, "shared_expert_intermediate_size": 48, **MOE_HF}),  # gated shared experts,
+    # weights as the router gives them (norm_topk_prob false)
+    ("DeepseekV3", {"n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 4,  # latent
+                    "topk_group": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,  # attention with
+                    "qk_rope_head_dim": 4, "v_head_dim": 8, "routed_scaling_factor": 2.5, "num_key_value_heads": 4,
+                    **MOE_HF}),  # interleaved
+    # rotary channels, sigmoid router with a choice bias, groups scored by their best two
+    ("DeepseekV3", {"n_routed_experts": 4, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 16,
+                    "kv_lora_rank": 16,
+                    "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "num_key_value_heads": 4,
+                    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                     "mscale": 1.0, "mscale_all_dim": 0.8}, **MOE_HF}),  # YaRN's mscale_all_dim
+    # on every score
 ])
 def test_hugging_face_checkpoints_give_hugging_face_logits(kind: str, config: dict, tmp_path: Path) -> None:
     """A saved Hugging Face model loads from its config.json and weights into the runtime's model, which then
-    computes its logits (RoPE base and scaling, norm epsilon, biases, routed experts as configured); the
-    model saved again loads back into Hugging Face's class."""
+    computes its logits (RoPE base and scaling, norm epsilon, biases, q/k norms, latent attention, routed and
+    shared experts and the router's gating as configured); the model saved again loads back into Hugging Face's
+    class."""
     from plait.spec.model import load_model
 
     hf = _saved_hf(kind, tmp_path, **config)
@@ -371,17 +396,16 @@ def test_hugging_face_checkpoints_give_hugging_face_logits(kind: str, config: di
 
 
 def test_checkpoints_of_layers_the_runtime_builds_otherwise_are_refused(tmp_path: Path) -> None:
-    """Qwen3's q/k norms have no place in the runtime's layer, and YaRN's RoPE is not applied: loading either
-    would give another model, so both are refused in one line."""
+    """Gemma-2's extra norms have no place in the runtime's layer, and dynamic NTK RoPE is not applied:
+    loading either would give another model, so both are refused in one line."""
     from plait.spec.model import load_model
 
-    _saved_hf("Qwen3", tmp_path / "qwen3", head_dim=8)
-    model = build_model(load_model(str(tmp_path / "qwen3" / "config.json")))
-    with pytest.raises(PlaitError, match="self_attn.k_norm.weight.*no place") as err:
-        load_hf_safetensors(model, tmp_path / "qwen3")
+    _saved_hf("Gemma2", tmp_path / "gemma2", head_dim=8)
+    model = build_model(load_model(str(tmp_path / "gemma2" / "config.json")))
+    with pytest.raises(PlaitError, match="feedforward_layernorm.weight.*no place") as err:
+        load_hf_safetensors(model, tmp_path / "gemma2")
     assert "\n" not in str(err.value)
-    _saved_hf("Llama", tmp_path / "yarn", rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                         "original_max_position_embeddings": 16})
-    model = build_model(load_model(str(tmp_path / "yarn" / "config.json")))
-    with pytest.raises(PlaitError, match="'yarn'"):
-        load_hf_safetensors(model, tmp_path / "yarn")
+    _saved_hf("Llama", tmp_path / "dynamic", rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    model = build_model(load_model(str(tmp_path / "dynamic" / "config.json")))
+    with pytest.raises(PlaitError, match="'dynamic'"):
+        load_hf_safetensors(model, tmp_path / "dynamic")

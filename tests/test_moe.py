@@ -25,7 +25,7 @@ from plait.planner.baselines import run_baseline
 from plait.planner.engine import search
 from plait.simulate import simulate
 from plait.spec.cluster import dgx
-from plait.spec.layers import fields_hash
+from plait.spec.layers import OPTIONAL_FIELDS, Gating, fields_hash
 from plait.spec.model import PRESETS, from_hf_config
 
 # (total, active) parameters as published: model cards and papers. GPT-OSS counts active parameters without
@@ -59,13 +59,14 @@ DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json (the fields plait reads)
     "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
     "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
     "v_head_dim": 128, "max_position_embeddings": 163840, "tie_word_embeddings": False, "n_group": 8,
-    "topk_group": 4, "topk_method": "noaux_tc",
+    "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
 }
 QWEN3_30B = {  # Qwen/Qwen3-30B-A3B config.json
     "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
     "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
     "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+    "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False, "norm_topk_prob": True,
 }
 KIMI_K2 = {  # moonshotai/Kimi-K2-Base config.json (the fields plait reads)
     "model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64,
@@ -73,7 +74,8 @@ KIMI_K2 = {  # moonshotai/Kimi-K2-Base config.json (the fields plait reads)
     "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
     "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
     "v_head_dim": 128, "max_position_embeddings": 131072, "tie_word_embeddings": False, "n_group": 1,
-    "topk_group": 1, "topk_method": "noaux_tc",
+    "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+    "routed_scaling_factor": 2.827,
 }
 GPT_OSS_120B = {  # openai/gpt-oss-120b config.json
     "model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
@@ -268,9 +270,9 @@ def test_router_groups_are_checked_and_keep_older_layer_names() -> None:
     with pytest.raises(PlaitError, match="group-limited routing"):
         v3.with_(expert_groups=0)  # group_top_k without groups
     assert v3.with_(group_top_k=1).group_top_k == 1  # top 8 of one group of 32 experts
-    ungrouped = v3.with_(expert_groups=0, group_top_k=0)
-    assert ungrouped.fingerprint != v3.fingerprint
-    assert ungrouped.fingerprint == fields_hash(ungrouped, 12, skip=("expert_groups", "group_top_k", "mtp"))
+    ungrouped = v3.with_(expert_groups=0, group_top_k=0, gating=Gating())
+    assert ungrouped.fingerprint != v3.fingerprint != v3.with_(gating=Gating()).fingerprint
+    assert ungrouped.fingerprint == fields_hash(ungrouped, 12, skip=OPTIONAL_FIELDS)
 
 
 def test_deepep_sends_a_token_once_per_destination_rank_and_permutes_twice() -> None:
@@ -399,8 +401,11 @@ def test_deepseek_v3_multi_token_prediction_module() -> None:
     assert mtp.params - plain.params == plain.stack[-1].params + 2 * h * h + 3 * h
     assert mtp.params + 2 * mtp.vocab * h == pytest.approx(685e9, rel=0.005)  # model card: 671B + 14B MTP
     assert mtp.fingerprint != plain.fingerprint and last.fingerprint != plain.stack[-1].fingerprint
-    # the names the plain model and its layers had before the flag existed (profiles and plans refer to them)
-    assert (plain.fingerprint, plain.stack[-1].fingerprint) == ("5e5fa63c3360ce10", "e8d504416490")
+    # the names the plain model and its layers had before the flag and the router's gating existed (profiles
+    # and plans refer to them): a model without them keeps them
+    older = replace(plain, mixed=tuple(b.with_(gating=Gating()) if b.kind == "moe" else b for b in plain.stack))
+    assert (older.fingerprint, older.stack[-1].fingerprint) == ("5e5fa63c3360ce10", "e8d504416490")
+    assert plain.fingerprint != older.fingerprint
     # Megatron's FLOP count: the module's layer and projection, and a second pass through the head
     extra = mtp.model_flops_per_token(4096) - plain.model_flops_per_token(4096)
     assert extra == pytest.approx(3 * (last.flops_per_token(4096) + 2 * h * mtp.vocab))

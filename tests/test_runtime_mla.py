@@ -16,7 +16,6 @@ from test_runtime_kinds import _plan
 
 from plait.executable import unbuildable, unsupported
 from plait.models import build_model
-from plait.models.hf_weights import load_hf_safetensors
 from plait.models.llama import rope_theta
 from plait.models.mla import LatentAttention
 from plait.plan import Strategy
@@ -82,16 +81,22 @@ def test_the_built_model_has_the_parameters_priced() -> None:
         assert all(isinstance(layer.attention, LatentAttention) for layer in model.layers.values())
         assert sum(p.numel() for p in model.parameters()) == spec.params
     assert model.freqs_cis.shape[-1] == 8  # RoPE over the rotary dims only
+    # DeepSeek-V3's router: the choice bias is a buffer that checkpoints hold (zero from the seed), the inline
+    # spec's router Mixtral's softmax without one
+    deepseek = build_model(PRESETS[MODEL])
+    assert [n for n in deepseek.state_dict() if n.endswith("choice_bias")] == \
+        [f"layers.{i}.feed_forward.choice_bias" for i in range(1, 4)]
+    assert not any(n.endswith("choice_bias") for n in model.state_dict())
 
 
 def test_what_the_runtime_refuses_for_latent_attention_names_the_cause() -> None:
-    """Latent attention on some layers only, outside Llama stacks, or from Hugging Face weights is refused in
+    """Latent attention on some layers only or outside Llama stacks, and q/k norms beside it, are refused in
     one line."""
     spec = PRESETS[MODEL]
     half = replace(spec, mixed=(spec.stack[0].with_(kv_lora=0, q_lora=0, rope_head_dim=0), *spec.stack[1:]))
     assert "every layer uses latent attention" in unbuildable(half)
-    expect_error(lambda: load_hf_safetensors(build_model(parse_inline(
-        "llama:layers=1,hidden=64,heads=4,vocab=128,kv_lora=16")), "."), "latent-attention models do not load")
+    expect_error(lambda: parse_inline("llama:layers=1,hidden=64,heads=4,vocab=128,kv_lora=16,qk_norm=1"),
+                 "without latent attention")
     expect_error(lambda: parse_inline("gpt:layers=2,hidden=64,heads=4,vocab=128,kv_lora=16"), "llama stacks")
     expect_error(lambda: parse_inline("llama:layers=2,hidden=64,heads=4,vocab=128,q_lora=16"), "kv_lora too")
 

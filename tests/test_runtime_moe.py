@@ -207,11 +207,20 @@ FOUR_RANKS = {
         ((2, 4), (2, 3), (S(dp=2, ep=2), S(dp=2)))], 2, 2),
 }
 SAVE, RESUME = "ep2 saved", "ep4 resumed"
+QK_MODEL = "llama:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,vocab=512,seq=256,experts=8,top_k=2," \
+    "expert_ffn=64,qk_norm=true"
+"""Qwen3-MoE's layer in small: per-head q/k norms, routed experts without shared ones."""
+QK_CASE = "q/k norms on tp2+sp heads, ep2"
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, text) -> list[float]:  # noqa: F811
-    return reference_losses(tmp_path_factory.mktemp("reference"), text, [(MODEL, GBS)])[(MODEL, GBS)]
+def references(tmp_path_factory, text) -> dict[tuple[str, int], list[float]]:  # noqa: F811
+    return reference_losses(tmp_path_factory.mktemp("reference"), text, [(MODEL, GBS), (QK_MODEL, GBS)])
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> list[float]:
+    return references[(MODEL, GBS)]
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +229,8 @@ def runs(tmp_path_factory, text) -> dict[int, tuple]:  # noqa: F811
     3 and 6; the second is removed) that the 4-rank job resumes with ep4."""
     ckpt = tmp_path_factory.mktemp("checkpoint")
     saved = {"steps": SAVED_STEPS, "checkpoint_dir": str(ckpt), "checkpoint_every": RESUME_AT}
-    two = {name: (MODEL, plan) for name, plan in TWO_RANKS.items()} | {SAVE: (MODEL, "dp=2,ep=2,gbs=4")}
+    two = {name: (MODEL, plan) for name, plan in TWO_RANKS.items()} | {SAVE: (MODEL, "dp=2,ep=2,gbs=4")} | \
+        {QK_CASE: (QK_MODEL, "tp=2,sp=1,ep=2,etp=1,gbs=4")}
     out = {2: train_together(tmp_path_factory.mktemp("ranks2"), text, 2, two, {SAVE: saved})}
     shutil.rmtree(ckpt / f"step-{SAVED_STEPS}", ignore_errors=True)
     four = {name: (MODEL, plan) for name, plan in FOUR_RANKS.items()} | {RESUME: (MODEL, "dp=4,ep=4,gbs=4")}
@@ -238,6 +248,12 @@ def test_expert_parallel_plans_match_single_process(runs, reference, name) -> No
     if not isinstance(plan, str):
         assert unsupported(plan, PRESETS[MODEL]) is None and plan.ranks[-1] == nproc - 1
     assert_same(_losses(runs[nproc], name), reference)
+
+
+def test_q_k_norms_on_heads_split_by_tensor_parallelism_match_single_process(runs, references) -> None:
+    """Each tp rank norms its own query and key heads with the whole norm weights, whose gradients are then
+    summed over the group: the losses are those of one process."""
+    assert_same(_losses(runs[2], QK_CASE), references[(QK_MODEL, GBS)])
 
 
 def test_training_reports_the_expert_load_it_ran(runs) -> None:

@@ -173,7 +173,8 @@ def unbuildable(model: ModelSpec) -> str | None:
     decoder layers (but for their attention windows), T5-style encoder layers then cross-decoder layers, and
     LLaVA-style patch embedding, vision layers and projector then decoder layers; Llama stacks of decoder
     and MoE layers; global or sliding-window attention on any layer; latent attention (DeepSeek-V2/V3) on
-    every layer of a Llama stack; multi-token-prediction modules after a Llama stack with an untied head."""
+    every layer of a Llama stack; q/k norms (Qwen3) in Llama stacks without it; multi-token-prediction
+    modules after a Llama stack with an untied head."""
     kinds = ", ".join(f"{n} {k}" for k, n in model.kind_counts().items())
     if model.mtp_layers and (model.family != "llama" or model.tied_embeddings):
         return (f"model {model.name!r}: the runtime builds multi-token-prediction modules in llama models with "
@@ -187,6 +188,9 @@ def unbuildable(model: ModelSpec) -> str | None:
     if latent != {None} and (model.family != "llama" or len(latent) > 1):
         return (f"model {model.name!r} has latent-attention layers; the runtime builds them in llama models whose "
                 "every layer uses latent attention with one rotary width")
+    if any(b.qk_norm for b in model.stack) and (model.family != "llama" or latent != {None}):
+        return (f"model {model.name!r} has q/k norms (Qwen3's); the runtime builds them in llama models without "
+                "latent attention")
     if model.family == "gpt" and any(b.with_(window=0) != model.block.with_(window=0) for b in model.stack):
         return (f"model {model.name!r} mixes layer kinds ({kinds}); the runtime builds {model.family} stacks of "
                 "identical decoder layers")

@@ -4,11 +4,17 @@ The format: an 8-byte little-endian header length N, N bytes of JSON {name: {"dt
 "data_offsets": [begin, end]}, "__metadata__": {...}}, then the raw little-endian tensor bytes (offsets
 relative to the end of the header). Names understood:
 
-- Llama (also Mistral, Qwen2): `model.embed_tokens`, `model.layers.{i}.input_layernorm`,
-  `self_attn.{q,k,v,o}_proj`, `post_attention_layernorm`, `mlp.{gate,up,down}_proj`, `model.norm`,
-  `lm_head`. q/k are used as stored: plait's RoPE uses HF's rotate_half layout. Mixtral's MoE layers:
-  `block_sparse_moe.gate` (the router) and `block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up, down: one
-  tensor an expert, stacked into plait's `Experts`).
+- Llama (also Mistral, Qwen2, Qwen3): `model.embed_tokens`, `model.layers.{i}.input_layernorm`,
+  `self_attn.{q,k,v,o}_proj` (Qwen3: and `self_attn.{q,k}_norm`), `post_attention_layernorm`,
+  `mlp.{gate,up,down}_proj`, `model.norm`, `lm_head`. q/k are used as stored: plait's RoPE uses HF's
+  rotate_half layout. MoE layers (`MoeNames`), one tensor an expert, stacked into plait's `Experts`: Mixtral's
+  `block_sparse_moe.gate` (the router) and `block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up, down);
+  Qwen2-MoE's, Qwen3-MoE's and DeepSeek-V3's `mlp.gate` (DeepSeek-V3: with `e_score_correction_bias`),
+  `mlp.experts.{e}.{gate,up,down}_proj`, shared experts in `mlp.shared_expert` (Qwen2-MoE, gated by
+  `mlp.shared_expert_gate`) or `mlp.shared_experts` (DeepSeek). DeepSeek's latent attention:
+  `self_attn.q_a_proj`, `q_a_layernorm`, `q_b_proj` (or `q_proj`), `kv_a_proj_with_mqa`, `kv_a_layernorm`,
+  `kv_b_proj`, `o_proj`; its rotary channels stored interleaved (config.json's rope_interleave, on by default)
+  are permuted into the rotate_half layout on loading and back on saving.
 - GPT-2, with or without a `transformer.` prefix: `wte`, `wpe`, `h.{i}.ln_1`, `attn.c_attn` (Conv1D
   [in, out] layout holding q, k and v side by side), `attn.c_proj`, `ln_2`, `mlp.c_fc`, `mlp.c_proj`, `ln_f`.
 
@@ -22,6 +28,8 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,8 +49,38 @@ _LLAMA = {  # plait suffix of layers.{i}. -> HF suffix of model.layers.{i}.
     "attention_norm": "input_layernorm", "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
     "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
-    "feed_forward.router": "block_sparse_moe.gate",  # Mixtral's router; its experts: `_hf_names`
 }
+_QK_NORMS = {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}  # Qwen3
+_LATENT = {  # DeepSeek-V2/V3's multi-head latent attention (`plait.models.mla`)
+    "attention.wq_a": "self_attn.q_a_proj", "attention.q_norm": "self_attn.q_a_layernorm",
+    "attention.wq_b": "self_attn.q_b_proj", "attention.wq": "self_attn.q_proj",
+    "attention.wkv_a": "self_attn.kv_a_proj_with_mqa", "attention.kv_norm": "self_attn.kv_a_layernorm",
+    "attention.wkv_b": "self_attn.kv_b_proj", "attention.wo": "self_attn.o_proj",
+}
+
+
+@dataclass(frozen=True)
+class MoeNames:
+    """Where a Hugging Face checkpoint keeps a MoE layer's tensors (suffixes of model.layers.{i}.)."""
+
+    router: str  # the router's linear (and DeepSeek-V3's e_score_correction_bias beside its weight)
+    experts: str  # expert e's matrices: {experts}.{e}.{name} with the names of `weights`
+    weights: tuple[str, str, str]  # the names of plait's w1 (gate), w3 (up), w2 (down)
+    shared: str = ""  # the shared experts' MLP (gate_proj, up_proj, down_proj)
+
+    def layer(self) -> dict[str, str]:
+        """plait suffix -> HF suffix of the router, its choice bias, the shared experts and their gate."""
+        dense = {f"feed_forward.shared.{w}": f"{self.shared}.{p}" for w, p in
+                 (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
+        return {"feed_forward.router": self.router, "feed_forward.shared_gate": "mlp.shared_expert_gate", **dense}
+
+
+MOE_NAMES = {
+    "mixtral": MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2")),
+    "qwen": MoeNames("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj"), "mlp.shared_expert"),
+    "deepseek": MoeNames("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj"), "mlp.shared_experts"),
+}
+"""The MoE layouts: Mixtral's; Qwen2-MoE's and Qwen3-MoE's; DeepSeek-V2/V3's (and Kimi K2's)."""
 _LLAMA_TOP = {"tok_embeddings": "model.embed_tokens", "pos_embeddings": "model.embed_positions",
               "norm": "model.norm", "output": "lm_head"}
 _GPT2 = {"attention_norm": "ln_1", "attention.wo": "attn.c_proj", "ffn_norm": "ln_2",
@@ -83,41 +121,74 @@ def write_safetensors(path: str | Path, tensors: dict[str, Tensor]) -> None:
     Path(path).write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
 
-def _hf_name(name: str, gpt2: bool) -> str:
-    """The HF name of a plait parameter name (e.g. layers.3.attention.wq.weight)."""
+def _hf_names(name: str, model: Transformer, gpt2: bool, moe: MoeNames) -> list[str]:
+    """The HF tensors plait parameter (or buffer) `name` (e.g. layers.3.attention.wq.weight) is stored as: one,
+    or for a MoE layer's stacked experts one an expert."""
     top, blocks = (_GPT2_TOP, _GPT2) if gpt2 else (_LLAMA_TOP, _LLAMA)
+    if (m := EXPERTS.fullmatch(name)) is not None:
+        i, w = m.groups()
+        weight = moe.weights[("w1", "w3", "w2").index(w)]
+        return [f"model.layers.{i}.{moe.experts}.{e}.{weight}.weight" for e in range(model.spec.stack[int(i)].experts)]
+    if m := re.fullmatch(r"layers\.(\d+)\.feed_forward\.choice_bias", name):
+        return [f"model.layers.{m.group(1)}.{moe.router}.e_score_correction_bias"]
     if m := re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name):
         i, module, kind = m.groups()
-        if gpt2 and module in ("attention.wq", "attention.wk", "attention.wv"):
-            return f"h.{i}.attn.c_attn.{kind}"
-        return f"h.{i}.{blocks[module]}.{kind}" if gpt2 else f"model.layers.{i}.{blocks[module]}.{kind}"
+        if gpt2:
+            if module in ("attention.wq", "attention.wk", "attention.wv"):
+                return [f"h.{i}.attn.c_attn.{kind}"]
+            return [f"h.{i}.{blocks[module]}.{kind}"]
+        block = model.spec.stack[int(i)]
+        names = blocks | (_LATENT if block.latent else _QK_NORMS) | (moe.layer() if block.kind == "moe" else {})
+        return [f"model.layers.{i}.{names[module]}.{kind}"]
     module, kind = name.rsplit(".", 1)
-    return f"{top[module]}.{kind}"
+    return [f"{top[module]}.{kind}"]
 
 
 EXPERTS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
 """A MoE layer's stacked experts [E, ...] (`plait.models.moe.Experts`), stored one expert a tensor."""
 
 
-def _hf_names(name: str, model: Transformer, gpt2: bool) -> list[str]:
-    """The HF tensors plait parameter `name` is stored as: one, or for a MoE layer's stacked experts one an
-    expert (Mixtral's layout: block_sparse_moe.experts.{e}.w1 gate, w3 up, w2 down, as plait's)."""
-    if gpt2 or (m := EXPERTS.fullmatch(name)) is None:
-        return [_hf_name(name, gpt2)]
-    i, w = m.groups()
-    return [f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
-            for e in range(model.spec.stack[int(i)].experts)]
+def _tensors(model: Transformer) -> Iterator[tuple[str, Tensor]]:
+    """The model's parameters and the buffers a checkpoint holds (MoE routers' choice biases)."""
+    yield from model.named_parameters()
+    yield from ((n, b) for n, b in model.named_buffers() if n.endswith("choice_bias"))
 
 
-def _from_hf(hf: dict[str, Tensor], name: str, model: Transformer, gpt2: bool) -> Tensor:
+def _rotary_rows(name: str, model: Transformer) -> tuple[int, int, int] | None:
+    """(rows per group, first rotary row of a group, rotary rows) of a latent-attention projection whose output
+    rows hold rotary channels (each query head's last Dr rows, the shared rotary key after the kv latent);
+    None for other tensors."""
+    m = re.fullmatch(r"layers\.(\d+)\.attention\.(wq_b|wq|wkv_a)\.(weight|bias)", name)
+    if m is None or not (b := model.spec.stack[int(m.group(1))]).latent:
+        return None
+    if m.group(2) == "wkv_a":
+        return b.kv_lora + b.rope_head_dim, b.kv_lora, b.rope_head_dim
+    return b.qk_head_dim, b.head_dim, b.rope_head_dim
+
+
+def _interleaved(t: Tensor, rows: tuple[int, int, int], inverse: bool = False) -> Tensor:
+    """`t` with each group's rotary rows taken from DeepSeek's interleaved pairs (x0, x1), (x2, x3), ... into
+    the rotate_half layout (x0, x2, ..., x1, x3, ...), as transformers' apply_rotary_pos_emb_interleave reads
+    them; `inverse`: back."""
+    group, first, rotary = rows
+    order = torch.cat([torch.arange(0, rotary, 2), torch.arange(1, rotary, 2)])
+    if inverse:
+        order = order.argsort()
+    grouped = t.reshape(-1, group, *t.shape[1:])
+    head, rot, tail = grouped.split([first, rotary, group - first - rotary], dim=1)
+    return torch.cat([head, rot[:, order], tail], dim=1).reshape(t.shape)
+
+
+def _from_hf(hf: dict[str, Tensor], name: str, model: Transformer, gpt2: bool, moe: MoeNames,
+             interleaved: bool) -> Tensor:
     """The full tensor for plait parameter `name` from the HF tensors, in plait's [out, in] layout."""
     if name == "output.weight" and model.spec.tied_embeddings and "lm_head.weight" not in hf:
         name = "tok_embeddings.weight"  # tied checkpoints store only the embedding
-    keys = _hf_names(name, model, gpt2)
+    keys = _hf_names(name, model, gpt2, moe)
     if EXPERTS.fullmatch(name):
         if missing := [k for k in keys if k not in hf]:
             raise PlaitError(f"checkpoint lacks tensor {missing[0]!r} (for {name}); MoE checkpoints load in "
-                             "Mixtral's layout (block_sparse_moe.experts.E.w1/w2/w3)")
+                             "Mixtral's, Qwen-MoE's or DeepSeek's layout")
         return torch.stack([hf[k] for k in keys])
     key = keys[0]
     if key not in hf:
@@ -132,7 +203,28 @@ def _from_hf(hf: dict[str, Tensor], name: str, model: Transformer, gpt2: bool) -
                              f"{q_dim + 2 * kv_dim}; the checkpoint does not match model {model.spec.name!r}")
         q, k, v = t.split([q_dim, kv_dim, kv_dim], dim=0)
         t = {"wq": q, "wk": k, "wv": v}[name.split(".")[-2]]
+    if interleaved and (rows := _rotary_rows(name, model)) is not None and t.shape[0] % rows[0] == 0:
+        t = _interleaved(t, rows)
     return t
+
+
+def _moe_names(hf: dict[str, Tensor]) -> MoeNames:
+    """The MoE layout of a checkpoint's tensors (Mixtral's unless it has Qwen's or DeepSeek's names)."""
+    if any(".mlp.shared_experts." in k for k in hf):
+        return MOE_NAMES["deepseek"]
+    return MOE_NAMES["qwen"] if any(".mlp.experts." in k or ".mlp.gate." in k for k in hf) else MOE_NAMES["mixtral"]
+
+
+def _rope_interleaved(directory: Path, model: Transformer) -> bool:
+    """Whether the checkpoint's latent attention stores its rotary channels interleaved: config.json's
+    rope_interleave, on by default (DeepSeek's own layout) for latent-attention models."""
+    if not any(b.latent for b in model.spec.stack):
+        return False
+    config = directory / "config.json"
+    try:
+        return bool(json.loads(config.read_text()).get("rope_interleave", True)) if config.is_file() else True
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 HF_FAMILIES = ("llama", "gpt")
@@ -153,9 +245,6 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
         raise PlaitError(f"{model.spec.name} scales RoPE as {kind!r}, which the runtime does not apply (it applies "
                          f"{', '.join(SCALED_ROPE)}); its weights would load into another model, so start it from "
                          "the seed instead")
-    if any(b.latent for b in model.spec.stack):
-        raise PlaitError(f"Hugging Face checkpoints of latent-attention models do not load yet ({model.spec.name}); "
-                         "start it from the seed instead")
     path = Path(directory)
     if not path.is_dir():
         raise PlaitError(f"checkpoint directory {str(path)!r} does not exist; give a folder with *.safetensors")
@@ -167,10 +256,11 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
         hf.update(read_safetensors(file))
     hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
     gpt2 = model.spec.family == "gpt"
+    moe, interleaved = _moe_names(hf), _rope_interleaved(path, model)
     used: set[str] = set()
-    for name, param in model.named_parameters():
-        full = _from_hf(hf, name, model, gpt2)
-        keys = _hf_names(name, model, gpt2)
+    for name, param in _tensors(model):
+        full = _from_hf(hf, name, model, gpt2, moe, interleaved)
+        keys = _hf_names(name, model, gpt2, moe)
         used.update(keys)
         if full.shape != param.shape:
             raise PlaitError(f"tensor {keys[0]!r} has shape {list(full.shape)} but {name} of model "
@@ -179,7 +269,7 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
     if unused := _unused_layer_tensors(hf, used, model, gpt2):
         more = f" and {len(unused) - 2} more" if len(unused) > 2 else ""
         raise PlaitError(f"checkpoint tensors {', '.join(unused[:2])}{more} have no place in plait's "
-                         f"{model.spec.family} layers (e.g. Qwen3's q/k norms, Gemma-2's extra norms): the runtime "
+                         f"{model.spec.family} layers (e.g. Gemma-2's extra norms, GPT-OSS's attention sinks): the runtime "
                          "does not build this architecture's layer; start it from the seed instead")
 
 
@@ -196,22 +286,31 @@ def _unused_layer_tensors(hf: dict[str, Tensor], used: set[str], model: Transfor
                   and (m := prefix.match(k)) is not None and m.group(1) in held)
 
 
-def save_hf_safetensors(model: Transformer, directory: str | Path, filename: str = "model.safetensors") -> Path:
-    """Write the model's parameters with HF names (Llama naming; GPT-2 naming for the gpt family) to `directory/filename`. A tied head is stored once, as the embedding. DTensor parameters
-    are gathered (a collective: call on every rank)."""
+def save_hf_safetensors(model: Transformer, directory: str | Path, filename: str = "model.safetensors",
+                        moe_layout: str | None = None, rope_interleave: bool = True) -> Path:
+    """Write the model's parameters with HF names (Llama naming; GPT-2 naming for the gpt family) to
+    `directory/filename`: MoE layers in `moe_layout` (a `MOE_NAMES` key; default: DeepSeek's for latent
+    attention or sigmoid routers, Qwen's for q/k norms, gated or shared experts, else Mixtral's), latent
+    attention's rotary channels interleaved unless `rope_interleave` is False. A tied head is stored once, as
+    the embedding. DTensor parameters are gathered (a collective: call on every rank)."""
     gpt2 = model.spec.family == "gpt"
+    moe = MOE_NAMES[moe_layout or _default_moe_layout(model.spec.stack)]
+    interleaved = rope_interleave and any(b.latent for b in model.spec.stack)
     hf: dict[str, Tensor] = {}
     fused: dict[str, dict[str, Tensor]] = {}  # GPT-2 c_attn: q, k, v side by side
-    for name, param in model.named_parameters():
+    for name, param in _tensors(model):
         t = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
         if name == "output.weight" and model.spec.tied_embeddings:
             name = "tok_embeddings.weight"
+        keys = _hf_names(name, model, gpt2, moe)
         if EXPERTS.fullmatch(name):  # one tensor an expert
-            hf.update(zip(_hf_names(name, model, gpt2), t.unbind(0)))
+            hf.update(zip(keys, t.unbind(0)))
             continue
-        key = _hf_name(name, gpt2)
+        key = keys[0]
         if gpt2 and key.endswith(_CONV1D):
             t = t.t()
+        if interleaved and (rows := _rotary_rows(name, model)) is not None:
+            t = _interleaved(t, rows, inverse=True)
         if ".c_attn." in key:
             fused.setdefault(key, {})[name.split(".")[-2]] = t
         else:
@@ -222,3 +321,11 @@ def save_hf_safetensors(model: Transformer, directory: str | Path, filename: str
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(out / filename, hf)
     return out / filename
+
+
+def _default_moe_layout(stack: tuple) -> str:
+    """The MoE layout a model's layers suggest (see `save_hf_safetensors`)."""
+    moes = [b for b in stack if b.kind == "moe"]
+    if any(b.latent for b in stack) or any(b.gating.score == "sigmoid" for b in moes):
+        return "deepseek"
+    return "qwen" if any(b.qk_norm for b in stack) or any(b.ffn for b in moes) else "mixtral"

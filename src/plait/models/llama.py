@@ -17,7 +17,8 @@ carried state.
 RoPE follows Hugging Face's "rotate_half" convention (the two halves of each head are the pairs, not
 interleaved neighbours as in Meta's original code): HF's conversion script permutes q/k weights into that
 layout, so weights from HF Llama checkpoints load unchanged. Its base and scaling come from config.json
-(linear and Llama 3.1's "llama3" scaling applied; `SCALED_ROPE`).
+(linear, Llama 3.1's "llama3" and YaRN scaling applied; `SCALED_ROPE`). Qwen3's per-head q/k norms
+(`Block.qk_norm`) run on the projected heads before RoPE.
 """
 
 from __future__ import annotations
@@ -40,24 +41,83 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float = 10000.0, device: 
     """cos/sin of every (position, channel): float32 [max_seq_len, 2, D]; [:, 0] = cos, [:, 1] = sin; the
     frequencies scaled as `scaling` (config.json's rope_scaling pairs) says (`scaled_frequencies`)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-    inv_freq = scaled_frequencies(inv_freq, dict(scaling))
+    table = dict(scaling)
+    inv_freq = scaled_frequencies(inv_freq, table, theta, max_seq_len)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)  # HF layout: channel i and i + D/2 share a frequency
-    return torch.stack([angles.cos(), angles.sin()], dim=1)
+    return torch.stack([angles.cos(), angles.sin()], dim=1) * yarn_attention_factor(table, max_seq_len)
 
 
-SCALED_ROPE = ("linear", "llama3")
+SCALED_ROPE = ("linear", "llama3", "yarn")
 """RoPE scalings the runtime applies (Hugging Face's rope_type); others leave the frequencies as they are."""
 
 
-def scaled_frequencies(inv_freq: Tensor, scaling: dict[str, float | str]) -> Tensor:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (its Eq. 21; 1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_factor(scaling: dict[str, float | str], max_seq_len: int) -> float:
+    """YaRN's stretch: `factor`, else max_position_embeddings over original_max_position_embeddings."""
+    if scaling.get("factor"):
+        return float(scaling["factor"])
+    return max_seq_len / float(scaling.get("original_max_position_embeddings") or max_seq_len)
+
+
+def yarn_attention_factor(scaling: dict[str, float | str], max_seq_len: int) -> float:
+    """The factor YaRN puts on RoPE's cos and sin (so on the rotated channels' scores twice): attention_factor,
+    else mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are given, else mscale(factor), as
+    Hugging Face's `_compute_yarn_parameters`; 1 for other scalings."""
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor"):
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling, max_seq_len)
+    mscale, all_dims = float(scaling.get("mscale") or 0), float(scaling.get("mscale_all_dim") or 0)
+    return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dims) if mscale and all_dims else yarn_mscale(factor)
+
+
+def yarn_score_scale(scaling: dict[str, float | str], max_seq_len: int) -> float:
+    """Factor on every attention score that DeepSeek's latent attention takes from YaRN's mscale_all_dim,
+    mscale(factor, mscale_all_dim)^2 (Hugging Face's `yarn_apply_mscale`); 1 without it."""
+    all_dims = float(scaling.get("mscale_all_dim") or 0)
+    if scaling.get("rope_type", scaling.get("type")) != "yarn" or not all_dims:
+        return 1.0
+    return yarn_mscale(_yarn_factor(scaling, max_seq_len), all_dims) ** 2
+
+
+def _yarn_frequencies(inv_freq: Tensor, scaling: dict[str, float | str], theta: float, max_seq_len: int) -> Tensor:
+    """YaRN's inverse frequencies: the high ones kept, the low ones divided by the stretch, a linear ramp between
+    the dimensions that turn beta_fast and beta_slow times over the original context (ends rounded outwards
+    unless `truncate` is off)."""
+    dim = 2 * inv_freq.shape[0]
+    factor = _yarn_factor(scaling, max_seq_len)
+    original = float(scaling.get("original_max_position_embeddings") or max_seq_len)
+
+    def turning_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = turning_dim(float(scaling.get("beta_fast") or 32)), turning_dim(float(scaling.get("beta_slow") or 1))
+    if float(scaling.get("truncate", 1.0)):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def scaled_frequencies(inv_freq: Tensor, scaling: dict[str, float | str], theta: float = 10000.0,
+                       max_seq_len: int = 0) -> Tensor:
     """RoPE's inverse frequencies under a config's scaling: "linear" divides them by `factor`; "llama3" (Llama
     3.1's) divides the low ones (wavelengths beyond original_max_position_embeddings / low_freq_factor) by
     `factor`, keeps the high ones (below original / high_freq_factor) and blends in between, as Hugging Face's
-    `_compute_llama3_parameters`; none (or another kind) leaves them."""
+    `_compute_llama3_parameters`; "yarn" as `_yarn_frequencies` (with the RoPE base `theta` and the config's
+    `max_seq_len`); none (or another kind) leaves them."""
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "yarn":
+        return _yarn_frequencies(inv_freq, scaling, theta, max_seq_len)
     if kind != "llama3":
         return inv_freq
     factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
@@ -127,7 +187,8 @@ class Attention(nn.Module):
     heads. `spec` is a ModelSpec or a layer's Block (the same width fields); its `window` (tokens; 0: global)
     limits each causal query to a sliding window of keys."""
 
-    def __init__(self, spec: ModelSpec | Block, dropout: float = 0.0, causal: bool = True) -> None:
+    def __init__(self, spec: ModelSpec | Block, dropout: float = 0.0, causal: bool = True,
+                 make_norm: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
         self._core_settings(spec, dropout, causal)
         qkv_bias, out_bias = spec.bias or spec.qkv_bias, spec.bias or spec.out_bias
@@ -135,6 +196,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
         self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=out_bias)
+        self.q_norm: nn.Module | None = None  # per-head norms of queries and keys (Qwen3; `Block.qk_norm`)
+        self.k_norm: nn.Module | None = None
+        if getattr(spec, "qk_norm", False):
+            assert make_norm is not None, "q/k norms need the family's norm"
+            self.q_norm, self.k_norm = make_norm(spec.head_dim), make_norm(spec.head_dim)
 
     def _core_settings(self, spec: ModelSpec | Block, dropout: float, causal: bool) -> None:
         """The attention core's head width, dropout, direction and sliding window (from `spec`)."""
@@ -150,6 +216,11 @@ class Attention(nn.Module):
     """Set by the runtime for selective recomputation (Megatron-LM's): the attention core keeps only its
     queries, keys and values and runs again in backward (`plait.models.recomputed`). Ring attention, its own
     autograd function with K/V passes, is left as it is."""
+
+    tp_mesh: object | None = None
+    """Set by the runtime under tensor parallelism (a 1-D DeviceMesh): weights applied whole to each rank's
+    own heads (q/k norms, latent attention's shared rotary key) have their gradients summed over it
+    (`summed_in_backward`)."""
 
     context_parallel: object | None = None
     """Set by the runtime for context parallelism: a `plait.runtime.ulysses.Ulysses` (sequence chunk -> head
@@ -191,8 +262,16 @@ class Attention(nn.Module):
         """Queries from x [B, T, H], keys and values from memory [B, T', H]: [B, T(' ), heads, D] each."""
         b, t, _ = x.shape
         m = memory.shape[1]
-        return (self.wq(x).view(b, t, -1, self.head_dim), self.wk(memory).view(b, m, -1, self.head_dim),
-                self.wv(memory).view(b, m, -1, self.head_dim))
+        q, k = self.wq(x).view(b, t, -1, self.head_dim), self.wk(memory).view(b, m, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.head_norm(self.q_norm, q), self.head_norm(self.k_norm, k)
+        return q, k, self.wv(memory).view(b, m, -1, self.head_dim)
+
+    def head_norm(self, norm: nn.Module, x: Tensor) -> Tensor:
+        """x [B, T, heads, D] RMS-normed over D by `norm` (an nn.RMSNorm), its weight's gradient summed over
+        the tensor-parallel group when the heads are split."""
+        weight = norm.weight if self.tp_mesh is None else summed_in_backward(norm.weight, self.tp_mesh)
+        return F.rms_norm(x, norm.normalized_shape, weight, norm.eps)
 
     def rotate(self, x: Tensor, freqs: Tensor) -> Tensor:
         """Queries or keys [B, T, heads, D] with their rotary positions applied (every channel here)."""
@@ -211,6 +290,14 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                   is_causal=self.causal and mask is None)
         return sdpa
+
+
+def summed_in_backward(x: Tensor, mesh: object) -> Tensor:
+    """`x` (whole on every rank of `mesh`) in forward; in backward its gradient summed over the mesh, each
+    rank's being the share of its own heads (Megatron's copy-to-tensor-parallel-region)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 class FeedForward(nn.Module):
@@ -357,7 +444,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Deterministic init: N(0, 0.02) weights, N(0, 0.02/sqrt(2L)) for wo and w2, zero biases, unit norms.
+        """Deterministic init: N(0, 0.02) weights, N(0, 0.02/sqrt(2L)) for wo and w2, zero biases (and MoE
+        routers' choice biases), unit norms.
 
         Every parameter draws from its own CPU generator seeded by (seed, its name), so the result is
         bitwise the same whatever the device count, the global RNG state, the layers deleted by pipeline
@@ -378,6 +466,9 @@ class Transformer(nn.Module):
                 std = resid_std if name.endswith(RESIDUAL_OUTPUTS) else 0.02
                 full = torch.empty(param.shape).normal_(0.0, std, generator=gen)
             copy_full_(param, full.to(param.dtype))
+        for name, buffer in self.named_buffers():
+            if name.endswith("choice_bias"):  # a MoE router's bias on the choice: none to begin with
+                buffer.zero_()
         if self.freqs_cis is not None:
             self.freqs_cis = self._rope(self.freqs_cis.device)
 
@@ -399,7 +490,9 @@ class Llama(Transformer):
             from plait.models.mtp import MTPLayer
 
             ffn = MoE(block) if block.kind == "moe" else FeedForward(block)
-            attention = LatentAttention(block, norm, dropout) if block.latent else Attention(block, dropout)
+            scale = yarn_score_scale(dict(spec.rope_scaling), spec.max_seq_len)
+            attention = LatentAttention(block, norm, dropout, scale) if block.latent else \
+                Attention(block, dropout, make_norm=norm)
             layer = TransformerBlock(norm(), attention, norm(), ffn, dropout)
             return MTPLayer(layer, norm, block.hidden) if block.mtp else layer
 

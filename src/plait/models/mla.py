@@ -10,11 +10,12 @@ Shapes: B batch, T sequence, H hidden, N heads, Dn plain (no-rope) dims, Dr rota
     output   wo [N Dv -> H]
 
 Each query/key head is its Dn plain channels followed by its Dr rotated ones; the core scales the scores by
-1 / sqrt(Dn + Dr) (Hugging Face's DeepseekV3Attention without YaRN's mscale, and Megatron-LM's
-MLASelfAttention). RoPE follows plait's rotate_half layout (`plait.models.llama`); DeepSeek's checkpoints
-interleave the rotary channels, so their weights would need a permutation to load. Tensor parallelism splits
-the up-projections (wq_b or wq, wkv_b) column-wise by heads and wo row-wise; the down-projections and the
-latent norms stay whole on every rank, as Megatron-LM's do (`plait.runtime.parallelize.layer_tp_plan`), and
+1 / sqrt(Dn + Dr) (Hugging Face's DeepseekV3Attention and Megatron-LM's MLASelfAttention), times YaRN's
+mscale(factor, mscale_all_dim)^2 under YaRN scaling (`score_scale`, applied to the queries). RoPE follows
+plait's rotate_half layout (`plait.models.llama`); DeepSeek's checkpoints interleave the rotary channels, which
+`plait.models.hf_weights` permutes on loading. Tensor parallelism splits the up-projections (wq_b or wq,
+wkv_b) column-wise by heads and wo row-wise; the down-projections and the latent norms stay whole on every
+rank, as Megatron-LM's do (`plait.runtime.parallelize.layer_tp_plan`), and
 the shared rotary key's gradient is summed over the group (`tp_mesh`).
 """
 
@@ -25,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from plait.models.llama import Attention, apply_rope
+from plait.models.llama import Attention, apply_rope, summed_in_backward
 from plait.spec.layers import Block
 
 
@@ -35,8 +36,10 @@ class LatentAttention(Attention):
     `make_norm(width)` builds the latents' norms. Heads are inferred from the up-projections' widths, so
     tensor parallelism can hand it a rank's local heads."""
 
-    def __init__(self, block: Block, make_norm: Callable[[int], nn.Module], dropout: float = 0.0) -> None:
+    def __init__(self, block: Block, make_norm: Callable[[int], nn.Module], dropout: float = 0.0,
+                 score_scale: float = 1.0) -> None:
         nn.Module.__init__(self)
+        self.score_scale = score_scale  # on every score (YaRN's mscale_all_dim folded in), through the queries
         self._core_settings(block, dropout, causal=True)
         self.head_dim = block.qk_head_dim  # the width the core sees per query/key head
         self.nope, self.rope_dim, self.v_dim = block.head_dim, block.rope_head_dim, block.v_head_dim
@@ -53,10 +56,6 @@ class LatentAttention(Attention):
         self.wkv_b = nn.Linear(block.kv_lora, block.heads * (block.head_dim + block.v_head_dim), bias=up_bias)
         self.wo = nn.Linear(block.heads * block.v_head_dim, block.hidden, bias=out_bias)
 
-    tp_mesh: object | None = None
-    """Set by the runtime under tensor parallelism (a 1-D DeviceMesh): each rank's heads read the one rotary
-    key computed whole on every rank, so its gradient is summed over the group (`_summed_in_backward`)."""
-
     @property
     def column_parallel(self) -> tuple[str, ...]:  # type: ignore[override]
         """The up-projections, which tensor parallelism splits by heads (column-wise)."""
@@ -68,9 +67,11 @@ class LatentAttention(Attention):
         b, t, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_b") else self.wq(x)
         q = q.view(b, t, -1, self.head_dim)
+        if self.score_scale != 1.0:
+            q = q * self.score_scale
         latent, k_rope = self.wkv_a(x).split([self.kv_lora, self.rope_dim], dim=-1)
         if self.tp_mesh is not None:
-            k_rope = _summed_in_backward(k_rope, self.tp_mesh)
+            k_rope = summed_in_backward(k_rope, self.tp_mesh)
         kv = self.wkv_b(self.kv_norm(latent)).view(b, t, -1, self.nope + self.v_dim)
         k_plain, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_plain, k_rope[:, :, None, :].expand(b, t, k_plain.shape[2], self.rope_dim)], dim=-1)
@@ -82,11 +83,3 @@ class LatentAttention(Attention):
             return x
         plain, rotary = x.split([self.nope, self.rope_dim], dim=-1)
         return torch.cat([plain, apply_rope(rotary, freqs)], dim=-1)
-
-
-def _summed_in_backward(x: Tensor, mesh: object) -> Tensor:
-    """`x` (whole on every rank of `mesh`) in forward; in backward its gradient summed over the mesh, each
-    rank's being the share of its own heads (Megatron's copy-to-tensor-parallel-region)."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])

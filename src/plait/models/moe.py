@@ -4,15 +4,17 @@ dropless routing to SwiGLU experts, and optional shared experts that every token
 Shapes: B sequences, T tokens per sequence (this rank's part of them), H hidden, E routed experts, F one
 expert's width, k experts per token, N = B*T tokens, A = N*k (token, expert) assignments.
 
-Routing: probabilities p = softmax(router(x)) in fp32; each token goes to its k most probable experts with
-weights p renormalised over those k (Mixtral, Qwen3-MoE). No token is dropped. With router groups
-(`Block.expert_groups`, `group_top_k`: DeepSeek-V2's group-limited greedy routing) the experts fall in G equal
-groups of consecutive experts, each scored by its most probable expert, and a token's k experts come from its
-`group_top_k` best groups only.
+Routing (`Block.gating`): scores p = softmax(router(x)) in fp32 (sigmoid for DeepSeek-V3); each token goes
+to the k experts of highest score (plus a per-expert bias, `choice_bias`, for the choice only: DeepSeek-V3's
+e_score_correction_bias, a buffer kept as loaded) with weights p renormalised over those k (Mixtral, Qwen3-MoE,
+DeepSeek-V3) or as they are (Qwen2-MoE), times `scale` (DeepSeek's routed_scaling_factor). No token is dropped.
+With router groups (`Block.expert_groups`, `group_top_k`) the experts fall in G equal groups of consecutive
+experts, each scored by its best expert (DeepSeek-V2) or its best two (DeepSeek-V3), and a token's k experts
+come from its `group_top_k` best groups only. Qwen2-MoE gates its shared experts' output by sigmoid(x w_g).
 
 Load balancing: the Switch/GShard auxiliary loss per sequence s, E/k * sum_i f_si * P_si, with f_si = the
 share of s's assignments that went to expert i (times k: 1 when balanced) and P_si = the mean router
-probability of expert i over s's tokens; averaged over the sequences of the batch. Its value does not
+probability of expert i over s's tokens (sigmoid scores normalised to sum to 1 per token, as Megatron-LM's); averaged over the sequences of the batch. Its value does not
 depend on how the batch is cut into micro-batches or ranks. In packed rows of documents (`documents`, the
 variable-length runtime) every document is a sequence: f and P are taken over its own tokens, padding
 counts in none. Its gradient enters the backward at the block
@@ -133,7 +135,8 @@ class _AuxGradient(torch.autograd.Function):
 
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts): x [B, T, H] -> [B, T, H]. Module names: router,
-    experts (w1, w2, w3), shared (w1, w2, w3; absent when the block's ffn is 0)."""
+    experts (w1, w2, w3), shared (w1, w2, w3; absent when the block's ffn is 0), shared_gate (Qwen2-MoE); the
+    buffer choice_bias (DeepSeek-V3)."""
 
     exchange: Exchange | None = None
     """Set by the runtime for expert parallelism (None: every expert is on this rank)."""
@@ -153,29 +156,49 @@ class MoE(nn.Module):
         self.top_k = block.top_k
         self.groups = block.expert_groups if block.grouped_routing else 0
         self.group_top_k = block.group_top_k
+        self.gating = block.gating
         self.router = nn.Linear(block.hidden, block.experts, bias=False)
+        self.choice_bias: Tensor | None
+        self.register_buffer("choice_bias", torch.zeros(block.experts) if block.gating.choice_bias else None)
         self.experts = Experts(block.experts, block.hidden, block.expert_ffn)
         self.shared = FeedForward(block) if block.ffn else None
+        self.shared_gate = nn.Linear(block.hidden, 1, bias=False) if block.ffn and block.gating.shared_gate \
+            else None
 
     @property
     def n_experts(self) -> int:
         return self.router.out_features
 
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x [N, H] -> (router probabilities fp32 [N, E], chosen experts [N, k], their weights [N, k])."""
-        probs = F.softmax(self.router(x).float(), dim=-1)
-        weights, chosen = self._limited(probs).topk(self.top_k, dim=-1)
-        return probs, chosen, weights / weights.sum(dim=-1, keepdim=True)
+    @property
+    def dense_modules(self) -> list[nn.Module]:
+        """The modules every token of this rank goes through (router, shared experts and their gate)."""
+        return [m for m in (self.router, self.shared_gate, self.shared) if m is not None]
 
-    def _limited(self, probs: Tensor) -> Tensor:
-        """probs [N, E] with the experts outside each token's `group_top_k` best groups (by their most probable
-        expert) set to 0, so top-k picks inside those groups; `probs` itself without router groups."""
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [N, H] -> (router probabilities fp32 [N, E] (for the balancing loss), chosen experts [N, k],
+        their weights [N, k])."""
+        logits = self.router(x).float()
+        sigmoid = self.gating.score == "sigmoid"
+        scores = logits.sigmoid() if sigmoid else F.softmax(logits, dim=-1)
+        choice = scores if self.choice_bias is None else scores + self.choice_bias.float()
+        chosen = self._limited(choice).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if self.gating.normalized:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
+        probs = scores / scores.sum(dim=-1, keepdim=True) if sigmoid else scores
+        return probs, chosen, weights * self.gating.scale
+
+    def _limited(self, scores: Tensor) -> Tensor:
+        """scores [N, E] with the experts outside each token's `group_top_k` best groups (scored by their best
+        expert, or best two: `Gating.group_score`) set to 0, so top-k picks inside those groups; `scores`
+        itself without router groups."""
         if not self.groups:
-            return probs
-        grouped = probs.view(probs.shape[0], self.groups, -1)  # [N, G, E/G]
-        best = grouped.amax(dim=-1).topk(self.group_top_k, dim=-1).indices  # [N, group_top_k]
-        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=probs.device).scatter(1, best, True)
-        return (grouped * keep.unsqueeze(-1)).view_as(probs)
+            return scores
+        grouped = scores.view(scores.shape[0], self.groups, -1)  # [N, G, E/G]
+        rank = grouped.amax(dim=-1) if self.gating.group_score == "max" else grouped.topk(2, dim=-1).values.sum(-1)
+        best = rank.topk(self.group_top_k, dim=-1).indices  # [N, group_top_k]
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=scores.device).scatter(1, best, True)
+        return (grouped * keep.unsqueeze(-1)).view_as(scores)
 
     def routed(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
         """The weighted sum of each token's chosen experts: x [N, H], chosen/weights [N, k] -> [N, H]."""
@@ -230,7 +253,8 @@ class MoE(nn.Module):
         probs, chosen, weights = self.route(flat)
         out = self.routed(flat, chosen, weights)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * shared)
         if self.training and torch.is_grad_enabled():
             if self.documents is None:
                 out = _AuxGradient.apply(out, self.aux_loss(probs, chosen, b), self.aux_scale / b)

@@ -179,7 +179,7 @@ def apply_ep(model: nn.Module, seg: Segment, layers: list[str], stage_group: dis
             moe.compressor = LshCompressor()
         moe.sequence_group = groups.sequence
         moe.aux_scale = AUX_LOSS_COEF * s.cp / grad_accumulation
-        dense = [moe.router] + ([moe.shared] if moe.shared is not None else [])
+        dense = moe.dense_modules
         if zero > 0 and groups.stage is not None:
             for part in dense:
                 _zero(part, groups.stage, zero, data, reduce_dtype, **policy)

@@ -67,8 +67,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, layers: list[str],
             plan[""] = PrepareModuleInput(input_layouts=(Replicate(), None),  # full sequence
                                           desired_input_layouts=(Shard(1), None), use_local_output=True)
         parallelize_module(model.layers[name], tp_mesh, plan)
-        if _latent(model.layers[name]):
-            model.layers[name].attention.tp_mesh = tp_mesh
+        for attn in (a for a in ATTENTIONS if hasattr(model.layers[name], a)):  # weights read by local heads
+            getattr(model.layers[name], attn).tp_mesh = tp_mesh
 
 
 ATTENTIONS = ("attention", "cross_attention")

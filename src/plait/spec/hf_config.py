@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from plait.errors import PlaitError
 from plait.spec import stacks
+from plait.spec.layers import Gating
 from plait.spec.model import ModelSpec, _t5
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek",
@@ -74,6 +75,8 @@ def _decoder(c: _Config, name: str, model_type: str) -> ModelSpec:
         norm_eps=float(c.get("rms_norm_eps") or 0), rope_scaling=_rope_scaling(c),
     )
     block = model.block.with_(norms=4) if model_type == "gemma2" else model.block
+    if model_type in ("qwen3", "qwen3_moe"):  # q and k heads RMS-normed before RoPE
+        block = block.with_(qk_norm=True)
     if c.get("kv_lora_rank"):  # DeepSeek-V2/V3 multi-head latent attention
         block = block.with_(kv_heads=heads, head_dim=c.need("qk_nope_head_dim"), q_lora=int(c.get("q_lora_rank") or 0),  # type: ignore[call-overload]
                             kv_lora=c.need("kv_lora_rank"), rope_head_dim=c.need("qk_rope_head_dim"),
@@ -100,7 +103,7 @@ def _rope_scaling(c: _Config) -> tuple[tuple[str, float | str], ...]:
     table = c.get("rope_scaling")
     table = {**_rope_parameters(c), **(table if isinstance(table, dict) else {})}
     pairs = tuple(sorted((str(k), v if isinstance(v, str) else float(v)) for k, v in table.items()
-                         if k != "rope_theta" and isinstance(v, (int, float, str)) and not isinstance(v, bool)))
+                         if k != "rope_theta" and isinstance(v, (int, float, str))))  # bools as 0/1
     kind = dict(pairs).get("rope_type", dict(pairs).get("type", "default"))
     return () if kind == "default" else pairs
 
@@ -140,7 +143,26 @@ def _moe_layers(c: _Config, block: object, layers: int, model_type: str) -> tupl
     return stacks.moe_layers(block, layers, experts, top_k, expert_ffn, shared_ffn=shared,  # type: ignore[arg-type]
                              dense_first=int(c.get("first_k_dense_replace") or 0), every=every, dense=dense,  # type: ignore[call-overload]
                              expert_groups=groups if limited else 0,
-                             group_top_k=int(c.get("topk_group") or 0) if limited else 0)  # type: ignore[call-overload]
+                             group_top_k=int(c.get("topk_group") or 0) if limited else 0,  # type: ignore[call-overload]
+                             gating=_gating(c, model_type, shared > 0))
+
+
+V3_TYPES = ("deepseek_v3", "kimi_k2")
+"""model_type values of DeepSeek-V3's router (sigmoid scores, a bias on the choice, scaled weights)."""
+
+
+def _gating(c: _Config, model_type: str, shared: bool) -> Gating:
+    """How the config's router weighs its experts: config.json's scoring_func, topk_method, norm_topk_prob and
+    routed_scaling_factor, each defaulting as transformers' class for the model_type does; Qwen2-MoE's shared
+    experts are gated."""
+    v3 = model_type in V3_TYPES
+    method = str(c.get("topk_method", "noaux_tc" if v3 else "greedy"))
+    return Gating(score="sigmoid" if str(c.get("scoring_func", "sigmoid" if v3 else "softmax")) == "sigmoid"
+                  else "softmax",
+                  normalized=bool(c.get("norm_topk_prob", v3)), scale=float(c.get("routed_scaling_factor") or
+                                                                           (2.5 if v3 else 1.0)),  # type: ignore[arg-type]
+                  choice_bias=method == "noaux_tc", group_score="top2" if method == "noaux_tc" else "max",
+                  shared_gate=model_type == "qwen2_moe" and shared)
 
 
 def _t5_config(c: _Config, name: str) -> ModelSpec:

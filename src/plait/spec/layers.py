@@ -124,6 +124,32 @@ class ActivationBytes:
     GEMM's partial sums, kept by gemm_kept before their reduce)."""
 
 
+@dataclass(frozen=True)
+class Gating:
+    """How a moe layer's router weighs the experts it picks (the runtime's `plait.models.moe.MoE`; the cost
+    model prices every kind alike). Defaults: Mixtral's and Qwen3-MoE's softmax over the experts, the top k
+    renormalised to sum to 1."""
+
+    score: Literal["softmax", "sigmoid"] = "softmax"  # router logits -> each expert's score (DeepSeek-V3: sigmoid)
+    normalized: bool = True  # the picked experts' scores renormalised to sum to 1 (config.json's norm_topk_prob)
+    scale: float = 1.0  # factor on the picked experts' weights (DeepSeek's routed_scaling_factor)
+    choice_bias: bool = False  # a per-expert bias added to the scores for picking only (DeepSeek-V3's
+    # e_score_correction_bias), a buffer the checkpoint holds
+    group_score: Literal["max", "top2"] = "max"  # a router group's score: its best expert's (DeepSeek-V2) or the
+    # sum of its best two (DeepSeek-V3)
+    shared_gate: bool = False  # the shared experts' output times sigmoid(a hidden -> 1 projection) (Qwen2-MoE)
+
+    def __post_init__(self) -> None:
+        if self.score not in ("softmax", "sigmoid") or self.group_score not in ("max", "top2") or self.scale <= 0:
+            raise PlaitError(f"router gating: score must be softmax or sigmoid, group_score max or top2 and scale "
+                             f"positive (got {self.score!r}, {self.group_score!r}, {self.scale})")
+
+
+DEEPSEEK_V3_GATING = Gating(score="sigmoid", scale=2.5, choice_bias=True, group_score="top2")
+"""DeepSeek-V3's router (its config.json: scoring_func sigmoid, topk_method noaux_tc, norm_topk_prob,
+routed_scaling_factor 2.5)."""
+
+
 @cached_hash
 @dataclass(frozen=True)
 class Block:
@@ -171,6 +197,9 @@ class Block:
     # 2 x hidden down to hidden (`mtp_proj`), then this layer and a final norm (`norms` counts the three extra
     # norms); its logits come from the model's shared head (`plait.cost.head`).
     mtp: bool = field(default=False, repr=False)  # out of repr: models without it keep their fingerprints
+    # Query and key heads each RMS-normed over head_dim before RoPE (Qwen3's q_norm, k_norm).
+    qk_norm: bool = field(default=False, repr=False)
+    gating: Gating = field(default=Gating(), repr=False)  # how a moe layer's router weighs its experts
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -203,6 +232,8 @@ class Block:
                              f"{self.experts}, top_k={self.top_k}, expert_ffn={self.expert_ffn})")
         if self.expert_groups or self.group_top_k:
             self._check_expert_groups()
+        if self.gating != Gating() and self.kind != "moe":
+            raise PlaitError(f"{self.kind} layer: router gating is set, but only moe layers have a router")
         if self.kind in ("patch_embed", "projector") and self.in_dim <= 0:
             raise PlaitError(f"{self.kind} layer: in_dim (input width) must be a positive integer")
         for f in ("window", "tokens", "memory_tokens"):
@@ -320,7 +351,8 @@ class Block:
     def params(self) -> int:
         """Parameters of the layer (weights, biases, norms; every expert)."""
         weights = sum(g.params for g in self.gemms)
-        norm_params = (2 if self.norm == "layernorm" else 1) * (self.hidden * self.norms + self.q_lora + self.kv_lora)
+        norm_params = (2 if self.norm == "layernorm" else 1) * (self.hidden * self.norms + self.q_lora + self.kv_lora
+                                                                + 2 * self.head_dim * self.qk_norm)
         if self.kind == "patch_embed":  # patch projection (+ bias), position table (class token aside), norms
             return weights + self.hidden * self.bias + self.seq(0) * self.hidden + norm_params
         biases = 0
@@ -331,7 +363,7 @@ class Block:
                 biases += g.n * g.count * (self.bias or self.out_bias)
             elif g.split != "none":
                 biases += g.n * g.count * (self.bias or self.mlp_bias)
-        return weights + norm_params + biases
+        return weights + norm_params + biases + self.hidden * self.gating.shared_gate
 
     @cached_property
     def active_params(self) -> int:
@@ -510,11 +542,16 @@ class Block:
 
     @cached_property
     def fingerprint(self) -> str:
-        """A short hash of the layer's shape (every field; the router groups and the multi-token-prediction
-        flag only where set, so layers without them keep the names earlier profiles gave them): a profile names
-        the layers it measured by it."""
-        unset = tuple(f for f in ("expert_groups", "group_top_k", "mtp") if not getattr(self, f))
+        """A short hash of the layer's shape (every field; the router groups, the multi-token-prediction flag,
+        the q/k norms and the router's gating only where set, so layers without them keep the names earlier
+        profiles gave them): a profile names the layers it measured by it."""
+        unset = tuple(f for f in OPTIONAL_FIELDS if getattr(self, f) == BLOCK_DEFAULTS[f])
         return fields_hash(self, 12, skip=unset)
+
+
+OPTIONAL_FIELDS = ("expert_groups", "group_top_k", "mtp", "qk_norm", "gating")
+"""Block fields added after layers were first named (`Block.fingerprint`): hashed only where set."""
+BLOCK_DEFAULTS = {f.name: f.default for f in fields(Block)}
 
 
 def fields_hash(obj: object, length: int, skip: tuple[str, ...] = ()) -> str:

@@ -22,11 +22,14 @@ from plait.cached_hash import cached_hash
 from plait.errors import PlaitError
 from plait.spec import stacks
 from plait.spec.layers import (
+    BLOCK_DEFAULTS,
+    DEEPSEEK_V3_GATING,
     LSE_BYTES,
     MASK_BYTES,
     ActivationBytes,
     Attention,
     Block,
+    Gating,
     Gemm,
     Recompute,
     fields_hash,
@@ -112,11 +115,16 @@ class ModelSpec:
         one made for another model is refused even when the layer counts agree."""
         numerics = tuple(f for f in NUMERICS if not getattr(self, f))  # at their defaults: as before they were
         plain = fields_hash(self, 16, skip=("name", *numerics))
-        if not self.mtp_layers:
+        # layer fields out of the layers' repr, where set (models without them keep their fingerprints)
+        extras = sorted({(f, repr(getattr(b, f))) for b in self.stack for f in ("qk_norm", "gating")
+                         if getattr(b, f) != BLOCK_DEFAULTS[f]})
+        if not self.mtp_layers and not extras:
             return plain
         import hashlib
 
-        return hashlib.sha256(f"{plain} mtp {self.mtp_layers}".encode()).hexdigest()[:16]
+        mtp = f" mtp {self.mtp_layers}" if self.mtp_layers else ""
+        more = f" {extras}" if extras else ""
+        return hashlib.sha256(f"{plain}{mtp}{more}".encode()).hexdigest()[:16]
 
     # ---- layers -------------------------------------------------------------------------------
     @cached_property
@@ -351,32 +359,34 @@ def _gemma2(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head
     return replace(base, mixed=stacks.windowed(base.block.with_(norms=4), layers, window, global_every=2))
 
 
-def _moe(name: str, dense: ModelSpec, attention: dict[str, int] | None = None, **moe: int) -> ModelSpec:
+def _moe(name: str, dense: ModelSpec, attention: dict[str, int] | None = None, **moe: int | Gating) -> ModelSpec:
     """`dense` with MoE layers (see `stacks.moe_layers`); `attention` changes every layer's attention shape
-    (latent attention's q_lora, kv_lora, rope_head_dim, v_head_dim)."""
+    (latent attention's q_lora, kv_lora, rope_head_dim, v_head_dim; qk_norm)."""
     block = dense.block.with_(**attention) if attention else dense.block
     return replace(dense, name=name, mixed=stacks.moe_layers(block, dense.layers, **moe))
 
 
 def _deepseek_v3(name: str = "deepseek-v3", heads: int = 128, vocab: int = 129280, experts: int = 256,
-                 dense_first: int = 3, expert_groups: int = 8, group_top_k: int = 4, mtp: int = 0) -> ModelSpec:
+                 dense_first: int = 3, expert_groups: int = 8, group_top_k: int = 4, mtp: int = 0,
+                 gating: Gating = DEEPSEEK_V3_GATING) -> ModelSpec:
     """DeepSeek-V3 (671B, 37B active; its config.json): multi-head latent attention, 3 dense layers, then
     256 routed experts (top 8, from the best 4 of 8 groups: n_group, topk_group) and one shared expert per layer;
     `mtp` multi-token-prediction modules after them (its config's num_nextn_predict_layers: 1; frameworks train
     it when asked, Megatron with --mtp-num-layers). Kimi K2 is the same shape with other head, vocabulary,
-    expert and dense-layer counts and no expert groups."""
+    expert and dense-layer counts, no expert groups and its own routed scale."""
     base = replace(_llama(name, 61, 7168, heads, heads, 18432, vocab, 4096), head_dim=128)
     model = _moe(name, base, attention={"q_lora": 1536, "kv_lora": 512, "rope_head_dim": 64, "v_head_dim": 128},
                  experts=experts, top_k=8, expert_ffn=2048, shared_ffn=2048, dense_first=dense_first,
-                 expert_groups=expert_groups, group_top_k=group_top_k)
+                 expert_groups=expert_groups, group_top_k=group_top_k, gating=gating)
     return replace(model, mixed=stacks.with_mtp(model.stack, mtp)) if mtp else model
 
 
 def _qwen3_moe(name: str, layers: int, hidden: int, heads: int, kv_heads: int, experts: int, top_k: int,
                expert_ffn: int) -> ModelSpec:
-    """Qwen3 MoE (config.json): 128-dim heads, every layer MoE, no shared experts, untied embeddings."""
+    """Qwen3 MoE (config.json): 128-dim heads with q/k norms, every layer MoE, no shared experts, untied
+    embeddings."""
     base = replace(_llama(name, layers, hidden, heads, kv_heads, 6144, 151936, 40960), head_dim=128)
-    return _moe(name, base, experts=experts, top_k=top_k, expert_ffn=expert_ffn)
+    return _moe(name, base, attention={"qk_norm": True}, experts=experts, top_k=top_k, expert_ffn=expert_ffn)
 
 
 def _gpt_oss(name: str, layers: int, experts: int) -> ModelSpec:
@@ -440,7 +450,7 @@ PRESETS: dict[str, ModelSpec] = {
     # Kimi K2 (moonshotai/Kimi-K2-Base config.json): DeepSeek-V3's layer with 64 heads, 384 routed experts and
     # one dense layer first.
     "kimi-k2": _deepseek_v3("kimi-k2", heads=64, vocab=163840, experts=384, dense_first=1, expert_groups=0,
-                            group_top_k=0),
+                            group_top_k=0, gating=replace(DEEPSEEK_V3_GATING, scale=2.827)),
     "gpt-oss-20b": _gpt_oss("gpt-oss-20b", 24, 32),
     "gpt-oss-120b": _gpt_oss("gpt-oss-120b", 36, 128),
     "llava-llama3-8b": _with_vision("llava-llama3-8b", _llama("llava-llama3-8b", 32, 4096, 32, 8, 14336, 128256,
@@ -454,7 +464,8 @@ PRESETS: dict[str, ModelSpec] = {
                      shared_ffn=64, dense_first=1),
     "tiny-deepseek": _moe("tiny-deepseek", replace(_llama("tiny-deepseek", 4, 64, 4, 4, 192, 512, 256), head_dim=16),
                           attention={"q_lora": 32, "kv_lora": 16, "rope_head_dim": 8, "v_head_dim": 16}, experts=8,
-                          top_k=2, expert_ffn=64, shared_ffn=64, dense_first=1, expert_groups=4, group_top_k=2),
+                          top_k=2, expert_ffn=64, shared_ffn=64, dense_first=1, expert_groups=4, group_top_k=2,
+                          gating=DEEPSEEK_V3_GATING),
 }
 
 _INLINE_KEYS = {
@@ -464,13 +475,13 @@ _INLINE_KEYS = {
 }
 _STACK_KEYS = ("window", "global_every", "experts", "top_k", "expert_ffn", "shared_ffn", "dense_first", "moe_every",
                "expert_groups", "group_top_k", "encoder_layers", "decoder_layers", "gated", "vision", "mtp",
-               "q_lora", "kv_lora", "rope_head_dim", "v_head_dim")
+               "q_lora", "kv_lora", "rope_head_dim", "v_head_dim", "qk_norm")
 """Inline keys that shape a mixed stack: sliding windows (every layer, or all but every global_every-th),
 MoE layers (after dense_first dense ones, every moe_every-th; experts picked from the group_top_k best of
 expert_groups groups when given), T5's encoder and decoder layer counts, a vision tower by name
 (`plait.spec.stacks.VISION_TOWERS`), multi-token-prediction modules after the last layer (mtp), latent
 attention on every layer (kv_lora, with q_lora, rope_head_dim and v_head_dim; head_dim is then each query/key
-head's plain dims)."""
+head's plain dims), Qwen3's per-head q/k norms on every layer (qk_norm=true)."""
 _LATENT_KEYS = ("q_lora", "kv_lora", "rope_head_dim", "v_head_dim")
 _FAMILIES = ("gpt", "llama", "t5")
 _INLINE_EXAMPLES = {
@@ -490,7 +501,7 @@ def _inline_value(text: str, key: str, raw: str) -> object:
             raise PlaitError(f"inline model {text!r}: unknown vision tower {raw!r}; use one of "
                              f"{', '.join(stacks.VISION_TOWERS)}")
         return raw
-    if key in ("dropout", "tied", "gated"):
+    if key in ("dropout", "tied", "gated", "qk_norm"):
         if raw.lower() not in ("0", "1", "true", "false"):
             raise PlaitError(f"inline model {text!r}: {key} must be true or false, got {raw!r}")
         return raw.lower() in ("1", "true")
@@ -573,6 +584,11 @@ def _shape_stack(text: str, model: ModelSpec, shape: dict[str, object]) -> Model
                              "q_lora=1536,kv_lora=512,rope_head_dim=64,v_head_dim=128")
         latent = {k: int(shape.pop(k)) for k in _LATENT_KEYS if k in shape}  # type: ignore[call-overload]
         stack = tuple(b.with_(**latent) for b in stack)
+    if shape.pop("qk_norm", False):
+        if model.family != "llama" or any(b.latent for b in stack):
+            raise PlaitError(f"inline model {text!r}: qk_norm (Qwen3's q/k norms) applies to llama stacks without "
+                             "latent attention")
+        stack = tuple(b.with_(qk_norm=True) for b in stack)
     if "mtp" in shape:
         if model.family == "t5":
             raise PlaitError(f"inline model {text!r}: mtp (multi-token prediction) applies to gpt and llama stacks")

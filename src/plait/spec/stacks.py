@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from math import isqrt
 
 from plait.errors import PlaitError
-from plait.spec.layers import IMAGE_CHANNELS, Block
+from plait.spec.layers import IMAGE_CHANNELS, Block, Gating
 
 
 def windowed(block: Block, layers: int, window: int, global_every: int = 0,
@@ -25,13 +25,14 @@ def windowed(block: Block, layers: int, window: int, global_every: int = 0,
 
 def moe_layers(block: Block, layers: int, experts: int, top_k: int, expert_ffn: int, shared_ffn: int = 0,
                dense_first: int = 0, every: int = 1, dense: tuple[int, ...] = (), expert_groups: int = 0,
-               group_top_k: int = 0) -> tuple[Block, ...]:
+               group_top_k: int = 0, gating: Gating = Gating()) -> tuple[Block, ...]:
     """`layers` layers of which the first `dense_first` (DeepSeek's first_k_dense_replace), those listed in
     `dense` (Qwen-MoE's mlp_only_layers) and those off the `every` step (decoder_sparse_step) are `block`
     (dense); the rest route each token to `top_k` of `experts` experts of width `expert_ffn` (from the
-    `group_top_k` best of `expert_groups` groups, when given), beside shared experts of total width `shared_ffn`."""
+    `group_top_k` best of `expert_groups` groups, when given), beside shared experts of total width `shared_ffn`,
+    weighed as `gating` says."""
     moe = block.with_(kind="moe", experts=experts, top_k=top_k, expert_ffn=expert_ffn, ffn=shared_ffn,
-                      expert_groups=expert_groups, group_top_k=group_top_k)
+                      expert_groups=expert_groups, group_top_k=group_top_k, gating=gating)
     every = max(every, 1)
     return tuple(block if (i < dense_first or i in dense or (i + 1) % every) else moe for i in range(layers))
 
