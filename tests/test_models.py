@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from plait.errors import PlaitError
 from plait.models import build_model
-from plait.models.hf_weights import load_hf_safetensors, read_safetensors, save_hf_safetensors
+from plait.models.hf_weights import load_hf_safetensors, read_safetensors, save_hf_safetensors, write_safetensors
 from plait.models.llama import apply_rope, rope_cache, rope_theta
 from plait.spec.model import PRESETS, ModelSpec, parse_inline
 
@@ -367,6 +367,11 @@ MOE_HF = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
                     "qk_rope_head_dim": 4, "v_head_dim": 8, "routed_scaling_factor": 2.5, "num_key_value_heads": 4,
                     **MOE_HF}),  # interleaved
     # rotary channels, sigmoid router with a choice bias, groups scored by their best two
+    ("DeepseekV2", {"n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 4,  # softmax
+                    "topk_group": 2, "topk_method": "group_limited_greedy", "q_lora_rank": 16,  # router, weights
+                    "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,  # scaled but
+                    "routed_scaling_factor": 1.5, "num_key_value_heads": 4, **MOE_HF}),  # not renormalised, groups
+    # scored by their best expert, rotary channels in complex pairs
     ("DeepseekV3", {"n_routed_experts": 4, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 16,
                     "kv_lora_rank": 16,
                     "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "num_key_value_heads": 4,
@@ -393,6 +398,42 @@ def test_hugging_face_checkpoints_give_hugging_face_logits(kind: str, config: di
     again = type(hf).from_pretrained(back).eval()
     with torch.no_grad():
         torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_block_quantized_fp8_checkpoints_load_dequantized(tmp_path: Path) -> None:
+    """DeepSeek-V3's released weights are FP8 with a scale per 128 x 128 tile (`weight_scale_inv`): the layers'
+    matrices of a Qwen3-MoE checkpoint quantized so (16 x 24 tiles, partial ones at the edges) load as Hugging
+    Face's model holding the dequantized weights computes; a scale of the wrong shape is refused in one line."""
+    from plait.spec.model import load_model
+
+    hf = _saved_hf("Qwen3Moe", tmp_path, num_experts=4, norm_topk_prob=True, head_dim=8, **MOE_HF)
+    tensors, tile = read_safetensors(tmp_path / "model.safetensors"), (16, 24)
+    with torch.no_grad():
+        for name, w in hf.state_dict().items():
+            if not (name.startswith("model.layers.") and w.dim() == 2 and "norm" not in name):
+                continue
+            rows, cols = (-(-n // t) for n, t in zip(w.shape, tile, strict=True))
+            blocks = F.pad(w, (0, cols * tile[1] - w.shape[1], 0, rows * tile[0] - w.shape[0]))
+            amax = blocks.view(rows, tile[0], cols, tile[1]).abs().amax(dim=(1, 3))
+            scale = amax / 448.0
+            wide = scale.repeat_interleave(tile[0], 0)[: w.shape[0]].repeat_interleave(tile[1], 1)[:, : w.shape[1]]
+            quantized = (w / wide).to(torch.float8_e4m3fn)
+            w.copy_(quantized.float() * wide)  # what the quantized file holds
+            tensors[name], tensors[name + "_scale_inv"] = quantized, scale
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(tile)}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = build_model(load_model(str(tmp_path / "config.json")), seed=5).eval()
+    load_hf_safetensors(model, tmp_path)
+    tokens = _tokens(128, t=60)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+    config["quantization_config"]["weight_block_size"] = [8, 8]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PlaitError, match="weight_scale_inv.*8 x 8 tiles") as err:
+        load_hf_safetensors(model, tmp_path)
+    assert "\n" not in str(err.value)
 
 
 def test_checkpoints_of_layers_the_runtime_builds_otherwise_are_refused(tmp_path: Path) -> None:

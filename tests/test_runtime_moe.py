@@ -129,6 +129,45 @@ def _backward_bytes(experts: int, hidden: int = 32, ffn: int = 64, rows: int = 2
     return allocated.bytes / sum(w.numel() * w.element_size() for w in layer.parameters())
 
 
+def test_the_choice_bias_moves_towards_balance_after_each_step() -> None:
+    """DeepSeek-V3's router (tiny-deepseek): the choice bias shifts which experts a token takes but not their
+    weights (the scores', scaled); after a step it moves by the rate towards balance, the counts of the step's
+    forwards whose weight gradients were computed (once when recomputed; not for a forward without backward or
+    one asked for its input's gradient only), and the counts restart."""
+    from torch.utils.checkpoint import checkpoint
+
+    from plait.models.moe import BIAS_UPDATE_RATE
+    from plait.runtime.experts import count_choices, update_choice_biases
+
+    spec = PRESETS["tiny-deepseek"]
+    model = build_model(spec, seed=1).train()
+    moe = model.layers["1"].feed_forward
+    x = torch.randn(64, spec.hidden)
+    _, chosen, weights = moe.route(x)
+    with torch.no_grad():
+        moe.choice_bias[chosen[0, 0]] = -10.0  # token 0's first expert is never taken again
+    _, rechosen, reweighed = moe.route(x)
+    assert (rechosen != chosen[0, 0]).all() and (rechosen != chosen).any()
+    torch.testing.assert_close(weights.sum(-1), torch.full((64,), spec.stack[1].gating.scale))
+    scores = moe.router(x).float().sigmoid().gather(1, rechosen)
+    torch.testing.assert_close(reweighed, scores / scores.sum(-1, keepdim=True) * 2.5)
+    with torch.no_grad():
+        moe.choice_bias.zero_()
+    count_choices([model])
+    tokens = torch.randint(0, spec.vocab, (2, 16))
+    model(tokens)  # no backward, or one for the input's gradient only (a pipeline stage's shape probe): not counted
+    hidden = torch.randn(2, 16, spec.hidden, requires_grad=True)
+    torch.autograd.grad(model.layers["1"](hidden, model.freqs_cis).sum(), hidden)
+    assert moe.choice_counts.sum() == 0
+    checkpoint(model, tokens, use_reentrant=False).sum().backward()  # the recompute in backward is not counted
+    counts = moe.choice_counts.clone()
+    assert counts.sum() == 2 * 16 * spec.stack[1].top_k
+    update_choice_biases([model], spec)
+    torch.testing.assert_close(moe.choice_bias, BIAS_UPDATE_RATE * torch.sign(counts.mean() - counts).float())
+    assert moe.choice_counts.sum() == 0 and not any(
+        isinstance(m, MoE) and m.choice_bias is not None for m in build_model(PRESETS[MODEL]).modules())
+
+
 def test_the_experts_backward_allocates_in_proportion_to_the_experts() -> None:
     """Each expert's slice of the stacked weights feeds its gradient back once: the backward allocates a few
     copies of the weights' size however many experts there are, not a weight-sized tensor per expert (what

@@ -10,7 +10,6 @@ that read it, so all of them see the same tokens.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F

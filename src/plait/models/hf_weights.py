@@ -14,7 +14,8 @@ relative to the end of the header). Names understood:
   `mlp.shared_expert_gate`) or `mlp.shared_experts` (DeepSeek). DeepSeek's latent attention:
   `self_attn.q_a_proj`, `q_a_layernorm`, `q_b_proj` (or `q_proj`), `kv_a_proj_with_mqa`, `kv_a_layernorm`,
   `kv_b_proj`, `o_proj`; its rotary channels stored interleaved (config.json's rope_interleave, on by default)
-  are permuted into the rotate_half layout on loading and back on saving.
+  are permuted into the rotate_half layout on loading and back on saving. Block-quantized FP8 weights (a
+  `weight_scale_inv` per 128 x 128 tile: DeepSeek-V3's released files) are dequantized on loading.
 - GPT-2, with or without a `transformer.` prefix: `wte`, `wpe`, `h.{i}.ln_1`, `attn.c_attn` (Conv1D
   [in, out] layout holding q, k and v side by side), `attn.c_proj`, `ln_2`, `mlp.c_fc`, `mlp.c_proj`, `ln_f`.
 
@@ -215,16 +216,45 @@ def _moe_names(hf: dict[str, Tensor]) -> MoeNames:
     return MOE_NAMES["qwen"] if any(".mlp.experts." in k or ".mlp.gate." in k for k in hf) else MOE_NAMES["mixtral"]
 
 
-def _rope_interleaved(directory: Path, model: Transformer) -> bool:
+def _config(directory: Path) -> dict:
+    """The checkpoint folder's config.json ({} when it has none or it is unreadable)."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _rope_interleaved(config: dict, model: Transformer) -> bool:
     """Whether the checkpoint's latent attention stores its rotary channels interleaved: config.json's
     rope_interleave, on by default (DeepSeek's own layout) for latent-attention models."""
-    if not any(b.latent for b in model.spec.stack):
-        return False
-    config = directory / "config.json"
-    try:
-        return bool(json.loads(config.read_text()).get("rope_interleave", True)) if config.is_file() else True
-    except (OSError, ValueError, AttributeError):
-        return True
+    return any(b.latent for b in model.spec.stack) and bool(config.get("rope_interleave", True))
+
+
+SCALE_SUFFIX = ".weight_scale_inv"
+"""The per-tile scales of a block-quantized FP8 weight (DeepSeek-V3's, Kimi K2's and Qwen's FP8 releases)."""
+
+
+def dequantized(hf: dict[str, Tensor], config: dict) -> dict[str, Tensor]:
+    """The checkpoint's tensors with block-quantized FP8 weights multiplied out to fp32 (each
+    quantization_config.weight_block_size tile, default 128 x 128, by its `weight_scale_inv`, as transformers'
+    FP8 dequantization does) and their scales dropped; the tensors themselves without such weights."""
+    scales = [k for k in hf if k.endswith(SCALE_SUFFIX)]
+    if not scales:
+        return hf
+    quant = config.get("quantization_config")
+    rows, cols = (quant.get("weight_block_size") if isinstance(quant, dict) else None) or (128, 128)
+    out = dict(hf)
+    for key in scales:
+        name, scale = key.removesuffix("_scale_inv"), out.pop(key)
+        w = out.get(name)
+        if w is None or w.dim() != 2 or tuple(scale.shape) != (-(-w.shape[0] // rows), -(-w.shape[1] // cols)):
+            raise PlaitError(f"checkpoint tensor {key!r} of shape {list(scale.shape)} does not scale a weight "
+                             f"{name!r} in {rows} x {cols} tiles; give config.json's quantization_config with "
+                             "its weight_block_size, or a checkpoint in 16 or 32 bits")
+        tiles = scale.float().repeat_interleave(rows, 0)[: w.shape[0]].repeat_interleave(cols, 1)[:, : w.shape[1]]
+        out[name] = w.float() * tiles
+    return out
 
 
 HF_FAMILIES = ("llama", "gpt")
@@ -235,7 +265,8 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
     """Load every parameter `model` has (Llama naming, or GPT-2 naming for the gpt family) from `directory/*.safetensors`.
 
     Works on pipeline stages (deleted modules are skipped) and on sharded DTensor parameters (each rank
-    keeps its shard). Dtypes are converted to the model's.
+    keeps its shard). Dtypes are converted to the model's; block-quantized FP8 weights are dequantized first
+    (`dequantized`).
     """
     if model.spec.family not in HF_FAMILIES:
         raise PlaitError(f"Hugging Face checkpoints load into {' and '.join(HF_FAMILIES)} models, not "
@@ -254,9 +285,10 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
     hf: dict[str, Tensor] = {}
     for file in files:
         hf.update(read_safetensors(file))
-    hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
+    config = _config(path)
+    hf = dequantized({k.removeprefix("transformer."): v for k, v in hf.items()}, config)
     gpt2 = model.spec.family == "gpt"
-    moe, interleaved = _moe_names(hf), _rope_interleaved(path, model)
+    moe, interleaved = _moe_names(hf), _rope_interleaved(config, model)
     used: set[str] = set()
     for name, param in _tensors(model):
         full = _from_hf(hf, name, model, gpt2, moe, interleaved)

@@ -6,7 +6,8 @@ expert's width, k experts per token, N = B*T tokens, A = N*k (token, expert) ass
 
 Routing (`Block.gating`): scores p = softmax(router(x)) in fp32 (sigmoid for DeepSeek-V3); each token goes
 to the k experts of highest score (plus a per-expert bias, `choice_bias`, for the choice only: DeepSeek-V3's
-e_score_correction_bias, a buffer kept as loaded) with weights p renormalised over those k (Mixtral, Qwen3-MoE,
+e_score_correction_bias, a buffer moved towards balance after each step by the runtime) with weights p
+renormalised over those k (Mixtral, Qwen3-MoE,
 DeepSeek-V3) or as they are (Qwen2-MoE), times `scale` (DeepSeek's routed_scaling_factor). No token is dropped.
 With router groups (`Block.expert_groups`, `group_top_k`) the experts fall in G equal groups of consecutive
 experts, each scored by its best expert (DeepSeek-V2) or its best two (DeepSeek-V3), and a token's k experts
@@ -44,6 +45,9 @@ from plait.spec.layers import Block
 
 AUX_LOSS_COEF = 0.01
 """Weight of the load-balancing loss beside the language-model loss (Switch Transformer's alpha)."""
+BIAS_UPDATE_RATE = 1e-3
+"""Step of the choice bias's update after each training step (DeepSeek-V3's gamma; Megatron-LM's
+moe_router_bias_update_rate), `plait.runtime.experts.update_choice_biases`."""
 
 
 class Exchange(Protocol):
@@ -99,10 +103,17 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(experts, ffn, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn))
 
+    tally: tuple[Tensor, Tensor] | None = None
+    """Set by the MoE block before a forward whose choices count (`MoE.choice_counts`): (the block's choices
+    per expert, the step's total), added as the weights' gradient is computed; cleared by the forward."""
+
     def forward(self, tokens: Tensor, counts: Tensor) -> Tensor:
         """tokens [n, H] sorted by (local) expert, counts [E_local] -> outputs [n, H] in the same order. Every
         expert runs, on no rows if it got none, so every rank's backward has the same collectives."""
-        w1, w3, w2 = (_local(w).unbind(0) for w in (self.w1, self.w3, self.w2))
+        down = _local(self.w2)
+        if self.tally is not None:
+            down, self.tally = _CountedInBackward.apply(down, *self.tally), None
+        w1, w3, w2 = _local(self.w1).unbind(0), _local(self.w3).unbind(0), down.unbind(0)
         self.rows += tokens.shape[0]
         parts = tokens.split(counts.tolist())
         return torch.cat([_swiglu(x, w1[e], w3[e], w2[e]) for e, x in enumerate(parts)])
@@ -133,6 +144,22 @@ class _AuxGradient(torch.autograd.Function):
         return grad, torch.full_like(aux, ctx.scale), None
 
 
+class _CountedInBackward(torch.autograd.Function):
+    """Identity on an expert weight whose backward adds the forward's choice counts to `total`: it runs once per
+    forward whose weight gradients are computed (not for a pipeline stage's shape probe, whose backward asks for
+    input gradients only, nor twice for a recomputed forward)."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, counts: Tensor, total: Tensor) -> Tensor:  # noqa: ANN001
+        ctx.counts, ctx.total = counts, total
+        return weight
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: ANN001
+        ctx.total += ctx.counts.to(ctx.total.dtype)
+        return grad, None, None
+
+
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts): x [B, T, H] -> [B, T, H]. Module names: router,
     experts (w1, w2, w3), shared (w1, w2, w3; absent when the block's ffn is 0), shared_gate (Qwen2-MoE); the
@@ -147,6 +174,10 @@ class MoE(nn.Module):
     documents: Documents | None = None
     """Set by the variable-length runtime: the packed row's documents, each its own sequence in the balancing
     loss (None: every row of the batch is one sequence)."""
+    choice_counts: Tensor | None = None
+    """Set by the runtime ([E] zeros, float64) to count this step's (token, expert) choices for the choice
+    bias's update (`plait.runtime.experts.update_choice_biases`), each forward's as its experts' weight
+    gradients are computed (`_CountedInBackward`); None: not counted."""
     aux_scale: float = AUX_LOSS_COEF
     """Gradient weight of this rank's auxiliary loss, per sequence it holds (the runtime folds in
     micro-batches and context-parallel averaging); with `documents`, of its sum over the row's documents."""
@@ -206,6 +237,8 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)  # assignments grouped by expert
         source = order // self.top_k  # the token of each sorted assignment
         counts = torch.bincount(flat, minlength=self.n_experts)
+        if self.choice_counts is not None and self.training and torch.is_grad_enabled():
+            self.experts.tally = (counts, self.choice_counts)
         tokens = x.index_select(0, source)
         clusters = None if self.compressor is None else self.compressor.compress(tokens, counts)
         if clusters is not None:

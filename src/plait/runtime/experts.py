@@ -35,11 +35,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from plait.cost.offload import PAGED
-from plait.models.moe import AUX_LOSS_COEF, MoE
+from plait.models.moe import AUX_LOSS_COEF, BIAS_UPDATE_RATE, MoE
 from plait.runtime.lsh import LshCompressor
 from plait.runtime.placement import Segment
 from plait.runtime.ulysses import all_to_all
 from plait.runtime.zero import paging, shard_unit
+from plait.spec.model import ModelSpec
 
 Sync = tuple[list[nn.Parameter], dist.ProcessGroup | None, float | None]
 """Gradients reduced by hand: (parameters, group, weight), see `parallelize.sync_gradients`."""
@@ -223,6 +224,40 @@ def expert_load(models: list[nn.Module], layers: int) -> list[float]:
         load[[i for i, _ in moes]] = ratio
     dist.all_reduce(load, op=dist.ReduceOp.MAX)
     return load.tolist()
+
+
+def _biased(models: list[nn.Module]) -> dict[int, MoE]:
+    """The MoE modules with a choice bias (DeepSeek-V3's router) among `models`' layers, by layer index."""
+    return {int(name): m for model in models for name, layer in model.layers.items() for m in layer.modules()
+            if isinstance(m, MoE) and m.choice_bias is not None}
+
+
+def count_choices(models: list[nn.Module]) -> None:
+    """Start counting the routers' choices in the MoE layers with a choice bias (`update_choice_biases`)."""
+    for moe in _biased(models).values():
+        moe.choice_counts = torch.zeros(moe.n_experts, dtype=torch.float64)
+
+
+def update_choice_biases(models: list[nn.Module], spec: ModelSpec, rate: float = BIAS_UPDATE_RATE) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after a step: each layer's choice bias moves by `rate`
+    towards balance, up for the experts picked fewer times than the mean over the step's tokens and down for
+    those picked more (the sign of mean - count), the counts summed over every rank (tensor-parallel ranks
+    that route the same tokens count them alike, which leaves the signs), as Megatron-LM's
+    get_updated_expert_bias; the counts restart. Every rank calls it (one all-reduce over all ranks)."""
+    layers = [i for i, b in enumerate(spec.stack) if b.kind == "moe" and b.gating.choice_bias]
+    if not layers:
+        return
+    held = {i: m for i, m in _biased(models).items() if m.choice_counts is not None}
+    sizes = [spec.stack[i].experts for i in layers]
+    counts = torch.cat([held[i].choice_counts if i in held else torch.zeros(n, dtype=torch.float64)  # type: ignore[misc]
+                        for i, n in zip(layers, sizes, strict=True)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    with torch.no_grad():
+        for i, part in zip(layers, counts.split(sizes), strict=True):
+            if (moe := held.get(i)) is not None:
+                moe.choice_bias += rate * torch.sign(part.mean() - part).to(moe.choice_bias.dtype)  # type: ignore[operator]
+                moe.choice_counts.zero_()  # type: ignore[union-attr]
 
 
 def expert_params(model: nn.Module) -> set[int]:

@@ -33,7 +33,7 @@ from plait.models.vision import IGNORE_INDEX, image_targets
 from plait.plan import SYNC_P2P, Plan
 from plait.runtime import checkpoint, memory, offload, preflight, swap
 from plait.runtime.data import SAMPLES_LOG_ENV, TokenSource, log_samples
-from plait.runtime.experts import expert_load
+from plait.runtime.experts import count_choices, expert_load, update_choice_biases
 from plait.runtime.loop import lr_at, step_optimizers, train_loop
 from plait.runtime.optim import make_optimizer
 from plait.runtime.boundary import boundaries
@@ -408,6 +408,7 @@ def apply_plan(cfg: TrainConfig, spec: ModelSpec, plan: Plan, clock: ComputeCloc
             for stage in stages:
                 clock.wrap_stage(stage)
     tied = _tied_weights(chunks, where, plan)
+    count_choices(chunks)
     return Placed(plan, where, chunks, optimizers, manual_sync, schedule, tied, loss)
 
 
@@ -562,6 +563,7 @@ class PlanSteps:
         dist.all_reduce(loss_sum)
         elapsed = time.perf_counter() - t0
         load = expert_load(placed.chunks, spec.layers) if spec.has_experts else None
+        update_choice_biases(placed.chunks, spec)
         record = {"step": step, "loss": float(loss_sum[0] / loss_sum[1]), "step_time_s": elapsed,
                   "tokens_per_s": plan.global_batch * plan.seq_len / elapsed, "lr": lr_at(step, cfg),
                   "grad_norm": grad_norm, "peak_memory_bytes": memory.peak_bytes(),
