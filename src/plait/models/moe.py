@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward of a `moe` layer (`plait.spec.layers.Block`): a top-k softmax router,
+"""Mixture-of-experts feed-forward of a `moe` layer (`plait.spec.layers.Block`): a top-k router,
 dropless routing to SwiGLU experts, and optional shared experts that every token goes through.
 
 Shapes: B sequences, T tokens per sequence (this rank's part of them), H hidden, E routed experts, F one
@@ -6,21 +6,21 @@ expert's width, k experts per token, N = B*T tokens, A = N*k (token, expert) ass
 
 Routing (`Block.gating`): scores p = softmax(router(x)) in fp32 (sigmoid for DeepSeek-V3); each token goes
 to the k experts of highest score (plus a per-expert bias, `choice_bias`, for the choice only: DeepSeek-V3's
-e_score_correction_bias, a buffer moved towards balance after each step by the runtime) with weights p
-renormalised over those k (Mixtral, Qwen3-MoE,
-DeepSeek-V3) or as they are (Qwen2-MoE), times `scale` (DeepSeek's routed_scaling_factor). No token is dropped.
-With router groups (`Block.expert_groups`, `group_top_k`) the experts fall in G equal groups of consecutive
-experts, each scored by its best expert (DeepSeek-V2) or its best two (DeepSeek-V3), and a token's k experts
-come from its `group_top_k` best groups only. Qwen2-MoE gates its shared experts' output by sigmoid(x w_g).
+e_score_correction_bias, a buffer the runtime moves towards balance after each step) with weights p
+renormalised over those k (Mixtral, Qwen3-MoE, DeepSeek-V3) or as they are (Qwen2-MoE, DeepSeek-V2), times
+`scale` (DeepSeek's routed_scaling_factor). No token is dropped. With router groups (`Block.expert_groups`,
+`group_top_k`) the experts fall in G equal groups of consecutive experts, each scored by its best expert
+(DeepSeek-V2) or its best two (DeepSeek-V3), and a token's k experts come from its `group_top_k` best groups
+only. Qwen2-MoE gates its shared experts' output by sigmoid(x w_g).
 
 Load balancing: the Switch/GShard auxiliary loss per sequence s, E/k * sum_i f_si * P_si, with f_si = the
 share of s's assignments that went to expert i (times k: 1 when balanced) and P_si = the mean router
-probability of expert i over s's tokens (sigmoid scores normalised to sum to 1 per token, as Megatron-LM's); averaged over the sequences of the batch. Its value does not
-depend on how the batch is cut into micro-batches or ranks. In packed rows of documents (`documents`, the
-variable-length runtime) every document is a sequence: f and P are taken over its own tokens, padding
-counts in none. Its gradient enters the backward at the block
-(as Megatron's MoEAuxLossAutoScaler does), so pipeline stages need not carry it to the head; the reported
-loss stays the language-model loss.
+probability of expert i over s's tokens (sigmoid scores normalised to sum to 1 per token, as Megatron-LM's);
+averaged over the sequences of the batch. Its value does not depend on how the batch is cut into
+micro-batches or ranks. In packed rows of documents (`documents`, the variable-length runtime) every document
+is a sequence: f and P are taken over its own tokens, padding counts in none. Its gradient enters the
+backward at the block (as Megatron's MoEAuxLossAutoScaler does), so pipeline stages need not carry it to the
+head; the reported loss stays the language-model loss.
 
 LSH-MoE (`plait.runtime.lsh`) plugs in as `compressor`: the pairs bound for each expert become bucket
 centroids before the exchange, and each pair takes its centroid's output after it.
