@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from plait.errors import PlaitError
-from plait.models.llama import SCALED_ROPE, Transformer, copy_full_
+from plait.models.llama import SCALED_ROPE, Transformer, copy_full_, rope_kind
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -272,7 +272,7 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
         raise PlaitError(f"Hugging Face checkpoints load into {' and '.join(HF_FAMILIES)} models, not "
                          f"{model.spec.family} ({model.spec.name}); start it from the seed instead")
     scaling = dict(model.spec.rope_scaling)
-    if scaling and (kind := scaling.get("rope_type", scaling.get("type"))) not in SCALED_ROPE:
+    if scaling and (kind := rope_kind(scaling)) not in SCALED_ROPE:
         raise PlaitError(f"{model.spec.name} scales RoPE as {kind!r}, which the runtime does not apply (it applies "
                          f"{', '.join(SCALED_ROPE)}); its weights would load into another model, so start it from "
                          "the seed instead")

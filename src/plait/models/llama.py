@@ -52,6 +52,11 @@ SCALED_ROPE = ("linear", "llama3", "yarn")
 """RoPE scalings the runtime applies (Hugging Face's rope_type); others leave the frequencies as they are."""
 
 
+def rope_kind(scaling: dict[str, float | str]) -> object:
+    """The kind of a config's RoPE scaling (Hugging Face's rope_type, or transformers 4's older `type`)."""
+    return scaling.get("rope_type", scaling.get("type"))
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (its Eq. 21; 1 when not stretched)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
@@ -68,7 +73,7 @@ def yarn_attention_factor(scaling: dict[str, float | str], max_seq_len: int) -> 
     """The factor YaRN puts on RoPE's cos and sin (so on the rotated channels' scores twice): attention_factor,
     else mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are given, else mscale(factor), as
     Hugging Face's `_compute_yarn_parameters`; 1 for other scalings."""
-    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+    if rope_kind(scaling) != "yarn":
         return 1.0
     if scaling.get("attention_factor"):
         return float(scaling["attention_factor"])
@@ -81,7 +86,7 @@ def yarn_score_scale(scaling: dict[str, float | str], max_seq_len: int) -> float
     """Factor on every attention score that DeepSeek's latent attention takes from YaRN's mscale_all_dim,
     mscale(factor, mscale_all_dim)^2 (Hugging Face's `yarn_apply_mscale`); 1 without it."""
     all_dims = float(scaling.get("mscale_all_dim") or 0)
-    if scaling.get("rope_type", scaling.get("type")) != "yarn" or not all_dims:
+    if rope_kind(scaling) != "yarn" or not all_dims:
         return 1.0
     return yarn_mscale(_yarn_factor(scaling, max_seq_len), all_dims) ** 2
 
@@ -113,7 +118,7 @@ def scaled_frequencies(inv_freq: Tensor, scaling: dict[str, float | str], theta:
     `factor`, keeps the high ones (below original / high_freq_factor) and blends in between, as Hugging Face's
     `_compute_llama3_parameters`; "yarn" as `_yarn_frequencies` (with the RoPE base `theta` and the config's
     `max_seq_len`); none (or another kind) leaves them."""
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope_kind(scaling)
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind == "yarn":
@@ -484,13 +489,14 @@ class Llama(Transformer):
         def norm(width: int = spec.hidden) -> nn.Module:
             return nn.RMSNorm(width, eps=eps)
 
+        scale = yarn_score_scale(dict(spec.rope_scaling), spec.max_seq_len)  # latent attention's scores
+
         def make_layer(i: int, block: Block) -> TransformerBlock:
             from plait.models.mla import LatentAttention
             from plait.models.moe import MoE
             from plait.models.mtp import MTPLayer
 
             ffn = MoE(block) if block.kind == "moe" else FeedForward(block)
-            scale = yarn_score_scale(dict(spec.rope_scaling), spec.max_seq_len)
             attention = LatentAttention(block, norm, dropout, scale) if block.latent else \
                 Attention(block, dropout, make_norm=norm)
             layer = TransformerBlock(norm(), attention, norm(), ffn, dropout)

@@ -157,10 +157,9 @@ def _gating(c: _Config, model_type: str, shared: bool) -> Gating:
     experts are gated."""
     v3 = model_type in V3_TYPES
     method = str(c.get("topk_method", "noaux_tc" if v3 else "greedy"))
-    return Gating(score="sigmoid" if str(c.get("scoring_func", "sigmoid" if v3 else "softmax")) == "sigmoid"
-                  else "softmax",
-                  normalized=bool(c.get("norm_topk_prob", v3)), scale=float(c.get("routed_scaling_factor") or
-                                                                           (2.5 if v3 else 1.0)),  # type: ignore[arg-type]
+    scoring = str(c.get("scoring_func", "sigmoid" if v3 else "softmax"))
+    return Gating(score="sigmoid" if scoring == "sigmoid" else "softmax", normalized=bool(c.get("norm_topk_prob", v3)),
+                  scale=float(c.get("routed_scaling_factor") or (2.5 if v3 else 1.0)),  # type: ignore[arg-type]
                   choice_bias=method == "noaux_tc", group_score="top2" if method == "noaux_tc" else "max",
                   shared_gate=model_type == "qwen2_moe" and shared)
 

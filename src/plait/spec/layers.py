@@ -552,6 +552,9 @@ class Block:
 OPTIONAL_FIELDS = ("expert_groups", "group_top_k", "mtp", "qk_norm", "gating")
 """Block fields added after layers were first named (`Block.fingerprint`): hashed only where set."""
 BLOCK_DEFAULTS = {f.name: f.default for f in fields(Block)}
+OUT_OF_REPR = tuple(f.name for f in fields(Block) if not f.repr)
+"""Block fields a layer's repr leaves out (so a model's fingerprint, which hashes the layers' reprs, adds
+them where set: `ModelSpec.fingerprint`)."""
 
 
 def fields_hash(obj: object, length: int, skip: tuple[str, ...] = ()) -> str:

@@ -26,6 +26,7 @@ from plait.spec.layers import (
     DEEPSEEK_V3_GATING,
     LSE_BYTES,
     MASK_BYTES,
+    OUT_OF_REPR,
     ActivationBytes,
     Attention,
     Block,
@@ -116,8 +117,8 @@ class ModelSpec:
         numerics = tuple(f for f in NUMERICS if not getattr(self, f))  # at their defaults: as before they were
         plain = fields_hash(self, 16, skip=("name", *numerics))
         # layer fields out of the layers' repr, where set (models without them keep their fingerprints)
-        extras = sorted({(f, repr(getattr(b, f))) for b in self.stack for f in ("qk_norm", "gating")
-                         if getattr(b, f) != BLOCK_DEFAULTS[f]})
+        extras = sorted({(f, repr(getattr(b, f))) for b in self.stack for f in OUT_OF_REPR
+                         if f != "mtp" and getattr(b, f) != BLOCK_DEFAULTS[f]})  # mtp: as mtp_layers
         if not self.mtp_layers and not extras:
             return plain
         import hashlib
