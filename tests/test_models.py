@@ -339,10 +339,12 @@ def _saved_hf(kind: str, tmp_path: Path, **config: object) -> torch.nn.Module:
     cls, cfg = (getattr(transformers, f"{kind}ForCausalLM"), getattr(transformers, f"{kind}Config"))
     torch.manual_seed(0)
     model = cls(cfg(**{**SMALL_HF, **config})).eval()
-    with torch.no_grad():  # DeepSeek-V3's routers' choice biases start at 0: make them count
-        for name, t in model.state_dict().items():
+    with torch.no_grad():  # DeepSeek-V3's routers' choice biases and GPT-OSS's biases start at 0: make them
+        for name, t in model.state_dict().items():  # count, and GPT-OSS's experts wide enough to clamp
             if name.endswith("e_score_correction_bias"):
                 t.normal_(0.0, 0.1)
+            elif kind == "GptOss" and (name.endswith(("bias", "sinks")) or ".experts." in name):
+                t.normal_(0.0, 1.0 if name.endswith(("gate_up_proj", "down_proj")) else 0.5)
     model.save_pretrained(tmp_path)
     return model
 
@@ -378,6 +380,11 @@ MOE_HF = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
                     "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                                      "mscale": 1.0, "mscale_all_dim": 0.8}, **MOE_HF}),  # YaRN's mscale_all_dim
     # on every score
+    ("GptOss", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24, "head_dim": 8,
+                "sliding_window": 8, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                         "beta_slow": 1.0, "truncate": False, "rope_theta": 1.5e5,
+                                                         "original_max_position_embeddings": 16}}),  # sinks, router
+    # and expert biases, clamped SwiGLU, gate and up interleaved in one tensor, sliding and full layers
 ])
 def test_hugging_face_checkpoints_give_hugging_face_logits(kind: str, config: dict, tmp_path: Path) -> None:
     """A saved Hugging Face model loads from its config.json and weights into the runtime's model, which then
@@ -432,6 +439,53 @@ def test_block_quantized_fp8_checkpoints_load_dequantized(tmp_path: Path) -> Non
     config["quantization_config"]["weight_block_size"] = [8, 8]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(PlaitError, match="weight_scale_inv.*8 x 8 tiles") as err:
+        load_hf_safetensors(model, tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's MXFP4 of an expert stack w [E, in, out]: blocks [E, out, in/32, 16] (two 4-bit codes a byte, the
+    low nibble first) and scales [E, out, in/32] (2^(s - 127) per 32 values), each value the nearest code."""
+    from plait.models.hf_weights import FP4_VALUES
+
+    groups = w.transpose(1, 2).reshape(w.shape[0], w.shape[2], -1, 32)
+    exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))
+    codes = (groups / torch.exp2(exp)[..., None] - torch.tensor(FP4_VALUES)[:, None, None, None, None]).abs()
+    codes = codes.argmin(0).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_load_dequantized(tmp_path: Path) -> None:
+    """GPT-OSS's released experts are MXFP4 (`_blocks` and `_scales`): they decode as transformers'
+    convert_moe_packed_tensors does, and a checkpoint so quantized loads as Hugging Face's model holding the
+    decoded weights computes; blocks of the wrong shape are refused in one line."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from plait.models.hf_weights import dequantized
+    from plait.spec.model import load_model
+
+    hf = _saved_hf("GptOss", tmp_path, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                   hidden_size=64, head_dim=8, sliding_window=8)
+    tensors = read_safetensors(tmp_path / "model.safetensors")
+    with torch.no_grad():
+        for name, w in hf.state_dict().items():
+            if name.endswith(("gate_up_proj", "down_proj")):
+                blocks, scales = _mxfp4(w)
+                decoded = dequantized({"x_blocks": blocks, "x_scales": scales}, {})["x"]
+                torch.testing.assert_close(decoded, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                assert (decoded - w).abs().max() < 0.5 * w.abs().max()  # a coarse copy of the weights
+                w.copy_(decoded)
+                del tensors[name]
+                tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    model = build_model(load_model(str(tmp_path / "config.json")), seed=5).eval()
+    load_hf_safetensors(model, tmp_path)
+    tokens = _tokens(128, t=60)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+    tensors["model.layers.0.mlp.experts.down_proj_blocks"] = blocks[..., :8]
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    with pytest.raises(PlaitError, match="down_proj_blocks.*MXFP4") as err:
         load_hf_safetensors(model, tmp_path)
     assert "\n" not in str(err.value)
 

@@ -77,6 +77,35 @@ def train_together(tmp: Path, text: Path, nproc: int, cases: dict[str, tuple[str
     return proc, {key: [r["loss"] for r in rs] for key, rs in records.items()}
 
 
+SAVED_STEPS, RESUME_AT = 6, 3
+"""`train_saved_then_resumed`'s checkpointed run: 6 steps, saved after step 3 and resumed from there."""
+
+
+def train_saved_then_resumed(tmp_path_factory, text: Path, two: dict[str, tuple[str, Plan | str]],  # noqa: ANN001
+                             four: dict[str, tuple[str, Plan | str]], save: tuple[str, tuple[str, str]],
+                             resume: tuple[str, tuple[str, str]]) -> dict[int, tuple]:
+    """The 2-rank cases `two` and the 4-rank cases `four` (name: (model, plan)) in one torchrun job each,
+    with the named case `save` in the 2-rank job training SAVED_STEPS steps with checkpoints after steps
+    RESUME_AT and SAVED_STEPS (the second then removed), and `resume` in the 4-rank job resuming from it."""
+    import shutil
+
+    ckpt = tmp_path_factory.mktemp("checkpoint")
+    saved = {"steps": SAVED_STEPS, "checkpoint_dir": str(ckpt), "checkpoint_every": RESUME_AT}
+    out = {2: train_together(tmp_path_factory.mktemp("ranks2"), text, 2, two | dict([save]), {save[0]: saved})}
+    shutil.rmtree(ckpt / f"step-{SAVED_STEPS}", ignore_errors=True)
+    out[4] = train_together(tmp_path_factory.mktemp("ranks4"), text, 4, four | dict([resume]),
+                            {resume[0]: {"steps": SAVED_STEPS, "checkpoint_dir": str(ckpt)}})
+    return out
+
+
+def assert_resumed(runs: dict[int, tuple], save: str, resume: str) -> None:
+    """The resumed run of `train_saved_then_resumed` went on with the saved run's losses."""
+    saved, resumed = runs[2][1].get(save), runs[4][1].get(resume)
+    assert saved is not None and len(saved) == SAVED_STEPS, runs[2][0].stderr[-3000:]
+    assert resumed is not None and len(resumed) == SAVED_STEPS - RESUME_AT, runs[4][0].stderr[-3000:]
+    assert_same(resumed, saved[RESUME_AT:])
+
+
 def _losses(runs: tuple[subprocess.CompletedProcess, dict[str, list[float]]], key: str) -> list[float]:
     proc, losses = runs
     assert key in losses and len(losses[key]) == STEPS, proc.stderr[-3000:]

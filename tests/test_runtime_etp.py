@@ -45,7 +45,8 @@ def test_etp_plans_are_executable_and_laid_out_etp_fastest() -> None:
     assert d.expert_group(range(4), "etp", 2) == (2, 3) and d.expert_group(range(4), "ep", 1) == (1, 3)
     d = Degrees(dp=4, ep=1, etp=2)  # edp2 x ep1 x etp2
     assert d.expert_group(range(4), "edp", 1) == (1, 3) and d.expert_group(range(4), "etp", 1) == (0, 1)
-    assert dict(EXPERT_SHARDS) == {"w1": 1, "w3": 1, "w2": 2}  # the width F of w1/w3 [E, F, H], w2 [E, H, F]
+    assert dict(EXPERT_SHARDS) == {"w1": 1, "w3": 1, "w2": 2, "w1_bias": 1, "w3_bias": 1, "w2_bias": None}  # the
+    # width F of w1/w3 [E, F, H], w2 [E, H, F], the biases of w1/w3 [E, F]; the down bias [E, H] whole
 
 
 def test_by_expert_sorts_source_blocks_by_expert_then_source() -> None:

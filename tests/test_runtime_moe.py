@@ -4,14 +4,13 @@ to the single-process losses (gloo, real torchrun launches, fp32; see tests/test
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from test_runtime import _losses, assert_same, reference_losses, text, train_together  # noqa: F401 (fixture)
+from test_runtime import text  # noqa: F401 (a fixture)
+from test_runtime import _losses, assert_resumed, assert_same, reference_losses, train_saved_then_resumed
 from helpers import expect_error
 from test_runtime_kinds import _plan
 
@@ -28,8 +27,6 @@ from plait.spec.model import PRESETS, parse_inline
 S = Strategy
 MODEL = "tiny-moe"
 GBS = 4
-SAVED_STEPS = 6  # the checkpointed run: saved after step 3, resumed from there under ep4
-RESUME_AT = 3
 
 
 def _moe_block(seed: int = 0) -> MoE:
@@ -264,18 +261,13 @@ def reference(references) -> list[float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, text) -> dict[int, tuple]:  # noqa: F811
-    """Every case in one torchrun job per rank count; the 2-rank job also saves the checkpoint (after steps
-    3 and 6; the second is removed) that the 4-rank job resumes with ep4."""
-    ckpt = tmp_path_factory.mktemp("checkpoint")
-    saved = {"steps": SAVED_STEPS, "checkpoint_dir": str(ckpt), "checkpoint_every": RESUME_AT}
-    two = {name: (MODEL, plan) for name, plan in TWO_RANKS.items()} | {SAVE: (MODEL, "dp=2,ep=2,gbs=4")} | \
+    """Every case in one torchrun job per rank count; the 2-rank job also saves the checkpoint that the 4-rank
+    job resumes with ep4."""
+    two = {name: (MODEL, plan) for name, plan in TWO_RANKS.items()} | \
         {QK_CASE: (QK_MODEL, "tp=2,sp=1,ep=2,etp=1,gbs=4")}
-    out = {2: train_together(tmp_path_factory.mktemp("ranks2"), text, 2, two, {SAVE: saved})}
-    shutil.rmtree(ckpt / f"step-{SAVED_STEPS}", ignore_errors=True)
-    four = {name: (MODEL, plan) for name, plan in FOUR_RANKS.items()} | {RESUME: (MODEL, "dp=4,ep=4,gbs=4")}
-    out[4] = train_together(tmp_path_factory.mktemp("ranks4"), text, 4, four,
-                            {RESUME: {"steps": SAVED_STEPS, "checkpoint_dir": str(ckpt)}})
-    return out
+    return train_saved_then_resumed(tmp_path_factory, text, two,
+                                    {name: (MODEL, plan) for name, plan in FOUR_RANKS.items()},
+                                    (SAVE, (MODEL, "dp=2,ep=2,gbs=4")), (RESUME, (MODEL, "dp=4,ep=4,gbs=4")))
 
 
 @pytest.mark.parametrize("name", [*TWO_RANKS, *FOUR_RANKS])
@@ -309,7 +301,4 @@ def test_training_reports_the_expert_load_it_ran(runs) -> None:
 def test_resume_from_ep2_into_ep4(runs) -> None:
     """A checkpoint written with ep2 (2 ranks) loads with ep4 (4 ranks, experts resharded by DCP): the next
     losses are those of the uninterrupted run."""
-    saved, resumed = runs[2][1].get(SAVE), runs[4][1].get(RESUME)
-    assert saved is not None and len(saved) == SAVED_STEPS, runs[2][0].stderr[-3000:]
-    assert resumed is not None and len(resumed) == SAVED_STEPS - RESUME_AT, runs[4][0].stderr[-3000:]
-    assert_same(resumed, saved[RESUME_AT:])
+    assert_resumed(runs, SAVE, RESUME)

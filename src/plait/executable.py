@@ -17,7 +17,7 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
         return reason
     if (reason := _unsupported_sharding(plan, model)) is not None or \
             (reason := _unsupported_hierarchy(plan, model)) is not None or \
-            (reason := _unsupported_recompute(plan, model)) is not None:
+            (reason := _unsupported_ring(plan, model)) is not None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
@@ -115,19 +115,24 @@ def _mtp_problem(plan: Plan, model: ModelSpec) -> str | None:
     return None
 
 
-def _unsupported_recompute(plan: Plan, model: ModelSpec) -> str | None:
-    """gemm_kept (op-level selective checkpointing, `plait.runtime.parallelize.apply_ac`) keeps every GEMM
-    output in the checkpointed block: ring attention (`plait.runtime.ring`) multiplies its score blocks with
-    matmuls inside the block, so they would be kept too (s^2 bytes, not priced) and its K/V passes rerun;
-    refused there. Every other recompute mode runs with every strategy."""
+def _unsupported_ring(plan: Plan, model: ModelSpec) -> str | None:
+    """What ring attention (`plait.runtime.ring`) does not run: gemm_kept (op-level selective checkpointing,
+    `plait.runtime.parallelize.apply_ac`) keeps every GEMM output in the checkpointed block, and ring attention
+    multiplies its score blocks with matmuls inside the block, so they would be kept too (s^2 bytes, not priced)
+    and its K/V passes rerun; attention sinks (GPT-OSS), which its blockwise softmax does not count. Every
+    other strategy runs with every recompute mode and layer."""
     for pipe in plan.pipelines:
         for stage in pipe.stages:
             for layer in range(*stage.layers):
                 s = stage.strategy(layer)
-                if s.recompute == "gemm_kept" and s.ring and \
-                        layer < model.layers and model.stack[layer].has_attention:
+                if not s.ring or layer >= model.layers or not model.stack[layer].has_attention:
+                    continue
+                if s.recompute == "gemm_kept":
                     return (f"layer {layer} ({s.short()}): recompute=gemm_kept would keep ring attention's "
                             "score blocks; use cp_mode=ulysses or another recompute mode")
+                if model.stack[layer].sinks:
+                    return (f"layer {layer} ({s.short()}): ring attention does not apply the layer's attention "
+                            "sinks; use cp_mode=ulysses")
     return None
 
 
@@ -173,8 +178,8 @@ def unbuildable(model: ModelSpec) -> str | None:
     decoder layers (but for their attention windows), T5-style encoder layers then cross-decoder layers, and
     LLaVA-style patch embedding, vision layers and projector then decoder layers; Llama stacks of decoder
     and MoE layers; global or sliding-window attention on any layer; latent attention (DeepSeek-V2/V3) on
-    every layer of a Llama stack; q/k norms (Qwen3) in Llama stacks without it; multi-token-prediction
-    modules after a Llama stack with an untied head."""
+    every layer of a Llama stack; q/k norms (Qwen3), attention sinks and the clamped SwiGLU (GPT-OSS) in Llama
+    stacks without it; multi-token-prediction modules after a Llama stack with an untied head."""
     kinds = ", ".join(f"{n} {k}" for k, n in model.kind_counts().items())
     if model.mtp_layers and (model.family != "llama" or model.tied_embeddings):
         return (f"model {model.name!r}: the runtime builds multi-token-prediction modules in llama models with "
@@ -191,6 +196,9 @@ def unbuildable(model: ModelSpec) -> str | None:
     if any(b.qk_norm for b in model.stack) and (model.family != "llama" or latent != {None}):
         return (f"model {model.name!r} has q/k norms (Qwen3's); the runtime builds them in llama models without "
                 "latent attention")
+    if any(b.sinks or b.swiglu_limit for b in model.stack) and (model.family != "llama" or latent != {None}):
+        return (f"model {model.name!r} has GPT-OSS's attention sinks or clamped SwiGLU; the runtime builds them in "
+                "llama models without latent attention")
     if model.family == "gpt" and any(b.with_(window=0) != model.block.with_(window=0) for b in model.stack):
         return (f"model {model.name!r} mixes layer kinds ({kinds}); the runtime builds {model.family} stacks of "
                 "identical decoder layers")

@@ -14,8 +14,11 @@ relative to the end of the header). Names understood:
   `mlp.shared_expert_gate`) or `mlp.shared_experts` (DeepSeek). DeepSeek's latent attention:
   `self_attn.q_a_proj`, `q_a_layernorm`, `q_b_proj` (or `q_proj`), `kv_a_proj_with_mqa`, `kv_a_layernorm`,
   `kv_b_proj`, `o_proj`; its rotary channels stored interleaved (config.json's rope_interleave, on by default)
-  are permuted into the rotate_half layout on loading and back on saving. Block-quantized FP8 weights (a
-  `weight_scale_inv` per 128 x 128 tile: DeepSeek-V3's released files) are dequantized on loading.
+  are permuted into the rotate_half layout on loading and back on saving. GPT-OSS: `self_attn.sinks`,
+  `mlp.router` (with a bias), and all experts in one tensor a matrix (`mlp.experts.gate_up_proj` [E, H, 2F],
+  gate and up interleaved, `down_proj` [E, F, H], each with a `_bias`). Quantized weights are dequantized on
+  loading: block-quantized FP8 (a `weight_scale_inv` per 128 x 128 tile: DeepSeek-V3's released files) and
+  MXFP4 (`_blocks` and `_scales`: GPT-OSS's released experts).
 - GPT-2, with or without a `transformer.` prefix: `wte`, `wpe`, `h.{i}.ln_1`, `attn.c_attn` (Conv1D
   [in, out] layout holding q, k and v side by side), `attn.c_proj`, `ln_2`, `mlp.c_fc`, `mlp.c_proj`, `ln_f`.
 
@@ -68,6 +71,16 @@ class MoeNames:
     experts: str  # expert e's matrices: {experts}.{e}.{name} with the names of `weights`
     weights: tuple[str, str, str]  # the names of plait's w1 (gate), w3 (up), w2 (down)
     shared: str = ""  # the shared experts' MLP (gate_proj, up_proj, down_proj)
+    fused: bool = False  # every expert in one tensor a matrix, [E, in, out], gate and up interleaved in one
+    # (GPT-OSS: {experts}.gate_up_proj, its _bias, down_proj, its _bias)
+
+    def expert_keys(self, layer: str, weight: str, bias: bool, experts: int) -> list[str]:
+        """The HF tensors of a MoE layer's stacked `weight` (a `weights` name) or its bias: one, or one an
+        expert."""
+        if self.fused:
+            return [f"model.layers.{layer}.{self.experts}.{weight}{'_bias' if bias else ''}"]
+        kind = "bias" if bias else "weight"
+        return [f"model.layers.{layer}.{self.experts}.{e}.{weight}.{kind}" for e in range(experts)]
 
     def layer(self) -> dict[str, str]:
         """plait suffix -> HF suffix of the router, its choice bias, the shared experts and their gate."""
@@ -80,8 +93,9 @@ MOE_NAMES = {
     "mixtral": MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2")),
     "qwen": MoeNames("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj"), "mlp.shared_expert"),
     "deepseek": MoeNames("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj"), "mlp.shared_experts"),
+    "gpt-oss": MoeNames("mlp.router", "mlp.experts", ("gate_up_proj", "gate_up_proj", "down_proj"), fused=True),
 }
-"""The MoE layouts: Mixtral's; Qwen2-MoE's and Qwen3-MoE's; DeepSeek-V2/V3's (and Kimi K2's)."""
+"""The MoE layouts: Mixtral's; Qwen2-MoE's and Qwen3-MoE's; DeepSeek-V2/V3's (and Kimi K2's); GPT-OSS's."""
 _LLAMA_TOP = {"tok_embeddings": "model.embed_tokens", "pos_embeddings": "model.embed_positions",
               "norm": "model.norm", "output": "lm_head"}
 _GPT2 = {"attention_norm": "ln_1", "attention.wo": "attn.c_proj", "ffn_norm": "ln_2",
@@ -127,11 +141,13 @@ def _hf_names(name: str, model: Transformer, gpt2: bool, moe: MoeNames) -> list[
     or for a MoE layer's stacked experts one an expert."""
     top, blocks = (_GPT2_TOP, _GPT2) if gpt2 else (_LLAMA_TOP, _LLAMA)
     if (m := EXPERTS.fullmatch(name)) is not None:
-        i, w = m.groups()
+        i, w, bias = m.groups()
         weight = moe.weights[("w1", "w3", "w2").index(w)]
-        return [f"model.layers.{i}.{moe.experts}.{e}.{weight}.weight" for e in range(model.spec.stack[int(i)].experts)]
+        return moe.expert_keys(i, weight, bool(bias), model.spec.stack[int(i)].experts)
     if m := re.fullmatch(r"layers\.(\d+)\.feed_forward\.choice_bias", name):
         return [f"model.layers.{m.group(1)}.{moe.router}.e_score_correction_bias"]
+    if m := re.fullmatch(r"layers\.(\d+)\.attention\.sinks", name):
+        return [f"model.layers.{m.group(1)}.self_attn.sinks"]
     if m := re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name):
         i, module, kind = m.groups()
         if gpt2:
@@ -145,8 +161,27 @@ def _hf_names(name: str, model: Transformer, gpt2: bool, moe: MoeNames) -> list[
     return [f"{top[module]}.{kind}"]
 
 
-EXPERTS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
-"""A MoE layer's stacked experts [E, ...] (`plait.models.moe.Experts`), stored one expert a tensor."""
+EXPERTS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])(_bias)?")
+"""A MoE layer's stacked experts [E, ...] and their biases (`plait.models.moe.Experts`), stored one expert a
+tensor, or all in one (`MoeNames.fused`)."""
+
+
+def _unfused(t: Tensor, name: str) -> Tensor:
+    """plait's stacked expert tensor `name` from GPT-OSS's fused one `t`: gate (w1) and up (w3) the even and
+    odd columns of gate_up_proj [E, H, 2F] (its bias [E, 2F]); matrices [E, in, out] turned to [E, out, in]."""
+    if name.endswith(("w1", "w3", "w1_bias", "w3_bias")):
+        t = t[..., 0::2] if ".w1" in name else t[..., 1::2]
+    return t if name.endswith("_bias") else t.transpose(1, 2)
+
+
+def _fused(parts: dict[str, Tensor]) -> Tensor:
+    """GPT-OSS's fused tensor from plait's stacked ones (`parts`: w1/w3, their biases, or w2 or its bias, by
+    the name's last part): gate and up interleaved along the last dimension, matrices as [E, in, out]."""
+    turn = {k: t if k.endswith("_bias") else t.transpose(1, 2) for k, t in parts.items()}
+    if len(turn) == 1:
+        return next(iter(turn.values()))
+    gate, up = (next(t for k, t in turn.items() if k.startswith(w)) for w in ("w1", "w3"))
+    return torch.stack([gate, up], dim=-1).flatten(-2)
 
 
 def _tensors(model: Transformer) -> Iterator[tuple[str, Tensor]]:
@@ -189,8 +224,8 @@ def _from_hf(hf: dict[str, Tensor], name: str, model: Transformer, gpt2: bool, m
     if EXPERTS.fullmatch(name):
         if missing := [k for k in keys if k not in hf]:
             raise PlaitError(f"checkpoint lacks tensor {missing[0]!r} (for {name}); MoE checkpoints load in "
-                             "Mixtral's, Qwen-MoE's or DeepSeek's layout")
-        return torch.stack([hf[k] for k in keys])
+                             "Mixtral's, Qwen-MoE's, DeepSeek's or GPT-OSS's layout")
+        return _unfused(hf[keys[0]], name) if moe.fused else torch.stack([hf[k] for k in keys])
     key = keys[0]
     if key not in hf:
         raise PlaitError(f"checkpoint lacks tensor {key!r} (for {name}); is it a checkpoint of this model?")
@@ -210,9 +245,12 @@ def _from_hf(hf: dict[str, Tensor], name: str, model: Transformer, gpt2: bool, m
 
 
 def _moe_names(hf: dict[str, Tensor]) -> MoeNames:
-    """The MoE layout of a checkpoint's tensors (Mixtral's unless it has Qwen's or DeepSeek's names)."""
+    """The MoE layout of a checkpoint's tensors (Mixtral's unless it has Qwen's, DeepSeek's or GPT-OSS's
+    names)."""
     if any(".mlp.shared_experts." in k for k in hf):
         return MOE_NAMES["deepseek"]
+    if any(".mlp.router." in k for k in hf):
+        return MOE_NAMES["gpt-oss"]
     return MOE_NAMES["qwen"] if any(".mlp.experts." in k or ".mlp.gate." in k for k in hf) else MOE_NAMES["mixtral"]
 
 
@@ -233,28 +271,51 @@ def _rope_interleaved(config: dict, model: Transformer) -> bool:
 
 SCALE_SUFFIX = ".weight_scale_inv"
 """The per-tile scales of a block-quantized FP8 weight (DeepSeek-V3's, Kimi K2's and Qwen's FP8 releases)."""
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The values of the 16 codes of a 4-bit e2m1 number (MXFP4's elements)."""
 
 
 def dequantized(hf: dict[str, Tensor], config: dict) -> dict[str, Tensor]:
-    """The checkpoint's tensors with block-quantized FP8 weights multiplied out to fp32 (each
-    quantization_config.weight_block_size tile, default 128 x 128, by its `weight_scale_inv`, as transformers'
-    FP8 dequantization does) and their scales dropped; the tensors themselves without such weights."""
-    scales = [k for k in hf if k.endswith(SCALE_SUFFIX)]
-    if not scales:
-        return hf
+    """The checkpoint's tensors with quantized weights multiplied out to fp32 and their scales dropped:
+    block-quantized FP8 (`_fp8_weight`) and MXFP4 (`_mxfp4_weight`); the tensors themselves without such
+    weights."""
+    out = dict(hf)
+    for key in [k for k in hf if k.endswith(SCALE_SUFFIX)]:
+        name = key.removesuffix("_scale_inv")
+        out[name] = _fp8_weight(out.get(name), out.pop(key), key, config)
+    for key in [k for k in hf if k.endswith("_blocks") and k.removesuffix("_blocks") + "_scales" in hf]:
+        name = key.removesuffix("_blocks")
+        out[name] = _mxfp4_weight(out.pop(key), out.pop(name + "_scales"), key)
+    return out
+
+
+def _fp8_weight(w: Tensor | None, scale: Tensor, key: str, config: dict) -> Tensor:
+    """A block-quantized FP8 weight in fp32: each quantization_config.weight_block_size tile (default 128 x 128)
+    times its `weight_scale_inv`, as transformers' FP8 dequantization does."""
     quant = config.get("quantization_config")
     rows, cols = (quant.get("weight_block_size") if isinstance(quant, dict) else None) or (128, 128)
-    out = dict(hf)
-    for key in scales:
-        name, scale = key.removesuffix("_scale_inv"), out.pop(key)
-        w = out.get(name)
-        if w is None or w.dim() != 2 or tuple(scale.shape) != (-(-w.shape[0] // rows), -(-w.shape[1] // cols)):
-            raise PlaitError(f"checkpoint tensor {key!r} of shape {list(scale.shape)} does not scale a weight "
-                             f"{name!r} in {rows} x {cols} tiles; give config.json's quantization_config with "
-                             "its weight_block_size, or a checkpoint in 16 or 32 bits")
-        tiles = scale.float().repeat_interleave(rows, 0)[: w.shape[0]].repeat_interleave(cols, 1)[:, : w.shape[1]]
-        out[name] = w.float() * tiles
-    return out
+    if w is None or w.dim() != 2 or tuple(scale.shape) != (-(-w.shape[0] // rows), -(-w.shape[1] // cols)):
+        raise PlaitError(f"checkpoint tensor {key!r} of shape {list(scale.shape)} does not scale a weight "
+                         f"{key.removesuffix('_scale_inv')!r} in {rows} x {cols} tiles; give config.json's "
+                         "quantization_config with its weight_block_size, or a checkpoint in 16 or 32 bits")
+    tiles = scale.float().repeat_interleave(rows, 0)[: w.shape[0]].repeat_interleave(cols, 1)[:, : w.shape[1]]
+    return w.float() * tiles
+
+
+def _mxfp4_weight(blocks: Tensor, scales: Tensor, key: str) -> Tensor:
+    """An MXFP4 stack of expert matrices in fp32 (GPT-OSS's released experts), as transformers'
+    convert_moe_packed_tensors: `blocks` [E, out, G, 16] bytes of two 4-bit codes (low nibble first), `scales`
+    [E, out, G] a power of two (biased by 127) per 32 values -> [E, in = 32 G, out], the layout of the
+    unquantized tensor."""
+    if blocks.dim() != 4 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape) \
+            or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise PlaitError(f"checkpoint tensor {key!r} of shape {list(blocks.shape)} and its scales "
+                         f"{list(scales.shape)} are not MXFP4 blocks [E, out, G, 16] and scales [E, out, G] of "
+                         "bytes; give the checkpoint as released, or in 16 or 32 bits")
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [E, out, G, 16, 2]
+    values = torch.tensor(FP4_VALUES)[codes].flatten(-2)  # [E, out, G, 32]
+    values = torch.ldexp(values, (scales.long() - 127)[..., None])
+    return values.flatten(-2).transpose(1, 2).contiguous()
 
 
 HF_FAMILIES = ("llama", "gpt")
@@ -301,7 +362,7 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
     if unused := _unused_layer_tensors(hf, used, model, gpt2):
         more = f" and {len(unused) - 2} more" if len(unused) > 2 else ""
         raise PlaitError(f"checkpoint tensors {', '.join(unused[:2])}{more} have no place in plait's "
-                         f"{model.spec.family} layers (e.g. Gemma-2's extra norms, GPT-OSS's attention sinks): the runtime "
+                         f"{model.spec.family} layers (e.g. Gemma-2's extra norms): the runtime "
                          "does not build this architecture's layer; start it from the seed instead")
 
 
@@ -321,8 +382,8 @@ def _unused_layer_tensors(hf: dict[str, Tensor], used: set[str], model: Transfor
 def save_hf_safetensors(model: Transformer, directory: str | Path, filename: str = "model.safetensors",
                         moe_layout: str | None = None, rope_interleave: bool = True) -> Path:
     """Write the model's parameters with HF names (Llama naming; GPT-2 naming for the gpt family) to
-    `directory/filename`: MoE layers in `moe_layout` (a `MOE_NAMES` key; default: DeepSeek's for latent
-    attention or sigmoid routers, Qwen's for q/k norms, gated or shared experts, else Mixtral's), latent
+    `directory/filename`: MoE layers in `moe_layout` (a `MOE_NAMES` key; default: GPT-OSS's for biased routers,
+    DeepSeek's for latent attention or sigmoid routers, Qwen's for q/k norms, gated or shared experts, else Mixtral's), latent
     attention's rotary channels interleaved unless `rope_interleave` is False. A tied head is stored once, as
     the embedding. DTensor parameters are gathered (a collective: call on every rank)."""
     gpt2 = model.spec.family == "gpt"
@@ -330,13 +391,17 @@ def save_hf_safetensors(model: Transformer, directory: str | Path, filename: str
     interleaved = rope_interleave and any(b.latent for b in model.spec.stack)
     hf: dict[str, Tensor] = {}
     fused: dict[str, dict[str, Tensor]] = {}  # GPT-2 c_attn: q, k, v side by side
+    experts: dict[str, dict[str, Tensor]] = {}  # GPT-OSS: gate and up in one tensor
     for name, param in _tensors(model):
         t = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
         if name == "output.weight" and model.spec.tied_embeddings:
             name = "tok_embeddings.weight"
         keys = _hf_names(name, model, gpt2, moe)
-        if EXPERTS.fullmatch(name):  # one tensor an expert
-            hf.update(zip(keys, t.unbind(0)))
+        if EXPERTS.fullmatch(name):  # one tensor an expert, or all in one
+            if moe.fused:
+                experts.setdefault(keys[0], {})[name.rsplit(".", 1)[1]] = t
+            else:
+                hf.update(zip(keys, t.unbind(0), strict=True))
             continue
         key = keys[0]
         if gpt2 and key.endswith(_CONV1D):
@@ -349,6 +414,7 @@ def save_hf_safetensors(model: Transformer, directory: str | Path, filename: str
             hf[key] = t
     for key, qkv in fused.items():  # Conv1D weights [in, out]: join along out, the last dimension
         hf[key] = torch.cat([qkv["wq"], qkv["wk"], qkv["wv"]], dim=-1)
+    hf.update((key, _fused(parts)) for key, parts in experts.items())
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(out / filename, hf)
@@ -358,6 +424,8 @@ def save_hf_safetensors(model: Transformer, directory: str | Path, filename: str
 def _default_moe_layout(stack: tuple) -> str:
     """The MoE layout a model's layers suggest (see `save_hf_safetensors`)."""
     moes = [b for b in stack if b.kind == "moe"]
+    if any(b.gating.router_bias for b in moes):
+        return "gpt-oss"
     if any(b.latent for b in stack) or any(b.gating.score == "sigmoid" for b in moes):
         return "deepseek"
     return "qwen" if any(b.qk_norm for b in stack) or any(b.ffn for b in moes) else "mixtral"

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from plait.models.recomputed import recomputed
-from plait.spec.layers import Block
+from plait.spec.layers import SWIGLU_ALPHA, Block
 from plait.spec.model import ModelSpec
 
 
@@ -208,11 +208,13 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = make_norm(spec.head_dim), make_norm(spec.head_dim)
 
     def _core_settings(self, spec: ModelSpec | Block, dropout: float, causal: bool) -> None:
-        """The attention core's head width, dropout, direction and sliding window (from `spec`)."""
+        """The attention core's head width, dropout, direction, sliding window and sinks (from `spec`)."""
         self.head_dim = spec.head_dim
         self.dropout = dropout
         self.causal = causal
         self.window = spec.window if causal else 0
+        # a logit per query head in every softmax's denominator (GPT-OSS; `Block.sinks`), or None
+        self.sinks = nn.Parameter(torch.zeros(spec.heads)) if getattr(spec, "sinks", False) else None
 
     column_parallel: tuple[str, ...] = ("wq", "wk", "wv")
     """The projections tensor parallelism splits by heads (column-wise; the output projection row-wise)."""
@@ -234,7 +236,8 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, freqs: Tensor | None = None, attend: Callable | None = None) -> Tensor:
         """x [B, T, H], freqs [>=T, 2, D] (RoPE) or None (no rotation) -> [B, T, H]. `attend(q, k, v)` over
-        [B, heads, T, D] replaces the attention core (document masks of packed sequences, ring attention)."""
+        [B, heads, T, D] replaces the attention core (document masks of packed sequences, ring attention); it
+        takes `window=` in sliding-window layers and `sinks=` in layers with attention sinks."""
         return self.attend_to(x, x, freqs, attend)
 
     def attend_to(self, x: Tensor, memory: Tensor, freqs: Tensor | None = None, attend: Callable | None = None
@@ -255,10 +258,11 @@ class Attention(nn.Module):
         if (rep := q.shape[1] // k.shape[1]) > 1:  # GQA: query head j reads kv head j // rep (as HF)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         core = self._core(attend)
+        inputs = (q, k, v) if self.sinks is None else (q, k, v, self.head_sinks())
         if self.recompute_core and (cp is None or cp.splits_heads):
-            out = recomputed(core, q, k, v).transpose(1, 2)
+            out = recomputed(core, *inputs).transpose(1, 2)
         else:
-            out = core(q, k, v).transpose(1, 2)
+            out = core(*inputs).transpose(1, 2)
         if cp is not None:
             out = cp.to_sequence(out)
         return self.wo(out.reshape(b, t, -1))
@@ -282,19 +286,59 @@ class Attention(nn.Module):
         """Queries or keys [B, T, heads, D] with their rotary positions applied (every channel here)."""
         return apply_rope(x, freqs)
 
-    def _core(self, attend: Callable | None) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-        """The attention core, q, k, v [B, heads, T, D] -> [B, heads, T, D]: `attend` (told the layer's window)
-        or causal/bidirectional SDPA with the layer's window and dropout."""
-        if attend is not None:  # a windowed layer tells the core its window
-            return (lambda q, k, v: attend(q, k, v, window=self.window)) if self.window else attend
+    def head_sinks(self) -> Tensor:
+        """The sinks of the query heads this rank's core computes [heads here]: its tensor-parallel share of
+        them (the gradient of the whole vector summed over the tp group) and of that, under Ulysses, its
+        context-parallel head group's."""
+        sinks = self.sinks
+        if (mesh := self.tp_mesh) is not None:
+            sinks = summed_in_backward(sinks, mesh).chunk(mesh.size())[mesh.get_local_rank()]
+        if (cp := self.context_parallel) is not None:
+            assert cp.splits_heads, "attention sinks run with Ulysses context parallelism, not ring attention"
+            sinks = sinks.chunk(cp.degree)[cp.rank]
+        return sinks
+
+    def _core(self, attend: Callable | None) -> Callable[..., Tensor]:
+        """The attention core, q, k, v [B, heads, T, D] (and the heads' sinks [heads] where the layer has them)
+        -> [B, heads, T, D]: `attend` (told the layer's window and sinks) or causal/bidirectional SDPA with the
+        layer's window and dropout."""
+        if attend is not None:  # a windowed layer tells the core its window, a layer with sinks its sinks
+            def told(q: Tensor, k: Tensor, v: Tensor, *sinks: Tensor) -> Tensor:
+                return attend(q, k, v, **({"window": self.window} if self.window else {}),
+                              **({"sinks": sinks[0]} if sinks else {}))
+            return told
         p = self.dropout if self.training else 0.0
 
-        def sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        def sdpa(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None) -> Tensor:
             place = torch.arange(q.shape[2], device=q.device)
             mask = causal_mask(place, place, self.window) if self.window else None
+            if sinks is not None:
+                return sdpa_with_sinks(q, k, v, sinks, mask, self.causal, p)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                   is_causal=self.causal and mask is None)
         return sdpa
+
+
+def sdpa_with_sinks(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, mask: Tensor | None, causal: bool,
+                    dropout: float = 0.0) -> Tensor:
+    """Attention whose softmax also counts a sink per head (GPT-OSS): q, k, v [B, heads, T, D], sinks [heads]
+    (logits), mask [T, T] (bool, True: seen; None: causal or all as `causal` says) -> [B, heads, T, D].
+
+    The sink is one more key that every query sees, with value 0, so SDPA's kernels run it: queries gain a
+    channel of ones, keys a zero channel and the sink key sink / scale there (its score is the sink itself),
+    all padded with zero channels to a multiple of 8, and the output drops them."""
+    b, h, t, d = q.shape
+    pad = 8 - d % 8
+    scale = d ** -0.5
+    q = torch.cat([q, q.new_ones(b, h, t, 1), q.new_zeros(b, h, t, pad - 1)], dim=-1)
+    sink_key = F.pad(torch.cat([k.new_zeros(h, d), (sinks / scale).to(k.dtype)[:, None]], dim=-1), (0, pad - 1))
+    k = torch.cat([F.pad(k, (0, pad)), sink_key[:, None].expand(b, h, 1, d + pad)], dim=2)
+    v = F.pad(v, (0, pad, 0, 1))
+    place = torch.arange(t, device=q.device)
+    seen = mask if mask is not None else causal_mask(place, place) if causal else q.new_ones(t, t, dtype=torch.bool)
+    seen = torch.cat([seen, seen.new_ones(t, 1)], dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, dropout_p=dropout, scale=scale)
+    return out[..., :d]
 
 
 def summed_in_backward(x: Tensor, mesh: object) -> Tensor:
@@ -305,18 +349,29 @@ def summed_in_backward(x: Tensor, mesh: object) -> Tensor:
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
+def swiglu(gate: Tensor, up: Tensor, limit: float = 0.0) -> Tensor:
+    """SwiGLU's gated product silu(gate) * up; with a `limit` > 0, GPT-OSS's clamped form (`Block.swiglu_limit`):
+    gate clamped to <= limit, up to [-limit, limit], gate * sigmoid(1.702 gate) * (up + 1)."""
+    if not limit:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(SWIGLU_ALPHA * gate) * (up + 1)
+
+
 class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x), [B, T, H] -> [B, T, H]; w1 gate, w3 up, w2 down."""
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x), [B, T, H] -> [B, T, H]; w1 gate, w3 up, w2 down (GPT-OSS's clamped
+    SwiGLU where the layer sets a limit)."""
 
     def __init__(self, spec: ModelSpec | Block) -> None:
         super().__init__()
         bias = spec.bias or spec.mlp_bias
+        self.limit = float(getattr(spec, "swiglu_limit", 0.0))
         self.w1 = nn.Linear(spec.hidden, spec.ffn, bias=bias)
         self.w3 = nn.Linear(spec.hidden, spec.ffn, bias=bias)
         self.w2 = nn.Linear(spec.ffn, spec.hidden, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
 
 
 class TransformerBlock(nn.Module):

@@ -1,10 +1,12 @@
 """Mixture-of-experts feed-forward of a `moe` layer (`plait.spec.layers.Block`): a top-k router,
-dropless routing to SwiGLU experts, and optional shared experts that every token goes through.
+dropless routing to SwiGLU experts (GPT-OSS's: with biases and its clamped SwiGLU), and optional shared
+experts that every token goes through.
 
 Shapes: B sequences, T tokens per sequence (this rank's part of them), H hidden, E routed experts, F one
 expert's width, k experts per token, N = B*T tokens, A = N*k (token, expert) assignments.
 
-Routing (`Block.gating`): scores p = softmax(router(x)) in fp32 (sigmoid for DeepSeek-V3); each token goes
+Routing (`Block.gating`): scores p = softmax(router(x)) in fp32 (sigmoid for DeepSeek-V3; the router has a
+bias for GPT-OSS, whose softmax over the top k logits is this softmax renormalised over them); each token goes
 to the k experts of highest score (plus a per-expert bias, `choice_bias`, for the choice only: DeepSeek-V3's
 e_score_correction_bias, a buffer the runtime moves towards balance after each step) with weights p
 renormalised over those k (Mixtral, Qwen3-MoE, DeepSeek-V3) or as they are (Qwen2-MoE, DeepSeek-V2), times
@@ -40,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from plait.models.llama import FeedForward
+from plait.models.llama import FeedForward, summed_in_backward, swiglu
 from plait.spec.layers import Block
 
 AUX_LOSS_COEF = 0.01
@@ -78,9 +80,13 @@ class Compressor(Protocol):
         """Pairs [A, H] sorted by expert with `counts` [E] -> their centroids and how to expand outputs."""
 
 
-def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
-    """One expert: w2 (silu(w1 x) * w3 x); x [n, H], w1/w3 [F, H], w2 [H, F] -> [n, H]."""
-    return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
+def _expert(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, biases: tuple[Tensor, Tensor, Tensor] | None,
+            limit: float) -> Tensor:
+    """One expert: w2 swiglu(w1 x, w3 x) (+ biases b1, b3 [F], b2 [H]); x [n, H], w1/w3 [F, H], w2 [H, F] -> [n, H]."""
+    if biases is None:
+        return swiglu(x @ w1.t(), x @ w3.t(), limit) @ w2.t()
+    b1, b3, b2 = biases
+    return swiglu(torch.addmm(b1, x, w1.t()), torch.addmm(b3, x, w3.t()), limit) @ w2.t() + b2
 
 
 def _local(param: Tensor) -> Tensor:
@@ -89,19 +95,32 @@ def _local(param: Tensor) -> Tensor:
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stored as stacked weights: w1 (gate) and w3 (up) [E, F, H], w2 (down) [E, H, F].
-    Under expert parallelism they are DTensors sharded along the expert dimension, and under expert tensor
+    """E SwiGLU experts stored as stacked weights: w1 (gate) and w3 (up) [E, F, H], w2 (down) [E, H, F], and
+    with biases (GPT-OSS) w1_bias, w3_bias [E, F] and w2_bias [E, H]; GPT-OSS's clamped SwiGLU where `limit`
+    > 0. Under expert parallelism they are DTensors sharded along the expert dimension, and under expert tensor
     parallelism also along F (each rank's outputs are then partial sums, `plait.runtime.experts`)."""
 
     rows: int = 0
     """Rows the experts computed (a recomputed forward again) since the runtime last read and reset it
     (`plait.runtime.experts.expert_load`)."""
 
-    def __init__(self, experts: int, hidden: int, ffn: int) -> None:
+    width_mesh: object | None = None
+    """Set by the runtime under expert tensor parallelism (the 1-D etp DeviceMesh): each rank's outputs are
+    partial sums over it, so each adds 1/etp of the down bias, whose gradient is summed over it."""
+
+    def __init__(self, experts: int, hidden: int, ffn: int, bias: bool = False, limit: float = 0.0) -> None:
         super().__init__()
+        self.limit = limit
         self.w1 = nn.Parameter(torch.empty(experts, ffn, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, ffn, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn))
+        self.w1_bias: nn.Parameter | None = None
+        self.w3_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if bias:
+            self.w1_bias = nn.Parameter(torch.zeros(experts, ffn))
+            self.w3_bias = nn.Parameter(torch.zeros(experts, ffn))
+            self.w2_bias = nn.Parameter(torch.zeros(experts, hidden))
 
     tally: tuple[Tensor, Tensor] | None = None
     """Set by the MoE block before a forward whose choices count (`MoE.choice_counts`): (the block's choices
@@ -114,9 +133,18 @@ class Experts(nn.Module):
         if self.tally is not None:
             down, self.tally = _CountedInBackward.apply(down, *self.tally), None
         w1, w3, w2 = _local(self.w1).unbind(0), _local(self.w3).unbind(0), down.unbind(0)
+        biases = None if self.w2_bias is None else list(zip(*self._biases(), strict=True))
         self.rows += tokens.shape[0]
         parts = tokens.split(counts.tolist())
-        return torch.cat([_swiglu(x, w1[e], w3[e], w2[e]) for e, x in enumerate(parts)])
+        return torch.cat([_expert(x, w1[e], w3[e], w2[e], None if biases is None else biases[e], self.limit)
+                          for e, x in enumerate(parts)])
+
+    def _biases(self) -> tuple[tuple[Tensor, ...], ...]:
+        """This rank's experts' biases, each unbound by expert; the down bias split over `width_mesh`."""
+        b2 = _local(self.w2_bias)
+        if (mesh := self.width_mesh) is not None:
+            b2 = summed_in_backward(b2, mesh) / mesh.size()
+        return _local(self.w1_bias).unbind(0), _local(self.w3_bias).unbind(0), b2.unbind(0)
 
 
 @dataclass(frozen=True)
@@ -162,7 +190,7 @@ class _CountedInBackward(torch.autograd.Function):
 
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts): x [B, T, H] -> [B, T, H]. Module names: router,
-    experts (w1, w2, w3), shared (w1, w2, w3; absent when the block's ffn is 0), shared_gate (Qwen2-MoE); the
+    experts (w1, w2, w3; their biases), shared (w1, w2, w3; absent when the block's ffn is 0), shared_gate (Qwen2-MoE); the
     buffer choice_bias (DeepSeek-V3)."""
 
     exchange: Exchange | None = None
@@ -188,10 +216,11 @@ class MoE(nn.Module):
         self.groups = block.expert_groups if block.grouped_routing else 0
         self.group_top_k = block.group_top_k
         self.gating = block.gating
-        self.router = nn.Linear(block.hidden, block.experts, bias=False)
+        self.router = nn.Linear(block.hidden, block.experts, bias=block.gating.router_bias)
         self.choice_bias: Tensor | None
         self.register_buffer("choice_bias", torch.zeros(block.experts) if block.gating.choice_bias else None)
-        self.experts = Experts(block.experts, block.hidden, block.expert_ffn)
+        self.experts = Experts(block.experts, block.hidden, block.expert_ffn, block.bias or block.mlp_bias,
+                               block.swiglu_limit)
         self.shared = FeedForward(block) if block.ffn else None
         self.shared_gate = nn.Linear(block.hidden, 1, bias=False) if block.ffn and block.gating.shared_gate \
             else None

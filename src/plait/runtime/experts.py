@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from plait.cost.offload import PAGED
 from plait.models.moe import AUX_LOSS_COEF, BIAS_UPDATE_RATE, MoE
@@ -126,20 +126,24 @@ def moe_layers(model: nn.Module, layers: list[str]) -> list[MoE]:
     return [m for name in layers for m in model.layers[name].modules() if isinstance(m, MoE)]
 
 
-EXPERT_SHARDS = (("w1", 1), ("w3", 1), ("w2", 2))
-"""Each expert weight and its dimension of the expert's width F, split over the etp group (w1/w3 [E, F, H]
-column-wise, w2 [E, H, F] row-wise)."""
+EXPERT_SHARDS = (("w1", 1), ("w3", 1), ("w2", 2), ("w1_bias", 1), ("w3_bias", 1), ("w2_bias", None))
+"""Each expert tensor and its dimension of the expert's width F, split over the etp group (w1/w3 [E, F, H]
+column-wise, w2 [E, H, F] row-wise, the biases of w1/w3 [E, F] with them); the down bias [E, H] is whole on
+every etp rank, which adds 1/etp of it (`plait.models.moe.Experts.width_mesh`)."""
 
 
 def shard_experts(moe: MoE, mesh: DeviceMesh) -> None:
-    """Keep this rank's experts and its slice of their width: each weight becomes a DTensor sharded along
+    """Keep this rank's experts and its slice of their width: each tensor becomes a DTensor sharded along
     the experts over "ep" and along F over "etp" (the dims of the ("edp", "ep", "etp") `mesh` above 1)."""
     dims = tuple(d for d in ("ep", "etp") if mesh[d].size() > 1)
     for name, width in EXPERT_SHARDS:
-        param = getattr(moe.experts, name)
-        placements = [Shard(0) if d == "ep" else Shard(width) for d in dims]
+        if (param := getattr(moe.experts, name)) is None:
+            continue
+        placements = [Shard(0) if d == "ep" else Replicate() if width is None else Shard(width) for d in dims]
         local = distribute_tensor(param.detach(), mesh[dims], placements, src_data_rank=None)
         setattr(moe.experts, name, nn.Parameter(local))
+    if "etp" in dims:
+        moe.experts.width_mesh = mesh["etp"]
 
 
 def _zero(module: nn.Module, mesh: DeviceMesh, zero: int, data: int, reduce_dtype: torch.dtype | None,

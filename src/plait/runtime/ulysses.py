@@ -53,6 +53,11 @@ class Ulysses:
     def degree(self) -> int:
         return dist.get_world_size(self.group)
 
+    @property
+    def rank(self) -> int:
+        """This rank's place in the group: its head group's index."""
+        return dist.get_rank(self.group)
+
     def rope(self, freqs: torch.Tensor) -> torch.Tensor:
         return freqs  # whole sequences: positions from 0
 

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from plait.errors import PlaitError
 from plait.models import build_model
-from plait.models.llama import causal_mask
+from plait.models.llama import causal_mask, sdpa_with_sinks
 from plait.models.moe import AUX_LOSS_COEF, Documents, MoE
 from plait.runtime import checkpoint, memory, swap
 from plait.runtime.data import BYTE_VOCAB, TokenSource
@@ -124,10 +124,13 @@ def layout_of(plan, lengths: list[int]) -> StepLayout:
 
 def masked(mask: Tensor) -> Callable[..., Tensor]:
     """An attention core (see `Attention.forward`) over whole packed rows that allows exactly `mask` [T, T],
-    and of those only the keys within a layer's sliding `window` (tokens; 0: all)."""
-    def attend(q: Tensor, k: Tensor, v: Tensor, window: int = 0) -> Tensor:
+    and of those only the keys within a layer's sliding `window` (tokens; 0: all), with the layer's attention
+    `sinks` if it has them."""
+    def attend(q: Tensor, k: Tensor, v: Tensor, window: int = 0, sinks: Tensor | None = None) -> Tensor:
         place = torch.arange(mask.shape[-1], device=mask.device)
         allowed = mask & causal_mask(place, place, window) if window else mask
+        if sinks is not None:
+            return sdpa_with_sinks(q, k, v, sinks, allowed, causal=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
     return attend
 
@@ -401,6 +404,9 @@ def check_config(cfg, spec: ModelSpec, world: int) -> None:
                          f"hold at --capacity {cfg.capacity}; raise it to "
                          f"{-(-spec.max_seq_len // world)} or use a model with fewer positions (seq=...)")
     ulysses = cfg.varlen != "bytescale" and cfg.cp_mode == "ulysses"
+    if not ulysses and any(b.sinks for b in spec.stack):
+        raise PlaitError(f"{spec.name} has attention sinks, which ring attention does not apply; use --cp-mode "
+                         "ulysses with --varlen flexsp or static")
     largest = 1 << (world.bit_length() - 1)
     if ulysses and spec.heads % min(largest, cfg.sp or largest):
         raise PlaitError(f"Ulysses groups of up to {min(largest, cfg.sp or largest)} ranks need the heads "

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 from plait.errors import PlaitError
 from plait.spec import stacks
-from plait.spec.layers import Gating
-from plait.spec.model import ModelSpec, _t5
+from plait.spec.layers import SWIGLU_ALPHA, Gating
+from plait.spec.model import GPT_OSS_SWIGLU_LIMIT, ModelSpec, _t5
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek",
                "deepseek_v2", "deepseek_v3", "kimi_k2", "gpt_oss")
@@ -77,6 +77,8 @@ def _decoder(c: _Config, name: str, model_type: str) -> ModelSpec:
     block = model.block.with_(norms=4) if model_type == "gemma2" else model.block
     if model_type in ("qwen3", "qwen3_moe"):  # q and k heads RMS-normed before RoPE
         block = block.with_(qk_norm=True)
+    if model_type == "gpt_oss":  # attention sinks, clamped SwiGLU
+        block = block.with_(sinks=True, swiglu_limit=_swiglu_limit(c))
     if c.get("kv_lora_rank"):  # DeepSeek-V2/V3 multi-head latent attention
         block = block.with_(kv_heads=heads, head_dim=c.need("qk_nope_head_dim"), q_lora=int(c.get("q_lora_rank") or 0),  # type: ignore[call-overload]
                             kv_lora=c.need("kv_lora_rank"), rope_head_dim=c.need("qk_rope_head_dim"),
@@ -133,7 +135,8 @@ def _moe_layers(c: _Config, block: object, layers: int, model_type: str) -> tupl
     experts = int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts"))  # type: ignore[call-overload]
     top_k = c.need("num_experts_per_tok", "num_selected_experts", "top_k", "experts_per_token")
     if model_type in ("mixtral", "gpt_oss"):  # every layer, experts as wide as the dense MLP, no shared experts
-        return stacks.moe_layers(block, layers, experts, top_k, c.need("intermediate_size"))  # type: ignore[arg-type]
+        return stacks.moe_layers(block, layers, experts, top_k, c.need("intermediate_size"),  # type: ignore[arg-type]
+                                 gating=Gating(router_bias=model_type == "gpt_oss"))
     expert_ffn = c.need("moe_intermediate_size")
     shared = int(c.get("shared_expert_intermediate_size") or 0) or expert_ffn * int(c.get("n_shared_experts") or 0)  # type: ignore[call-overload]
     every = int(c.get("decoder_sparse_step") or c.get("moe_layer_freq") or 1)  # type: ignore[call-overload]
@@ -145,6 +148,16 @@ def _moe_layers(c: _Config, block: object, layers: int, model_type: str) -> tupl
                              expert_groups=groups if limited else 0,
                              group_top_k=int(c.get("topk_group") or 0) if limited else 0,  # type: ignore[call-overload]
                              gating=_gating(c, model_type, shared > 0))
+
+
+def _swiglu_limit(c: _Config) -> float:
+    """GPT-OSS's SwiGLU clamp (config.json's swiglu_limit, 7 by default); its swiglu_alpha must be the 1.702 the
+    runtime applies."""
+    alpha = float(c.get("swiglu_alpha") or SWIGLU_ALPHA)  # type: ignore[arg-type]
+    if alpha != SWIGLU_ALPHA:
+        raise PlaitError(f"config.json of {c.name!r}: swiglu_alpha {alpha} is not GPT-OSS's {SWIGLU_ALPHA}, the only "
+                         "one the runtime's clamped SwiGLU applies; give swiglu_alpha 1.702")
+    return float(c.get("swiglu_limit") or GPT_OSS_SWIGLU_LIMIT)  # type: ignore[arg-type]
 
 
 V3_TYPES = ("deepseek_v3", "kimi_k2")

@@ -138,6 +138,7 @@ class Gating:
     group_score: Literal["max", "top2"] = "max"  # a router group's score: its best expert's (DeepSeek-V2) or the
     # sum of its best two (DeepSeek-V3)
     shared_gate: bool = False  # the shared experts' output times sigmoid(a hidden -> 1 projection) (Qwen2-MoE)
+    router_bias: bool = False  # the router's projection has a bias (GPT-OSS)
 
     def __post_init__(self) -> None:
         if self.score not in ("softmax", "sigmoid") or self.group_score not in ("max", "top2") or self.scale <= 0:
@@ -148,6 +149,10 @@ class Gating:
 DEEPSEEK_V3_GATING = Gating(score="sigmoid", scale=2.5, choice_bias=True, group_score="top2")
 """DeepSeek-V3's router (its config.json: scoring_func sigmoid, topk_method noaux_tc, norm_topk_prob,
 routed_scaling_factor 2.5)."""
+
+SWIGLU_ALPHA = 1.702
+"""The factor in GPT-OSS's clamped SwiGLU, gate * sigmoid(alpha gate) (config.json's swiglu_alpha;
+`Block.swiglu_limit`)."""
 
 
 @cached_hash
@@ -200,6 +205,12 @@ class Block:
     # Query and key heads each RMS-normed over head_dim before RoPE (Qwen3's q_norm, k_norm).
     qk_norm: bool = field(default=False, repr=False)
     gating: Gating = field(default=Gating(), repr=False)  # how a moe layer's router weighs its experts
+    # Attention sinks (GPT-OSS): a learned logit per query head in every softmax's denominator, as one more key
+    # each query sees whose value is zero.
+    sinks: bool = field(default=False, repr=False)
+    # GPT-OSS's clamped SwiGLU on the layer's gated MLPs when > 0: the gate clamped to <= limit, the up
+    # projection to [-limit, limit], out = gate * sigmoid(1.702 gate) * (up + 1) (config.json's swiglu_limit).
+    swiglu_limit: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -232,6 +243,9 @@ class Block:
                              f"{self.experts}, top_k={self.top_k}, expert_ffn={self.expert_ffn})")
         if self.expert_groups or self.group_top_k:
             self._check_expert_groups()
+        if self.sinks and not self.has_attention or self.swiglu_limit < 0 or self.swiglu_limit and not self.gated_mlp:
+            raise PlaitError(f"{self.kind} layer: attention sinks need attention, and swiglu_limit (>= 0) a gated MLP "
+                             f"(got sinks={self.sinks}, swiglu_limit={self.swiglu_limit}, gated_mlp={self.gated_mlp})")
         if self.gating != Gating() and self.kind != "moe":
             raise PlaitError(f"{self.kind} layer: router gating is set, but only moe layers have a router")
         if self.kind in ("patch_embed", "projector") and self.in_dim <= 0:
@@ -363,7 +377,8 @@ class Block:
                 biases += g.n * g.count * (self.bias or self.out_bias)
             elif g.split != "none":
                 biases += g.n * g.count * (self.bias or self.mlp_bias)
-        return weights + norm_params + biases + self.hidden * self.gating.shared_gate
+        router = self.hidden * self.gating.shared_gate + self.experts * self.gating.router_bias
+        return weights + norm_params + biases + router + self.heads * self.sinks
 
     @cached_property
     def active_params(self) -> int:
@@ -543,13 +558,13 @@ class Block:
     @cached_property
     def fingerprint(self) -> str:
         """A short hash of the layer's shape (every field; the router groups, the multi-token-prediction flag,
-        the q/k norms and the router's gating only where set, so layers without them keep the names earlier
-        profiles gave them): a profile names the layers it measured by it."""
+        the q/k norms, the router's gating, attention sinks and the SwiGLU limit only where set, so layers without
+        them keep the names earlier profiles gave them): a profile names the layers it measured by it."""
         unset = tuple(f for f in OPTIONAL_FIELDS if getattr(self, f) == BLOCK_DEFAULTS[f])
         return fields_hash(self, 12, skip=unset)
 
 
-OPTIONAL_FIELDS = ("expert_groups", "group_top_k", "mtp", "qk_norm", "gating")
+OPTIONAL_FIELDS = ("expert_groups", "group_top_k", "mtp", "qk_norm", "gating", "sinks", "swiglu_limit")
 """Block fields added after layers were first named (`Block.fingerprint`): hashed only where set."""
 BLOCK_DEFAULTS = {f.name: f.default for f in fields(Block)}
 OUT_OF_REPR = tuple(f.name for f in fields(Block) if not f.repr)

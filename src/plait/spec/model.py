@@ -390,14 +390,26 @@ def _qwen3_moe(name: str, layers: int, hidden: int, heads: int, kv_heads: int, e
     return _moe(name, base, attention={"qk_norm": True}, experts=experts, top_k=top_k, expert_ffn=expert_ffn)
 
 
-def _gpt_oss(name: str, layers: int, experts: int) -> ModelSpec:
-    """GPT-OSS (config.json): 64 heads of 64 dims with biases, sliding-window (128) and full attention
-    alternating, every layer MoE with biased SwiGLU experts of width 2880, top 4."""
-    base = replace(_llama(name, layers, 2880, 64, 8, 2880, 201088, 131072), head_dim=64, qkv_bias=True,
-                   out_bias=True, mlp_bias=True)
-    moe = stacks.moe_layers(base.block, layers, experts, 4, 2880)
-    local = stacks.windowed(base.block, layers, 128, local=tuple(i % 2 == 0 for i in range(layers)))
+def _gpt_oss(name: str, layers: int, experts: int, hidden: int = 2880, heads: int = 64, kv_heads: int = 8,
+             head_dim: int = 64, vocab: int = 201088, seq: int = 131072, window: int = 128, top_k: int = 4,
+             rope: bool = True) -> ModelSpec:
+    """GPT-OSS (config.json): 64 heads of 64 dims with biases and attention sinks, sliding-window (128) and full
+    attention alternating, every layer MoE with a biased router and biased experts of width 2880 (clamped
+    SwiGLU, swiglu_limit 7), top 4; RoPE base 150000 stretched 32 times by YaRN (`rope`)."""
+    base = replace(_llama(name, layers, hidden, heads, kv_heads, hidden, vocab, seq), head_dim=head_dim,
+                   qkv_bias=True, out_bias=True, mlp_bias=True, norm_eps=1e-5)
+    if rope:
+        base = replace(base, rope_theta=150000.0, rope_scaling=(
+            ("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0), ("original_max_position_embeddings", 4096.0),
+            ("rope_type", "yarn"), ("truncate", 0.0)))
+    block = base.block.with_(sinks=True, swiglu_limit=GPT_OSS_SWIGLU_LIMIT)
+    moe = stacks.moe_layers(block, layers, experts, top_k, hidden, gating=Gating(router_bias=True))
+    local = stacks.windowed(block, layers, window, local=tuple(i % 2 == 0 for i in range(layers)))
     return replace(base, mixed=tuple(m.with_(window=w.window) for m, w in zip(moe, local, strict=True)))
+
+
+GPT_OSS_SWIGLU_LIMIT = 7.0
+"""GPT-OSS's config.json swiglu_limit."""
 
 
 def _t5(name: str, encoder_layers: int, decoder_layers: int, hidden: int, heads: int, head_dim: int, ffn: int,
@@ -467,6 +479,8 @@ PRESETS: dict[str, ModelSpec] = {
                           attention={"q_lora": 32, "kv_lora": 16, "rope_head_dim": 8, "v_head_dim": 16}, experts=8,
                           top_k=2, expert_ffn=64, shared_ffn=64, dense_first=1, expert_groups=4, group_top_k=2,
                           gating=DEEPSEEK_V3_GATING),
+    "tiny-gpt-oss": _gpt_oss("tiny-gpt-oss", 4, 8, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=512, seq=256,
+                             window=16, top_k=2, rope=False),
 }
 
 _INLINE_KEYS = {
