@@ -198,6 +198,27 @@ def test_moe_layers_train_like_one_process(tmp_path, single_moe, method) -> None
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5, (a["step"], a["loss"], b["loss"])
 
 
+def test_deepseek_choice_biases_move_as_one_process_s(tmp_path) -> None:
+    """tiny-deepseek's routers' choice biases move after every step by the step's choices of real tokens (not
+    the padding of packed rows, not the filler passes of ranks without work), summed over the ranks: FlexSP's
+    and ByteScale's 4 ranks give one process's losses over 4 steps, whose checkpoint holds the moved biases
+    (each step +-0.001 or 0 where an expert got exactly the mean)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    single = _train(tmp_path, "single", 1, "--varlen", "flexsp", "--capacity", "256", "--checkpoint-dir",
+                    str(tmp_path / "ckpt"), "--checkpoint-every", "4", model="tiny-deepseek", steps=4)
+    dcp_to_torch_save(tmp_path / "ckpt" / "step-4", tmp_path / "state.pt")
+    layers = torch.load(tmp_path / "state.pt", weights_only=False)["model"]
+    biases = torch.stack([t for name, t in layers.items() if name.endswith("choice_bias")])
+    assert biases.shape == (3, 8) and biases.abs().max() <= 4e-3 + 1e-9 and (biases != 0).any()
+    assert torch.allclose(biases * 1e3, (biases * 1e3).round(), atol=1e-4)
+    for method in ("flexsp", "bytescale"):
+        runs = _train(tmp_path, method, 4, "--varlen", method, "--capacity", "64", model="tiny-deepseek", steps=4)
+        for a, b in zip(single, runs, strict=True):
+            assert a["tokens"] == b["tokens"]
+            assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5, (method, a["step"], a["loss"], b["loss"])
+
+
 def test_gpt_oss_layers_train_like_one_process(tmp_path) -> None:
     """tiny-gpt-oss's attention sinks in packed rows (each document's queries see their keys and the sink) under
     FlexSP's Ulysses groups: 4 ranks' losses equal one process's over 3 steps."""

@@ -267,7 +267,7 @@ class MoE(nn.Module):
         source = order // self.top_k  # the token of each sorted assignment
         counts = torch.bincount(flat, minlength=self.n_experts)
         if self.choice_counts is not None and self.training and torch.is_grad_enabled():
-            self.experts.tally = (counts, self.choice_counts)
+            self.experts.tally = (self._real_counts(chosen, counts), self.choice_counts)
         tokens = x.index_select(0, source)
         clusters = None if self.compressor is None else self.compressor.compress(tokens, counts)
         if clusters is not None:
@@ -281,6 +281,14 @@ class MoE(nn.Module):
             out = clusters.expand(out)
         scaled = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(x).index_add(0, source, scaled)
+
+    def _real_counts(self, chosen: Tensor, counts: Tensor) -> Tensor:
+        """The choices per expert [E] of this rank's tokens that belong to a document: `counts` (of every
+        token), or in packed rows (`documents`) those of their tokens but the padding."""
+        if self.documents is None:
+            return counts
+        real = self.documents.ids < self.documents.count
+        return torch.bincount(chosen[real].flatten(), minlength=self.n_experts)
 
     def aux_loss(self, probs: Tensor, chosen: Tensor, batch: int) -> Tensor:
         """This rank's part of the balancing loss summed over its `batch` sequences (probs [N, E], chosen

@@ -50,6 +50,7 @@ from plait.models.llama import causal_mask, sdpa_with_sinks
 from plait.models.moe import AUX_LOSS_COEF, Documents, MoE
 from plait.runtime import checkpoint, memory, swap
 from plait.runtime.data import BYTE_VOCAB, TokenSource
+from plait.runtime.experts import count_choices, update_choice_biases
 from plait.runtime.optim import make_optimizer
 from plait.runtime.packing import IGNORE, Packed, contiguous, document_mask, pack, zigzag
 from plait.runtime.ring import RingLayout, ring_attention
@@ -460,6 +461,8 @@ class DocumentSteps:
         # swap every layer's saved activations to host memory (exact values back in backward).
         self.swaps = swap.switchable(self.model) if cfg.offload_above > 0 else []
         self.moes = moe_layers(self.model)
+        count_choices([self.model])  # DeepSeek-V3's choice biases move after every step, as fixed-length runs'
+        self.choice_counts = {m: m.choice_counts for m in self.moes if m.choice_counts is not None}
         self.params = list(self.model.parameters())
         self.optimizer = make_optimizer(self.params, cfg.lr)
         self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
@@ -509,6 +512,9 @@ class DocumentSteps:
         grads = memory.tensor_bytes(p.grad for p in self.params) if first else 0.0
         grad_norm = clip_grads(self.params, cfg.clip, self.pp_group)
         step_optimizers([self.optimizer])
+        for moe, counts in self.choice_counts.items():
+            moe.choice_counts = counts
+        update_choice_biases([self.model], self.spec)
         dist.all_reduce(loss_sum)
         elapsed = time.perf_counter() - t0
         record = {"step": step, "loss": float(loss_sum / total), "step_time_s": elapsed,
@@ -544,6 +550,8 @@ class DocumentSteps:
             layer_swap.share = 1.0 if offload else 0.0
         for moe in self.moes:  # balancing loss: the mean over the global batch's documents (a filler's: 0)
             moe.aux_scale = 0.0 if work is None else AUX_LOSS_COEF / len(docs)
+        for moe, counts in self.choice_counts.items():  # a filler's choices count in no bias update
+            moe.choice_counts = counts if work is not None else torch.zeros_like(counts)
         return packed, ranks, self.groups[ranks] if len(ranks) > 1 else None
 
     def _loss(self, logits: Tensor, targets: Tensor, work: Work | None) -> Tensor:
