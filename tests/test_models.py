@@ -407,10 +407,12 @@ def test_hugging_face_checkpoints_give_hugging_face_logits(kind: str, config: di
         torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_block_quantized_fp8_checkpoints_load_dequantized(tmp_path: Path) -> None:
+def test_block_quantized_fp8_checkpoints_load_dequantized(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """DeepSeek-V3's released weights are FP8 with a scale per 128 x 128 tile (`weight_scale_inv`): the layers'
     matrices of a Qwen3-MoE checkpoint quantized so (16 x 24 tiles, partial ones at the edges) load as Hugging
-    Face's model holding the dequantized weights computes; a scale of the wrong shape is refused in one line."""
+    Face's model holding the dequantized weights computes; a pipeline stage decodes its own layers' weights
+    only; a scale of the wrong shape is refused in one line."""
+    from plait.models import hf_weights
     from plait.spec.model import load_model
 
     hf = _saved_hf("Qwen3Moe", tmp_path, num_experts=4, norm_topk_prob=True, head_dim=8, **MOE_HF)
@@ -436,6 +438,12 @@ def test_block_quantized_fp8_checkpoints_load_dequantized(tmp_path: Path) -> Non
     tokens = _tokens(128, t=60)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+    decoded, decode = [], hf_weights._fp8_weight
+    monkeypatch.setattr(hf_weights, "_fp8_weight", lambda *args: decoded.append(args[2]) or decode(*args))
+    stage = build_model(load_model(str(tmp_path / "config.json")))
+    del stage.layers["0"]
+    load_hf_safetensors(stage, tmp_path)
+    assert len(decoded) == 5 and all(k.startswith("model.layers.1.") for k in decoded)  # q, k, v, o, router
     config["quantization_config"]["weight_block_size"] = [8, 8]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(PlaitError, match="weight_scale_inv.*8 x 8 tiles") as err:
@@ -461,7 +469,7 @@ def test_mxfp4_experts_load_dequantized(tmp_path: Path) -> None:
     decoded weights computes; blocks of the wrong shape are refused in one line."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from plait.models.hf_weights import dequantized
+    from plait.models.hf_weights import Dequantized
     from plait.spec.model import load_model
 
     hf = _saved_hf("GptOss", tmp_path, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
@@ -471,7 +479,7 @@ def test_mxfp4_experts_load_dequantized(tmp_path: Path) -> None:
         for name, w in hf.state_dict().items():
             if name.endswith(("gate_up_proj", "down_proj")):
                 blocks, scales = _mxfp4(w)
-                decoded = dequantized({"x_blocks": blocks, "x_scales": scales}, {})["x"]
+                decoded = Dequantized({"x_blocks": blocks, "x_scales": scales}, {})["x"]
                 torch.testing.assert_close(decoded, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
                 assert (decoded - w).abs().max() < 0.5 * w.abs().max()  # a coarse copy of the weights
                 w.copy_(decoded)

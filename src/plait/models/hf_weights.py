@@ -32,14 +32,16 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from plait.errors import PlaitError
+from plait.io import write_atomically
 from plait.models.llama import SCALED_ROPE, Transformer, copy_full_, rope_kind
 
 DTYPES: dict[str, torch.dtype] = {
@@ -105,25 +107,38 @@ _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 
 
 def read_safetensors(path: str | Path) -> dict[str, Tensor]:
-    """All tensors of one .safetensors file, on the CPU."""
-    data = Path(path).read_bytes()
+    """All tensors of one .safetensors file, on the CPU, mapped from the file (copy-on-write): their bytes are
+    read from disk when a tensor is used, so a checkpoint larger than memory can be opened and only the
+    tensors a rank needs are read."""
+    path = Path(path)
     try:
-        (n,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8: 8 + n])
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
         header.pop("__metadata__", None)
-        out = {}
-        for name, info in header.items():
-            begin, end = (8 + n + off for off in info["data_offsets"])
-            dtype, shape = DTYPES[info["dtype"]], info["shape"]
-            raw = bytearray(data[begin:end])
-            out[name] = (torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)).reshape(shape)
-        return out
-    except (struct.error, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        data = np.memmap(path, dtype=np.uint8, mode="c") if path.stat().st_size > 8 + n else None
+        return {name: _mapped(data, 8 + n, info) for name, info in header.items()}
+    except (struct.error, ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
         raise PlaitError(f"{str(path)!r} is not a readable safetensors file ({exc}); re-download or re-save it")
 
 
+def _mapped(data: np.memmap | None, start: int, info: dict) -> Tensor:
+    """One tensor of a mapped safetensors file (`start`: where the data begins) as its header entry describes."""
+    dtype, shape = DTYPES[info["dtype"]], info["shape"]
+    begin, end = (start + off for off in info["data_offsets"])
+    if end <= begin:
+        return torch.empty(shape, dtype=dtype)
+    if data is None or end > len(data) or (end - begin) % dtype.itemsize:
+        raise ValueError(f"tensor bytes [{begin}, {end}) lie outside the file or do not fit {info['dtype']}")
+    raw = torch.from_numpy(data[begin:end])
+    if begin % dtype.itemsize:  # an unaligned tensor: its own copy
+        raw = raw.clone()
+    return raw.view(dtype).reshape(shape)
+
+
 def write_safetensors(path: str | Path, tensors: dict[str, Tensor]) -> None:
-    """Write tensors (moved to the CPU, made contiguous) as one .safetensors file."""
+    """Write tensors (moved to the CPU, made contiguous) as one .safetensors file, atomically: a file of the
+    same name stays whole for the tensors mapped from it (`read_safetensors`) until the new one replaces it."""
     header: dict[str, dict] = {}
     blobs, offset = [], 0
     for name, t in tensors.items():
@@ -133,7 +148,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, Tensor]) -> None:
         offset += len(blob)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # keep the data 8-byte aligned, as the reference writer does
-    Path(path).write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    write_atomically(path, struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
 
 def _hf_names(name: str, model: Transformer, gpt2: bool, moe: MoeNames) -> list[str]:
@@ -215,7 +230,7 @@ def _interleaved(t: Tensor, rows: tuple[int, int, int], inverse: bool = False) -
     return torch.cat([head, rot[:, order], tail], dim=1).reshape(t.shape)
 
 
-def _from_hf(hf: dict[str, Tensor], name: str, model: Transformer, gpt2: bool, moe: MoeNames,
+def _from_hf(hf: Mapping[str, Tensor], name: str, model: Transformer, gpt2: bool, moe: MoeNames,
              interleaved: bool) -> Tensor:
     """The full tensor for plait parameter `name` from the HF tensors, in plait's [out, in] layout."""
     if name == "output.weight" and model.spec.tied_embeddings and "lm_head.weight" not in hf:
@@ -244,7 +259,7 @@ def _from_hf(hf: dict[str, Tensor], name: str, model: Transformer, gpt2: bool, m
     return t
 
 
-def _moe_names(hf: dict[str, Tensor]) -> MoeNames:
+def _moe_names(hf: Mapping[str, Tensor]) -> MoeNames:
     """The MoE layout of a checkpoint's tensors (Mixtral's unless it has Qwen's, DeepSeek's or GPT-OSS's
     names)."""
     if any(".mlp.shared_experts." in k for k in hf):
@@ -275,18 +290,36 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 """The values of the 16 codes of a 4-bit e2m1 number (MXFP4's elements)."""
 
 
-def dequantized(hf: dict[str, Tensor], config: dict) -> dict[str, Tensor]:
-    """The checkpoint's tensors with quantized weights multiplied out to fp32 and their scales dropped:
-    block-quantized FP8 (`_fp8_weight`) and MXFP4 (`_mxfp4_weight`); the tensors themselves without such
-    weights."""
-    out = dict(hf)
-    for key in [k for k in hf if k.endswith(SCALE_SUFFIX)]:
-        name = key.removesuffix("_scale_inv")
-        out[name] = _fp8_weight(out.get(name), out.pop(key), key, config)
-    for key in [k for k in hf if k.endswith("_blocks") and k.removesuffix("_blocks") + "_scales" in hf]:
-        name = key.removesuffix("_blocks")
-        out[name] = _mxfp4_weight(out.pop(key), out.pop(name + "_scales"), key)
-    return out
+class Dequantized(Mapping[str, Tensor]):
+    """A checkpoint's tensors with its quantized weights read as fp32, each when it is read (a rank decodes only
+    the weights its layers load): block-quantized FP8 (`_fp8_weight`) and MXFP4 (`_mxfp4_weight`), their
+    scales and blocks not listed; the other tensors as they are."""
+
+    def __init__(self, raw: Mapping[str, Tensor], config: dict) -> None:
+        self.raw, self.config = raw, config
+        self.fp8 = {k.removesuffix("_scale_inv"): k for k in raw if k.endswith(SCALE_SUFFIX)}
+        self.mxfp4 = {k.removesuffix("_blocks"): k for k in raw
+                      if k.endswith("_blocks") and k.removesuffix("_blocks") + "_scales" in raw}
+        parts = set(self.fp8.values()) | set(self.mxfp4.values()) | {k + "_scales" for k in self.mxfp4}
+        self.names = dict.fromkeys([*(k for k in raw if k not in parts), *self.fp8, *self.mxfp4])
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name in self.fp8:
+            return _fp8_weight(self.raw.get(name), self.raw[self.fp8[name]], self.fp8[name], self.config)
+        if name in self.mxfp4:
+            return _mxfp4_weight(self.raw[self.mxfp4[name]], self.raw[name + "_scales"], self.mxfp4[name])
+        if name not in self.names:
+            raise KeyError(name)
+        return self.raw[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def _fp8_weight(w: Tensor | None, scale: Tensor, key: str, config: dict) -> Tensor:
@@ -326,8 +359,9 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
     """Load every parameter `model` has (Llama naming, or GPT-2 naming for the gpt family) from `directory/*.safetensors`.
 
     Works on pipeline stages (deleted modules are skipped) and on sharded DTensor parameters (each rank
-    keeps its shard). Dtypes are converted to the model's; block-quantized FP8 weights are dequantized first
-    (`dequantized`).
+    keeps its shard). The files are mapped, not read whole: a rank reads the tensors its parameters take.
+    Dtypes are converted to the model's; quantized weights (block-quantized FP8, MXFP4) are dequantized as
+    they are read (`Dequantized`).
     """
     if model.spec.family not in HF_FAMILIES:
         raise PlaitError(f"Hugging Face checkpoints load into {' and '.join(HF_FAMILIES)} models, not "
@@ -343,11 +377,11 @@ def load_hf_safetensors(model: Transformer, directory: str | Path) -> None:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise PlaitError(f"no *.safetensors files in {str(path)!r}; give a Hugging Face checkpoint folder")
-    hf: dict[str, Tensor] = {}
+    raw: dict[str, Tensor] = {}
     for file in files:
-        hf.update(read_safetensors(file))
+        raw.update(read_safetensors(file))
     config = _config(path)
-    hf = dequantized({k.removeprefix("transformer."): v for k, v in hf.items()}, config)
+    hf = Dequantized({k.removeprefix("transformer."): v for k, v in raw.items()}, config)
     gpt2 = model.spec.family == "gpt"
     moe, interleaved = _moe_names(hf), _rope_interleaved(config, model)
     used: set[str] = set()
@@ -370,7 +404,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 """Buffers some checkpoints store in a layer that are not weights (rotary frequencies, GPT-2's causal mask)."""
 
 
-def _unused_layer_tensors(hf: dict[str, Tensor], used: set[str], model: Transformer, gpt2: bool) -> list[str]:
+def _unused_layer_tensors(hf: Mapping[str, Tensor], used: set[str], model: Transformer, gpt2: bool) -> list[str]:
     """The checkpoint's tensors of the layers `model` holds that no parameter read (sorted): weights of a layer
     the runtime builds differently, which loading must not drop silently."""
     held = set(model.layers.keys())
