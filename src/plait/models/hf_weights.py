@@ -417,9 +417,9 @@ def save_hf_safetensors(model: Transformer, directory: str | Path, filename: str
                         moe_layout: str | None = None, rope_interleave: bool = True) -> Path:
     """Write the model's parameters with HF names (Llama naming; GPT-2 naming for the gpt family) to
     `directory/filename`: MoE layers in `moe_layout` (a `MOE_NAMES` key; default: GPT-OSS's for biased routers,
-    DeepSeek's for latent attention or sigmoid routers, Qwen's for q/k norms, gated or shared experts, else Mixtral's), latent
-    attention's rotary channels interleaved unless `rope_interleave` is False. A tied head is stored once, as
-    the embedding. DTensor parameters are gathered (a collective: call on every rank)."""
+    DeepSeek's for latent attention or sigmoid routers, Qwen's for q/k norms, gated or shared experts, else
+    Mixtral's), latent attention's rotary channels interleaved unless `rope_interleave` is False. A tied head is
+    stored once, as the embedding. DTensor parameters are gathered (a collective: call on every rank)."""
     gpt2 = model.spec.family == "gpt"
     moe = MOE_NAMES[moe_layout or _default_moe_layout(model.spec.stack)]
     interleaved = rope_interleave and any(b.latent for b in model.spec.stack)

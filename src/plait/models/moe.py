@@ -190,8 +190,8 @@ class _CountedInBackward(torch.autograd.Function):
 
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts): x [B, T, H] -> [B, T, H]. Module names: router,
-    experts (w1, w2, w3; their biases), shared (w1, w2, w3; absent when the block's ffn is 0), shared_gate (Qwen2-MoE); the
-    buffer choice_bias (DeepSeek-V3)."""
+    experts (w1, w2, w3; their biases), shared (w1, w2, w3; absent when the block's ffn is 0), shared_gate
+    (Qwen2-MoE); the buffer choice_bias (DeepSeek-V3)."""
 
     exchange: Exchange | None = None
     """Set by the runtime for expert parallelism (None: every expert is on this rank)."""
