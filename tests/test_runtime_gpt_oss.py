@@ -3,10 +3,15 @@ a router with a bias, experts with biases and the clamped SwiGLU. The sink core 
 attention with its gradients, and tiny-gpt-oss (sliding-window and full layers alternating) trains to the
 single-process losses under tensor (sinks split by heads, the down bias split over etp), Ulysses context
 (sinks split by head group), pipeline, data and expert parallelism, ZeRO and selective recomputation (gloo,
-real torchrun launches, fp32; see tests/test_runtime.py). Hugging Face checkpoints: tests/test_models.py."""
+real torchrun launches, fp32; see tests/test_runtime.py), and a checkpoint saved under tp2 resumes under
+dp4 ep4; a Hugging Face checkpoint loaded under tp2+sp etp2 starts from its own loss (its logits:
+tests/test_models.py)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -18,8 +23,10 @@ from test_runtime import SEQ, _losses, assert_resumed, assert_same, reference_lo
 
 from plait.executable import unbuildable, unsupported
 from plait.models import build_model
+from plait.models.hf_weights import save_hf_safetensors
 from plait.models.llama import causal_mask, sdpa_with_sinks, swiglu
 from plait.plan import uniform_plan
+from plait.runtime.data import TokenSource
 from plait.spec.cluster import local_ranks
 from plait.spec.hf_config import from_hf_config
 from plait.spec.model import PRESETS, parse_inline
@@ -148,3 +155,26 @@ def test_a_tp2_checkpoint_resumes_under_ep4(runs) -> None:
     the group so that every rank holds the same whole vector) resumes under dp4 ep4 with the losses the saved run
     went on with."""
     assert_resumed(runs, SAVE, RESUME)
+
+
+def test_starts_from_a_gpt_oss_checkpoint_under_tp_and_etp(tmp_path, text) -> None:  # noqa: F811
+    """--hf-checkpoint of a GPT-OSS model (sinks, router and expert biases set) under tp2+sp with etp2: the first
+    loss is that of the saved weights on one process."""
+    spec = PRESETS[MODEL]
+    model = build_model(spec, seed=7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    save_hf_safetensors(model, tmp_path / "hf")
+    batch = TokenSource(spec.vocab, SEQ, 4, 0, str(text)).batch(0)
+    with torch.no_grad():
+        logits = model.eval()(batch.inputs)
+        expected = float(torch.nn.functional.cross_entropy(logits.reshape(-1, spec.vocab), batch.targets.reshape(-1)))
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--model", MODEL, "--strategy", "tp=2,sp=1,gbs=4", "--nproc",
+           "2", "--steps", "1", "--seq-len", str(SEQ), "--data", str(text), "--metrics-out", str(tmp_path / "m.jsonl"),
+           "--hf-checkpoint", str(tmp_path / "hf")]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])["loss"]
+    assert abs(first - expected) / expected < 1e-5, (first, expected)
