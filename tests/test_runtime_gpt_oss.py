@@ -2,7 +2,7 @@
 a router with a bias, experts with biases and the clamped SwiGLU. The sink core equals Hugging Face's eager
 attention with its gradients, and tiny-gpt-oss (sliding-window and full layers alternating) trains to the
 single-process losses under tensor (sinks split by heads, the down bias split over etp), Ulysses context
-(sinks split by head group), pipeline, data and expert parallelism, ZeRO and selective recomputation (gloo,
+(sinks split by head group) and ring (the sinks merged as one more block), pipeline, data and expert parallelism, ZeRO and selective recomputation (gloo,
 real torchrun launches, fp32; see tests/test_runtime.py), and a checkpoint saved under tp2 resumes under
 dp4 ep4; a Hugging Face checkpoint loaded under tp2+sp etp2 starts from its own loss (its logits:
 tests/test_models.py)."""
@@ -104,11 +104,11 @@ def test_the_built_model_has_the_parameters_priced() -> None:
 
 
 def test_what_the_runtime_refuses_for_gpt_oss_names_the_cause() -> None:
-    """Ring attention does not apply sinks, the layer is built in llama stacks only, and a config's SwiGLU
-    factor other than GPT-OSS's is not applied: refused in one line."""
+    """The layer is built in llama stacks without latent attention only, and a config's SwiGLU factor other than
+    GPT-OSS's is not applied: refused in one line; every parallelism runs it."""
     spec, ranks = PRESETS[MODEL], local_ranks(2)
-    assert "attention sinks" in unsupported(uniform_plan("cp=2,cp_mode=ring,ep=2,gbs=4", spec, ranks, SEQ), spec)
-    assert unsupported(uniform_plan("cp=2,ep=2,gbs=4", spec, ranks, SEQ), spec) is None
+    for strategy in (*TWO_RANKS.values(), "cp=2,cp_mode=ring,recompute=attn_kept,gbs=4"):
+        assert unsupported(uniform_plan(strategy, spec, ranks, SEQ), spec) is None, strategy
     latent = parse_inline("llama:layers=1,hidden=64,heads=4,vocab=128,kv_lora=16")
     assert "without latent attention" in unbuildable(replace(latent, mixed=(latent.stack[0].with_(sinks=True),)))
     expect_error(lambda: spec.stack[0].with_(gated_mlp=False), "swiglu_limit", "gated MLP")
@@ -119,6 +119,8 @@ TWO_RANKS = {  # name: --strategy text
     "tp2+sp etp2": "tp=2,sp=1,gbs=4",  # sinks split by heads, the experts' down bias over etp
     "tp2+sp ep2": "tp=2,sp=1,ep=2,etp=1,gbs=4",
     "cp2 ulysses ep2": "cp=2,ep=2,gbs=4",  # sinks split by head group
+    "cp2 ring ep2": "cp=2,cp_mode=ring,ep=2,gbs=4",  # the sinks a block of the ring's merge
+    "cp2 ring attn_kept": "cp=2,cp_mode=ring,recompute=attn_kept,gbs=4",  # the ring kept outside recompute
     "dp2 ep2 zero3 selective": "dp=2,ep=2,zero=3,recompute=selective,gbs=4",  # the sink core recomputed
 }
 FOUR_RANKS = {

@@ -17,7 +17,7 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
         return reason
     if (reason := _unsupported_sharding(plan, model)) is not None or \
             (reason := _unsupported_hierarchy(plan, model)) is not None or \
-            (reason := _unsupported_ring(plan, model)) is not None:
+            (reason := _unsupported_recompute(plan, model)) is not None:
         return reason
     if len(plan.pipelines) > 1 and (reason := _unsupported_replicas(plan, model)):
         return reason
@@ -115,24 +115,19 @@ def _mtp_problem(plan: Plan, model: ModelSpec) -> str | None:
     return None
 
 
-def _unsupported_ring(plan: Plan, model: ModelSpec) -> str | None:
-    """What ring attention (`plait.runtime.ring`) does not run: gemm_kept (op-level selective checkpointing,
-    `plait.runtime.parallelize.apply_ac`) keeps every GEMM output in the checkpointed block, and ring attention
-    multiplies its score blocks with matmuls inside the block, so they would be kept too (s^2 bytes, not priced)
-    and its K/V passes rerun; attention sinks (GPT-OSS), which its blockwise softmax does not count. Every
-    other strategy runs with every recompute mode and layer."""
+def _unsupported_recompute(plan: Plan, model: ModelSpec) -> str | None:
+    """gemm_kept (op-level selective checkpointing, `plait.runtime.parallelize.apply_ac`) keeps every GEMM
+    output in the checkpointed block: ring attention (`plait.runtime.ring`) multiplies its score blocks with
+    matmuls inside the block, so they would be kept too (s^2 bytes, not priced) and its K/V passes rerun;
+    refused there. Every other recompute mode runs with every strategy."""
     for pipe in plan.pipelines:
         for stage in pipe.stages:
             for layer in range(*stage.layers):
                 s = stage.strategy(layer)
-                if not s.ring or layer >= model.layers or not model.stack[layer].has_attention:
-                    continue
-                if s.recompute == "gemm_kept":
+                if s.recompute == "gemm_kept" and s.ring and \
+                        layer < model.layers and model.stack[layer].has_attention:
                     return (f"layer {layer} ({s.short()}): recompute=gemm_kept would keep ring attention's "
                             "score blocks; use cp_mode=ulysses or another recompute mode")
-                if model.stack[layer].sinks:
-                    return (f"layer {layer} ({s.short()}): ring attention does not apply the layer's attention "
-                            "sinks; use cp_mode=ulysses")
     return None
 
 

@@ -289,12 +289,11 @@ class Attention(nn.Module):
     def head_sinks(self) -> Tensor:
         """The sinks of the query heads this rank's core computes [heads here]: its tensor-parallel share of
         them (the gradient of the whole vector summed over the tp group) and of that, under Ulysses, its
-        context-parallel head group's."""
+        context-parallel head group's (ring attention keeps every head)."""
         sinks = self.sinks
         if (mesh := self.tp_mesh) is not None:
             sinks = summed_in_backward(sinks, mesh).chunk(mesh.size())[mesh.get_local_rank()]
-        if (cp := self.context_parallel) is not None:
-            assert cp.splits_heads, "attention sinks run with Ulysses context parallelism, not ring attention"
+        if (cp := self.context_parallel) is not None and cp.splits_heads:
             sinks = sinks.chunk(cp.degree)[cp.rank]
         return sinks
 

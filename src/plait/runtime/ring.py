@@ -6,7 +6,8 @@ of each block travelling one hop behind and arriving home after a full turn.
 Shapes: q, k, v [B, heads, T_local, D] (k and v with as many heads as q). Every rank knows every rank's
 token places in the row and their document numbers (`layout`), so it builds each block's mask itself;
 under a sliding window the mask keeps only the keys inside each query's window, and a block it leaves empty
-is skipped (its keys and values still travel on).
+is skipped (its keys and values still travel on). Attention sinks (GPT-OSS: a logit per head in every
+softmax's denominator) join the merge as one more block of a single key whose value is zero.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def _block(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, window: int) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, window: int,  # noqa: ANN001
+                sinks: Tensor | None) -> Tensor:
         n, me = len(layout.ranks), layout.me
         ctx.window = window
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -85,13 +87,16 @@ class _RingAttention(torch.autograd.Function):
                 lse = new
             if nxt is not None:
                 kv = nxt
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # a key of score sink[head] and value 0: the denominator grows, nothing is added
+            new = torch.logaddexp(lse, sinks.float()[None, :, None].expand_as(lse))
+            out, lse = out * torch.exp(lse - new)[..., None], new
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.layout = layout
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         layout: RingLayout = ctx.layout
         n, me = len(layout.ranks), layout.me
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -116,18 +121,23 @@ class _RingAttention(torch.autograd.Function):
             dkv = _exchange(dkv, layout)  # one hop on; after n hops each block's gradients are home
             if nxt is not None:
                 kv = nxt
-        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None
+        dsinks = None
+        if sinks:  # the sink key's score gradient p_sink (dO . 0 - delta), summed over its rows
+            p_sink = torch.exp(sinks[0].float()[None, :, None] - lse)
+            dsinks = -(p_sink * delta[..., 0]).sum(dim=(0, 2)).to(sinks[0].dtype)
+        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None, dsinks
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, window: int = 0) -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, window: int = 0,
+                   sinks: Tensor | None = None) -> Tensor:
     """Document-masked causal attention of this rank's queries over the whole row's keys (those within a
-    sliding `window` of tokens; 0: all earlier ones): q, k [B, heads, T_local, D], v [B, heads, T_local, Dv]
-    -> [B, heads, T_local, Dv].
+    sliding `window` of tokens; 0: all earlier ones), with the heads' `sinks` [heads] if given: q, k
+    [B, heads, T_local, D], v [B, heads, T_local, Dv] -> [B, heads, T_local, Dv].
     Differentiable (ring backward). Under recompute=attn_kept it runs outside the recomputed region
     (plait.runtime.recompute.RingKeep)."""
     if (keep := ring_keep()) is None:
-        return _RingAttention.apply(q, k, v, layout, window)
-    return keep.run(lambda: _RingAttention.apply(q, k, v, layout, window), q.dtype)
+        return _RingAttention.apply(q, k, v, layout, window, sinks)
+    return keep.run(lambda: _RingAttention.apply(q, k, v, layout, window, sinks), q.dtype)
 
 
 @dataclass(frozen=True)
@@ -162,5 +172,5 @@ class RingContext:
         """The rotary angles of this rank's positions."""
         return freqs[self.start:]
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int = 0) -> Tensor:
-        return ring_attention(q, k, v, self.layout, window)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int = 0, sinks: Tensor | None = None) -> Tensor:
+        return ring_attention(q, k, v, self.layout, window, sinks)

@@ -405,9 +405,6 @@ def check_config(cfg, spec: ModelSpec, world: int) -> None:
                          f"hold at --capacity {cfg.capacity}; raise it to "
                          f"{-(-spec.max_seq_len // world)} or use a model with fewer positions (seq=...)")
     ulysses = cfg.varlen != "bytescale" and cfg.cp_mode == "ulysses"
-    if not ulysses and any(b.sinks for b in spec.stack):
-        raise PlaitError(f"{spec.name} has attention sinks, which ring attention does not apply; use --cp-mode "
-                         "ulysses with --varlen flexsp or static")
     largest = 1 << (world.bit_length() - 1)
     if ulysses and spec.heads % min(largest, cfg.sp or largest):
         raise PlaitError(f"Ulysses groups of up to {min(largest, cfg.sp or largest)} ranks need the heads "
