@@ -2,10 +2,10 @@
 a router with a bias, experts with biases and the clamped SwiGLU. The sink core equals Hugging Face's eager
 attention with its gradients, and tiny-gpt-oss (sliding-window and full layers alternating) trains to the
 single-process losses under tensor (sinks split by heads, the down bias split over etp), Ulysses context
-(sinks split by head group) and ring (the sinks merged as one more block), pipeline, data and expert parallelism, ZeRO and selective recomputation (gloo,
-real torchrun launches, fp32; see tests/test_runtime.py), and a checkpoint saved under tp2 resumes under
-dp4 ep4; a Hugging Face checkpoint loaded under tp2+sp etp2 starts from its own loss (its logits:
-tests/test_models.py)."""
+(sinks split by head group) and ring (the sinks merged as one more block), pipeline, data and expert
+parallelism, ZeRO and selective recomputation (gloo, real torchrun launches, fp32; see tests/test_runtime.py),
+and a checkpoint saved under tp2 resumes under dp4 ep4; a Hugging Face checkpoint loaded under tp2+sp etp2
+starts from its own loss (its logits: tests/test_models.py)."""
 
 from __future__ import annotations
 
