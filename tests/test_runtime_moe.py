@@ -200,6 +200,25 @@ def test_balancing_loss_is_the_switch_loss_per_sequence_and_enters_the_backward(
     torch.testing.assert_close(injected, moe.router.weight.grad)
 
 
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-gpt-oss"])
+def test_moe_layers_run_under_bf16_autocast(model: str) -> None:
+    """Under autocast (`--dtype bf16`) the experts compute in bf16 and their weighted outputs are summed in the
+    residual stream's fp32 (they were refused by index_add as bf16 into fp32); the loss is near fp32's."""
+    spec = PRESETS[model]
+    net = build_model(spec, seed=0)
+    tokens = torch.randint(0, spec.vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def loss() -> torch.Tensor:
+        return F.cross_entropy(net(tokens[:, :-1]).float().reshape(-1, spec.vocab), tokens[:, 1:].reshape(-1))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = loss()
+    low.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters() if p.requires_grad)
+    with torch.no_grad():
+        assert float(low) == pytest.approx(float(loss()), rel=2e-2)
+
+
 def test_tiny_moe_builds_with_its_spec_parameter_count() -> None:
     spec = PRESETS[MODEL]
     assert [b.kind for b in spec.stack] == ["decoder", "moe", "moe", "moe"]

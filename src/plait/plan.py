@@ -295,8 +295,8 @@ class Plan(BaseModel):
     recompute_modules: tuple[RecomputeModule, ...] = Field((), description="Megatron-LM's module-wise selective "
                                                            "recompute (--recompute-modules) in every layer whose "
                                                            "strategy recomputes none or the attention core "
-                                                           "(plait.cost.recompute_modules; priced, the runtime "
-                                                           "recomputes whole layers or cores and refuses it)")
+                                                           "(plait.cost.recompute_modules; the runtime drops and "
+                                                           "rebuilds the same tensors, plait.models.dropped)")
     pipelines: tuple[Pipeline, ...] = Field(min_length=1)
 
     def own_schedule(self, pipeline: int) -> bool:

@@ -30,7 +30,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
+from plait.models.dropped import Dropped
 from plait.models.recomputed import recomputed
 from plait.spec.layers import SWIGLU_ALPHA, Block
 from plait.spec.model import ModelSpec
@@ -224,6 +226,11 @@ class Attention(nn.Module):
     queries, keys and values and runs again in backward (`plait.models.recomputed`). Ring attention, its own
     autograd function with K/V passes, is left as it is."""
 
+    drop_heads: bool = False
+    """Set by the runtime for Megatron-LM's `mla_up_proj` recompute (latent attention): the core's queries,
+    keys and values are not kept for backward, which makes them again from the `sources` that stay kept (the
+    up-projections and rotations run again, `plait.models.dropped`)."""
+
     tp_mesh: object | None = None
     """Set by the runtime under tensor parallelism (a 1-D DeviceMesh): weights applied whole to each rank's
     own heads (q/k norms, latent attention's shared rotary key) have their gradients summed over it
@@ -244,28 +251,43 @@ class Attention(nn.Module):
                   ) -> Tensor:
         """Queries from x [B, T, H], keys and values from memory [B, T, H] (x itself for self-attention)."""
         b, t, _ = x.shape
-        q, k, v = self.project(x, memory)
+        sources = self.sources(x, memory)
+        q, k, v = self.heads(sources, freqs)
+        cp = self.context_parallel
+        core = self._core(attend or (cp.attend if cp is not None else None))
+        inputs = (q, k, v) if self.sinks is None else (q, k, v, self.head_sinks())
+        recompute = self.recompute_core and (cp is None or cp.splits_heads)
+        if self.drop_heads and torch.is_grad_enabled():  # the core's q, k, v: made again from the sources
+            with Dropped((q, k, v), lambda: self.heads(sources, freqs)):
+                out = recomputed(core, *inputs) if recompute else core(*inputs)
+        else:
+            out = recomputed(core, *inputs) if recompute else core(*inputs)
+        out = out.transpose(1, 2)
+        if cp is not None:
+            out = cp.to_sequence(out)
+        return self.wo(out.reshape(b, t, -1))
+
+    def sources(self, x: Tensor, memory: Tensor) -> tuple[Tensor, ...]:
+        """What the heads are projected from (`heads`): here the attention's inputs, x and memory."""
+        return x, memory
+
+    def heads(self, sources: tuple[Tensor, ...], freqs: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """The attention core's queries, keys and values [B, heads, T, D] from `sources`: projected, under
+        context parallelism exchanged to this rank's heads (Ulysses), rotated, keys and values repeated for
+        grouped queries."""
+        q, k, v = self.project(*sources)
         if (cp := self.context_parallel) is not None:  # Ulysses: whole sequence, some heads; ring: the chunk
             if cp.splits_heads and k.shape[2] % cp.degree:  # fewer kv heads than ranks: share them out as query
                 rep = q.shape[2] // k.shape[2]               # heads (as GQA reads)
                 k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
             q, k, v = cp.to_heads(q), cp.to_heads(k), cp.to_heads(v)
             freqs = cp.rope(freqs) if freqs is not None else None
-            attend = attend or cp.attend
         if freqs is not None:
             q, k = self.rotate(q, freqs), self.rotate(k, freqs)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, D]
         if (rep := q.shape[1] // k.shape[1]) > 1:  # GQA: query head j reads kv head j // rep (as HF)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        core = self._core(attend)
-        inputs = (q, k, v) if self.sinks is None else (q, k, v, self.head_sinks())
-        if self.recompute_core and (cp is None or cp.splits_heads):
-            out = recomputed(core, *inputs).transpose(1, 2)
-        else:
-            out = core(*inputs).transpose(1, 2)
-        if cp is not None:
-            out = cp.to_sequence(out)
-        return self.wo(out.reshape(b, t, -1))
+        return q, k, v
 
     def project(self, x: Tensor, memory: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries from x [B, T, H], keys and values from memory [B, T', H]: [B, T(' ), heads, D] each."""
@@ -376,6 +398,19 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + drop(attention(norm(x))), then + drop(feed_forward(norm(.))). [B, T, H]."""
 
+    drop_norms: bool = False
+    """Set by the runtime for Megatron-LM's `layernorm` recompute: the norms' outputs (the attention's and the
+    MLP's inputs) are not kept for backward, which runs the norms again (`plait.models.dropped`)."""
+
+    recompute_mlp: bool = False
+    """Set by the runtime for Megatron-LM's `mlp` recompute (dense MLPs): the MLP keeps only its input and
+    runs again in backward (with `drop_norms` it keeps the block's residual input and runs the norm again)."""
+
+    gathered: frozenset[str] = frozenset()
+    """Set by the runtime under sequence parallelism: the modules whose input tensor parallelism gathers from
+    the sequence shards ("attention", "feed_forward", ...); with `drop_norms` the block gathers it itself, so
+    that what those modules keep is the dropped tensor."""
+
     def __init__(self, attention_norm: nn.Module, attention: Attention, ffn_norm: nn.Module,
                  feed_forward: nn.Module, dropout: float = 0.0) -> None:
         super().__init__()
@@ -384,9 +419,40 @@ class TransformerBlock(nn.Module):
         self.dropout = dropout
 
     def forward(self, x: Tensor, freqs: Tensor | None = None, attend: Callable | None = None) -> Tensor:
-        a = self.attention_norm(x)  # tensor parallelism lays out exactly (x, freqs): pass `attend` only when set
-        h = x + self._drop(self.attention(a, freqs) if attend is None else self.attention(a, freqs, attend))
-        return h + self._drop(self.feed_forward(self.ffn_norm(h)))
+        more = (freqs,) if attend is None else (freqs, attend)  # tensor parallelism lays out exactly (x, freqs)
+        h = x + self._drop(self.through(self.attention_norm, "attention", x, *more))
+        return h + self._drop(self.through(self.ffn_norm, "feed_forward", h))
+
+    def through(self, norm: nn.Module, name: str, x: Tensor, *more: object) -> Tensor:
+        """The block's module `name` applied to norm(x) (and `more`), keeping for backward what the runtime's
+        recompute settings say (`drop_norms`, `recompute_mlp`)."""
+        module = getattr(self, name)
+        recompute = self.recompute_mlp and name == "feed_forward"
+        if not (self.drop_norms or recompute) or not torch.is_grad_enabled():
+            return module(norm(x), *more)
+        if recompute:
+            if self.drop_norms:  # the norm runs again with the MLP, from the block's own (kept) stream
+                return checkpoint(lambda y: module(norm(y)), x, use_reentrant=False)
+            return checkpoint(module, norm(x), use_reentrant=False)
+        # the norm keeps only its input (its statistics are recomputed too, as Megatron's), and what the module
+        # keeps of its output is dropped and made again
+        a = checkpoint(self._module_input, norm, name, x, use_reentrant=False)
+        with Dropped(a, lambda: self._module_input(norm, name, x)):
+            return module(a, *more)
+
+    def _module_input(self, norm: nn.Module, name: str, x: Tensor) -> Tensor:
+        """norm(x) as module `name` keeps it: in autocast's dtype (cast once, as a bf16 model holds it, not once
+        per projection: the projections' input gradients then add up in that dtype) and, where sequence
+        parallelism gathers the module's input, gathered (`gathered`)."""
+        a = norm(x)
+        device = a.device.type
+        if torch.is_autocast_enabled(device) and a.dtype != (low := torch.get_autocast_dtype(device)):
+            a = a.to(low)
+        if name in self.gathered:
+            from torch.distributed.tensor import Replicate
+
+            a = a.redistribute(placements=[Replicate()])  # type: ignore[attr-defined]
+        return a
 
     def _drop(self, x: Tensor) -> Tensor:
         return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x

@@ -61,15 +61,23 @@ class LatentAttention(Attention):
         """The up-projections, which tensor parallelism splits by heads (column-wise)."""
         return ("wq_b" if hasattr(self, "wq_b") else "wq", "wkv_b")
 
-    def project(self, x: Tensor, memory: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys and values of x [B, T, H]: [B, T, N, Dn + Dr] twice (the shared rotary key repeated
-        for every head) and [B, T, N, Dv]. Self-attention only: `memory` is x."""
-        b, t, _ = x.shape
-        q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_b") else self.wq(x)
+    def sources(self, x: Tensor, memory: Tensor) -> tuple[Tensor, ...]:
+        """The down-projections of x [B, T, H] (self-attention only: `memory` is x): the queries' latent
+        [B, T, q_lora] (without one, the queries themselves), the keys' and values' latent [B, T, kv_lora]
+        and the shared rotary key [B, T, Dr]; the up-projections (`project`) read them."""
+        q = self.wq_a(x) if hasattr(self, "wq_b") else self.wq(x)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora, self.rope_dim], dim=-1)
+        return q, latent, k_rope
+
+    def project(self, q: Tensor, latent: Tensor, k_rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values from the `sources`: [B, T, N, Dn + Dr] twice (the shared rotary key
+        repeated for every head) and [B, T, N, Dv]."""
+        b, t, _ = latent.shape
+        if hasattr(self, "wq_b"):
+            q = self.wq_b(self.q_norm(q))
         q = q.view(b, t, -1, self.head_dim)
         if self.score_scale != 1.0:
             q = q * self.score_scale
-        latent, k_rope = self.wkv_a(x).split([self.kv_lora, self.rope_dim], dim=-1)
         if self.tp_mesh is not None:
             k_rope = summed_in_backward(k_rope, self.tp_mesh)
         kv = self.wkv_b(self.kv_norm(latent)).view(b, t, -1, self.nope + self.v_dim)

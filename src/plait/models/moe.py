@@ -35,6 +35,7 @@ ranks that split each sequence (sequence or context parallelism).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -42,7 +43,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from plait.models.dropped import Dropped
 from plait.models.llama import FeedForward, summed_in_backward, swiglu
+from plait.models.recomputed import recomputed
 from plait.spec.layers import Block
 
 AUX_LOSS_COEF = 0.01
@@ -81,12 +84,20 @@ class Compressor(Protocol):
 
 
 def _expert(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, biases: tuple[Tensor, Tensor, Tensor] | None,
-            limit: float) -> Tensor:
-    """One expert: w2 swiglu(w1 x, w3 x) (+ biases b1, b3 [F], b2 [H]); x [n, H], w1/w3 [F, H], w2 [H, F] -> [n, H]."""
-    if biases is None:
-        return swiglu(x @ w1.t(), x @ w3.t(), limit) @ w2.t()
-    b1, b3, b2 = biases
-    return swiglu(torch.addmm(b1, x, w1.t()), torch.addmm(b3, x, w3.t()), limit) @ w2.t() + b2
+            limit: float, drop_act: bool = False) -> Tensor:
+    """One expert: w2 swiglu(w1 x, w3 x) (+ biases b1, b3 [F], b2 [H]); x [n, H], w1/w3 [F, H], w2 [H, F] -> [n, H].
+    With `drop_act` (Megatron-LM's `moe_act` recompute) backward keeps the first GEMMs' outputs only and runs
+    the activation again, for its own gradient and for the down GEMM's input (`plait.models.dropped`)."""
+    b1, b3, b2 = biases if biases is not None else (None, None, None)
+    gate = x @ w1.t() if b1 is None else torch.addmm(b1, x, w1.t())
+    up = x @ w3.t() if b3 is None else torch.addmm(b3, x, w3.t())
+    if drop_act and torch.is_grad_enabled():
+        act = recomputed(partial(swiglu, limit=limit), gate, up)
+        with Dropped(act, lambda: swiglu(gate, up, limit)):
+            out = act @ w2.t()
+    else:
+        out = swiglu(gate, up, limit) @ w2.t()
+    return out if b2 is None else out + b2
 
 
 def _local(param: Tensor) -> Tensor:
@@ -103,6 +114,10 @@ class Experts(nn.Module):
     rows: int = 0
     """Rows the experts computed (a recomputed forward again) since the runtime last read and reset it
     (`plait.runtime.experts.expert_load`)."""
+
+    drop_act: bool = False
+    """Set by the runtime for Megatron-LM's `moe_act` recompute: backward keeps the experts' first GEMM outputs,
+    not their activation, and runs it again (`_expert`)."""
 
     width_mesh: object | None = None
     """Set by the runtime under expert tensor parallelism (the 1-D etp DeviceMesh): each rank's outputs are
@@ -136,8 +151,8 @@ class Experts(nn.Module):
         biases = None if self.w2_bias is None else list(zip(*self._biases(), strict=True))
         self.rows += tokens.shape[0]
         parts = tokens.split(counts.tolist())
-        return torch.cat([_expert(x, w1[e], w3[e], w2[e], None if biases is None else biases[e], self.limit)
-                          for e, x in enumerate(parts)])
+        return torch.cat([_expert(x, w1[e], w3[e], w2[e], None if biases is None else biases[e], self.limit,
+                                  self.drop_act) for e, x in enumerate(parts)])
 
     def _biases(self) -> tuple[tuple[Tensor, ...], ...]:
         """This rank's experts' biases, each unbound by expert; the down bias split over `width_mesh`."""
@@ -280,7 +295,8 @@ class MoE(nn.Module):
         if clusters is not None:
             out = clusters.expand(out)
         scaled = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
-        return torch.zeros_like(x).index_add(0, source, scaled)
+        return torch.zeros_like(x).index_add(0, source, scaled.to(x.dtype))  # summed in x's dtype (autocast:
+        # the residual stream's fp32, not the experts' bf16)
 
     def _real_counts(self, chosen: Tensor, counts: Tensor) -> Tensor:
         """The choices per expert [E] of this rank's tokens that belong to a document: `counts` (of every

@@ -43,7 +43,7 @@ class _Recomputed(torch.autograd.Function):
         return None, *(next(grads) if t.requires_grad else None for t in inputs)
 
 
-def recomputed(core: Core, q: Tensor, k: Tensor, v: Tensor, *more: Tensor) -> Tensor:
-    """`core(q, k, v, *more)` with only its inputs kept for backward, where the core runs again (see the
-    module)."""
-    return _Recomputed.apply(core, q, k, v, *more)
+def recomputed(core: Core, *inputs: Tensor) -> Tensor:
+    """`core(*inputs)` with only its inputs kept for backward, where the core runs again (see the module; also
+    the experts' activation under Megatron-LM's `moe_act` recompute, `plait.models.moe`)."""
+    return _Recomputed.apply(core, *inputs)

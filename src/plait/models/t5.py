@@ -62,9 +62,9 @@ class CrossDecoderLayer(TransformerBlock):
 
     def forward(self, x: Tensor, freqs: Tensor | None = None) -> Tensor:
         memory, h = split(x)
-        h = h + self._drop(self.attention(self.attention_norm(h), freqs))
-        h = h + self._drop(self.cross_attention(self.cross_attention_norm(h), memory))
-        h = h + self._drop(self.feed_forward(self.ffn_norm(h)))
+        h = h + self._drop(self.through(self.attention_norm, "attention", h, freqs))
+        h = h + self._drop(self.through(self.cross_attention_norm, "cross_attention", h, memory))
+        h = h + self._drop(self.through(self.ffn_norm, "feed_forward", h))
         return join(memory, h)
 
 

@@ -33,6 +33,7 @@ from plait.plan import Strategy
 from plait.runtime import recompute
 from plait.runtime.experts import Sync, apply_ep, expert_params
 from plait.cost.offload import PAGED
+from plait.cost.recompute_modules import KEEPS_STRATEGY
 from plait.runtime.placement import Chunk
 from plait.runtime.relayout import Relayout
 from plait.runtime.ring import RingContext
@@ -67,6 +68,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, layers: list[str],
             plan[""] = PrepareModuleInput(input_layouts=(Replicate(), None),  # full sequence
                                           desired_input_layouts=(Shard(1), None), use_local_output=True)
         parallelize_module(model.layers[name], tp_mesh, plan)
+        if sp:  # the norms' outputs into these are gathered (what `recompute_modules` layernorm drops)
+            model.layers[name].gathered = frozenset(k for k in (*ATTENTIONS, "feed_forward")
+                                                    if _gathers(plan.get(k)))
         for attn in (a for a in ATTENTIONS if hasattr(model.layers[name], a)):  # weights read by local heads
             getattr(model.layers[name], attn).tp_mesh = tp_mesh
 
@@ -106,6 +110,12 @@ def layer_tp_plan(layer: nn.Module, sp: bool) -> dict[str, object]:
         if getattr(layer, "output_norm", None) is not None:
             plan["output_norm"] = SequenceParallel(use_local_output=True)
     return plan
+
+
+def _gathers(style: object) -> bool:
+    """Whether a module's tensor-parallel `style` gathers its (first) input from the sequence shards."""
+    return isinstance(style, PrepareModuleInput) and style.input_layouts[0] == Shard(1) and \
+        style.desired_input_layouts[0] == Replicate()
 
 
 def _latent(layer: nn.Module) -> bool:
@@ -156,6 +166,24 @@ def apply_ac(model: nn.Module, mode: str, layers: list[str]) -> None:
         context = {"context_fn": CONTEXTS[mode]} if CONTEXTS[mode] is not None else {}
         model.layers[name] = checkpoint_wrapper(model.layers[name], checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                 **context)
+
+
+def apply_recompute_modules(model: nn.Module, modules: tuple[str, ...], mode: str, layers: list[str]) -> None:
+    """Megatron-LM's module-wise recompute (`Plan.recompute_modules`, as `plait.cost.recompute_modules`
+    prices it) on the named blocks whose own `mode` keeps their activations (none, selective): `layernorm`
+    drops the norms' outputs, `moe_act` the experts' activation, `mla_up_proj` latent attention's queries,
+    keys and values (`plait.models.dropped`); `mlp` recomputes dense MLPs from their input."""
+    if not modules or mode not in KEEPS_STRATEGY:
+        return
+    for name in layers:
+        layer = model.layers[name]
+        ffn = getattr(layer, "feed_forward", None)
+        layer.drop_norms = "layernorm" in modules
+        layer.recompute_mlp = "mlp" in modules and ffn is not None and not isinstance(ffn, MoE)
+        if isinstance(ffn, MoE):
+            ffn.experts.drop_act = "moe_act" in modules
+        for attn in (getattr(layer, a) for a in ATTENTIONS if hasattr(layer, a)):
+            attn.drop_heads = "mla_up_proj" in modules and isinstance(attn, LatentAttention)
 
 
 def _fsdp_policy(offload: str, reduce_dtype: torch.dtype | None) -> dict:
@@ -290,13 +318,15 @@ def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str], m
 
 
 def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: bool,
-                      grad_accumulation: int = 1, reduce_dtype: torch.dtype | None = None) -> list[Sync]:
+                      grad_accumulation: int = 1, reduce_dtype: torch.dtype | None = None,
+                      recompute_modules: tuple[str, ...] = ()) -> list[Sync]:
     """Apply each segment's strategy to its layers of a model chunk (the embedding goes with the first
     segment, the head with the last), re-layout the hidden state where segments (or the previous stage)
     split it differently, and return the (parameters, group, weight) whose gradients need `sync_gradients`.
     A chunk with MoE layers reduces every gradient by hand (`plait.runtime.experts`; `grad_accumulation`
     micro-batches are averaged by the caller's backward). FSDP units reduce gradients in `reduce_dtype`
-    (None: their own); the caller reduces the returned ones in it too."""
+    (None: their own); the caller reduces the returned ones in it too. `recompute_modules`: the plan's
+    (`apply_recompute_modules`)."""
     segments = chunk.segments
     names = [[str(i) for i in range(*seg.layers)] for seg in segments]
     relayouts = {}
@@ -318,6 +348,7 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
             apply_cp(model, seg.mesh["cp"].get_group(), layers, s.cp_mode, seq_len)
         if s.tp > 1:
             apply_tp(model, seg.tp_mesh, s.sp, layers, embedding=k == 0, head=k == len(segments) - 1)
+        apply_recompute_modules(model, recompute_modules, s.recompute, layers)
         apply_ac(model, s.recompute, layers)
         apply_swap(model, s.swap, layers, swap_gathers(s))
     synced = expert_params(model)  # reduced by the syncs of apply_ep
