@@ -10,7 +10,12 @@ recompute mode adds its rows there.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -127,3 +132,46 @@ def test_priced_activation_bytes_are_what_the_runtime_keeps(family: str, mode: s
     assert measured == pytest.approx(priced + sum(explained.values()), abs=0.5)
     if not explained:
         assert measured == pytest.approx(priced, rel=0.05)
+
+
+TP = 2
+WHOLE_UNDER_SP = {"autocast casts RoPE's cos and sin per layer"}
+"""Causes that sequence parallelism does not split: the rotary tables cover the gathered sequence."""
+NOT_UNDER_SP = {"autocast casts the norm output once per linear (q, k, v; the gated MLP's gate and up)"}
+"""Causes absent under sequence parallelism: the block casts its norm's shard once, before the gather, and
+keeps that shard alone (`plait.models.llama.TransformerBlock.through`)."""
+
+
+@pytest.fixture(scope="module")
+def sp_measured(tmp_path_factory) -> dict[str, float]:
+    """tests/sp_bytes_check.py on 2 ranks: bytes per token layer 0 keeps under tp2+sp, by family, dtype, mode."""
+    out = tmp_path_factory.mktemp("sp") / "bytes.json"
+    here = Path(__file__).parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={TP}",
+           str(here / "sp_bytes_check.py"), str(out), json.dumps(SPECS)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(here.parent)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["none", "selective"])
+@pytest.mark.parametrize("family", sorted(SPECS))
+def test_under_sequence_parallelism_each_rank_keeps_its_shard_as_priced(sp_measured, family: str, mode: str,
+                                                                         dtype: str) -> None:
+    """Under tp2+sp each rank keeps 1/tp of the layer's bytes, as Megatron-LM's sequence parallelism and the
+    price (the projections' inputs as sequence shards, gathered again in backward), plus the single-process
+    causes split as the layer splits."""
+    spec = SPECS[family]
+    block, eb = load_model(spec).block, PRECISIONS[dtype].activation
+    model = load_model(spec)
+    ctx = BlockContext(model, dgx(1, 8, "A100-80GB"), DEFAULT_CALIBRATION, PRECISIONS[dtype], SEQ, SEQS,
+                       comm.SINGLE, comm.SINGLE, comm.SINGLE)
+    priced = block_activation_bytes(model.block, Strategy(tp=TP, sp=True, recompute=mode), ctx) / (SEQS * SEQ)
+    explained = sum(CAUSES[c](block, eb) / (1 if c in WHOLE_UNDER_SP else TP)
+                    for c in EXPLAINED[(dtype, mode)] if c not in NOT_UNDER_SP)
+    measured = sp_measured[f"{family} {dtype} {mode}"]
+    print(f"{family} {dtype} {mode} tp2+sp: runtime {measured:,.0f} B/token/layer, priced {priced:,.0f}, "
+          f"explained {explained:,.0f}")
+    assert measured == pytest.approx(priced + explained, abs=0.5)

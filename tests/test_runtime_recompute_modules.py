@@ -51,23 +51,26 @@ class _SavedMeter:
         return t
 
 
-def _kept(spec: str, layer: str, mode: str, modules: tuple[str, ...], dtype: str
+def _kept(spec: str, layer: str, mode: str, modules: tuple[str, ...], dtype: str, swap: float = 0.0
           ) -> tuple[float, list[torch.Tensor]]:
-    """Bytes per token that `layer` keeps for backward with the recompute `modules`, and the model's
-    gradients after one backward."""
+    """Bytes per token that `layer` keeps for backward with the recompute `modules` (with a `swap`: the bytes
+    the swap moved to the host, every layer), and the model's gradients after one backward."""
     from plait.models import build_model
     from plait.runtime.parallelize import apply_ac, apply_recompute_modules
+    from plait.runtime.swap import apply_swap
 
     torch.manual_seed(0)
     model_spec = load_model(spec)
     model = build_model(model_spec)
     apply_recompute_modules(model, modules, mode, list(model.layers))
     apply_ac(model, mode, list(model.layers))
-    meter = _SavedMeter(model, model.layers[layer])
+    apply_swap(model, swap, list(model.layers))
+    meter = _SavedMeter(model, model.layers[layer]) if not swap else None
     tokens = torch.randint(0, model_spec.vocab, (SEQS, SEQ), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
         model(tokens).float().logsumexp(-1).mean().backward()
-    return meter.peak / (SEQS * SEQ), [p.grad for p in model.parameters() if p.grad is not None]
+    kept = meter.peak if meter is not None else model.swap_meter.swapped
+    return kept / (SEQS * SEQ), [p.grad for p in model.parameters() if p.grad is not None]
 
 
 def _priced(spec: str, layer: str, mode: str, modules: tuple[str, ...], dtype: str) -> float:
@@ -130,16 +133,20 @@ def test_dropped_bytes_are_priced_and_gradients_unchanged(name: str) -> None:
         assert all(torch.equal(a, b) for a, b in zip(grads, grads_with))
 
 
-def test_recompute_modules_run_unless_swapped() -> None:
-    """Plans with recompute modules run (as priced: layers recomputed whole keep them off); with a swap they
-    are refused in one line (the dropped tensors are rebuilt from tensors a swap would move)."""
-    spec, ranks = load_model("tiny-deepseek"), local_ranks(2)
-    plan = uniform_plan("tp=2,sp=1,ep=2,etp=1,gbs=4,recompute_modules=layernorm+moe_act+mla_up_proj+mlp", spec,
-                        ranks, SEQ)
-    assert unsupported(plan, spec) is None
-    swapped = uniform_plan("dp=2,swap=0.5,gbs=4,recompute_modules=layernorm", spec, ranks, SEQ)
-    reason = unsupported(swapped, spec)
-    assert reason is not None and "recompute_modules layernorm with swap" in reason and "\n" not in reason
+@pytest.mark.parametrize("spec", [LLAMA, "tiny-deepseek"])
+def test_a_swap_moves_the_inputs_tensors_are_made_from(spec: str) -> None:
+    """With a swap, what the dropped tensors are made from is swapped as every saved tensor (the block's input
+    for the norms, the experts' first GEMM outputs, the latents) and joined again for the rebuild: the
+    gradients are bitwise those with neither, and less moves to the host than without the modules."""
+    modules = ("layernorm", "moe_act", "mla_up_proj", "mlp")
+    _, plain = _kept(spec, "0", "none", (), "fp32")
+    swapped, grads = _kept(spec, "0", "none", modules, "fp32", swap=0.5)
+    swapped_alone, _ = _kept(spec, "0", "none", (), "fp32", swap=0.5)
+    assert 0 < swapped < swapped_alone
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True))
+    model, ranks = load_model(spec), local_ranks(2)
+    assert unsupported(uniform_plan("dp=2,swap=0.5,gbs=4,recompute_modules=" + "+".join(modules), model, ranks,
+                                    SEQ), model) is None
 
 
 MODELS = {"tiny-deepseek": 4, "tiny-gpt-oss": 4, "tiny-llama": 4}

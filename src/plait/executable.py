@@ -26,10 +26,6 @@ def unsupported(plan: Plan, model: ModelSpec) -> str | None:
     if plan.ep_overlap:
         return ("ep_overlap: the runtime exchanges MoE tokens without overlapping them with another micro-batch "
                 "(Megatron-LM's option, priced for comparison); set ep_overlap=0 to train")
-    if plan.recompute_modules and any(s.swap > 0 for pipe in plan.pipelines for stage in pipe.stages
-                                      for s in stage.strategies):
-        return (f"recompute_modules {'+'.join(plan.recompute_modules)} with swap: the runtime's dropped tensors are "
-                f"rebuilt from tensors the swap would move to the host; give one of the two")
     for pi, pipe in enumerate(plan.pipelines):  # fewer micro-batches than stages: the runtime's own schedule
         if not pipe.even_widths and (reason := _uneven_problem(plan, model, pi)) is not None:
             return reason

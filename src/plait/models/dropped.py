@@ -2,14 +2,16 @@
 `CheckpointWithoutOutput`, behind its module-wise recompute of the norms (`layernorm`), the experts' activation
 (`moe_act`) and latent attention's up-projections (`mla_up_proj`).
 
-    with Dropped(outputs, rebuild):
+    with Dropped(outputs, rebuild, keep=inputs):
         y = consumer(outputs)
 
 Every tensor that `consumer`'s operations save for backward and that shares its storage with one of `outputs`
 (the tensor itself, a view, a DTensor around it) is kept as a marker instead; the first marker that backward
-unpacks calls `rebuild()` (under no_grad; it must return tensors of the same values and layout, e.g. by running
-the same forward again from tensors that stay kept anyway; it runs under the forward's autocast) and every
-marker reads its view from that. Once
+unpacks calls `rebuild(*inputs)` (under no_grad and the forward's autocast; it must return tensors of the same
+values and layout, by running the same forward again) and every marker reads its view from that. `inputs` are
+kept as saved tensors are (through the hooks active outside: a swap moves them, a meter counts them), so
+`rebuild` must not hold tensors of its own. Megatron-LM's sequence parallelism keeps the same way only the
+shard of a projection's input and gathers it again in backward (`plait.models.llama.TransformerBlock`). Once
 forward drops its own references, the outputs' memory is free until backward. Other saved tensors go to the
 saved-tensor hooks that were active outside (a swap, a meter) or stay as they are. Gradients are those of the
 plain forward: `outputs` keep their autograd history; only what the consumer keeps of them changes.
@@ -51,10 +53,11 @@ def _local(t: Tensor) -> Tensor:
 class Dropped:
     """The saved-tensor hooks of one region (see the module): `outputs` dropped, `rebuild()` makes them again."""
 
-    def __init__(self, outputs: Tensor | tuple[Tensor, ...], rebuild: Callable[[], Tensor | tuple[Tensor, ...]]
-                 ) -> None:
+    def __init__(self, outputs: Tensor | tuple[Tensor, ...], rebuild: Callable[..., Tensor | tuple[Tensor, ...]],
+                 keep: tuple[Tensor, ...] = ()) -> None:
         self.outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         self.rebuild = rebuild
+        self.keep: tuple[Tensor, ...] | list[object] = keep
         device = _local(self.outputs[0]).device.type  # rebuilt under the forward's autocast
         self._autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         self._storages = {_local(t).untyped_storage().data_ptr(): i for i, t in enumerate(self.outputs)}
@@ -65,6 +68,7 @@ class Dropped:
 
     def __enter__(self) -> Dropped:
         self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.keep = [self._pass_on(t) for t in self.keep]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -82,10 +86,14 @@ class Dropped:
             self._pending += 1
             return _Marker(self, index, (tuple(local.shape), tuple(local.stride()), local.storage_offset()),
                            t._spec if local is not t else None)
-        if self._outer is not None:
-            pack, unpack = self._outer
-            return _Outer(unpack, pack(t))
-        return t
+        return self._pass_on(t)
+
+    def _pass_on(self, t: Tensor) -> object:
+        """`t` packed by the hooks active outside the region (as it is without any)."""
+        if self._outer is None:
+            return t
+        pack, unpack = self._outer
+        return _Outer(unpack, pack(t))
 
     @staticmethod
     def _unpack(packed: object) -> Tensor:
@@ -97,7 +105,7 @@ class Dropped:
         if owner._rebuilt is None:
             device, dtype, enabled = owner._autocast
             with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-                rebuilt = owner.rebuild()
+                rebuilt = owner.rebuild(*(Dropped._unpack(k) for k in owner.keep))
             owner._rebuilt = rebuilt if isinstance(rebuilt, tuple) else (rebuilt,)
         local = _local(owner._rebuilt[packed.index]).as_strided(*packed.view)
         owner._pending -= 1

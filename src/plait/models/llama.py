@@ -258,7 +258,7 @@ class Attention(nn.Module):
         inputs = (q, k, v) if self.sinks is None else (q, k, v, self.head_sinks())
         recompute = self.recompute_core and (cp is None or cp.splits_heads)
         if self.drop_heads and torch.is_grad_enabled():  # the core's q, k, v: made again from the sources
-            with Dropped((q, k, v), lambda: self.heads(sources, freqs)):
+            with Dropped((q, k, v), lambda *kept: self.heads(kept, freqs), keep=sources):
                 out = recomputed(core, *inputs) if recompute else core(*inputs)
         else:
             out = recomputed(core, *inputs) if recompute else core(*inputs)
@@ -408,8 +408,8 @@ class TransformerBlock(nn.Module):
 
     gathered: frozenset[str] = frozenset()
     """Set by the runtime under sequence parallelism: the modules whose input tensor parallelism gathers from
-    the sequence shards ("attention", "feed_forward", ...); with `drop_norms` the block gathers it itself, so
-    that what those modules keep is the dropped tensor."""
+    the sequence shards ("attention", "feed_forward", ...). The block gathers it itself and keeps only the
+    shard for backward, which gathers it again (`through`)."""
 
     def __init__(self, attention_norm: nn.Module, attention: Attention, ffn_norm: nn.Module,
                  feed_forward: nn.Module, dropout: float = 0.0) -> None:
@@ -425,34 +425,47 @@ class TransformerBlock(nn.Module):
 
     def through(self, norm: nn.Module, name: str, x: Tensor, *more: object) -> Tensor:
         """The block's module `name` applied to norm(x) (and `more`), keeping for backward what the runtime's
-        recompute settings say (`drop_norms`, `recompute_mlp`)."""
+        recompute settings say (`drop_norms`, `recompute_mlp`) and, where sequence parallelism gathers the
+        module's input (`gathered`), its shard only, gathered again in backward as Megatron-LM's does."""
         module = getattr(self, name)
-        recompute = self.recompute_mlp and name == "feed_forward"
-        if not (self.drop_norms or recompute) or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return module(norm(x), *more)
-        if recompute:
+        if self.recompute_mlp and name == "feed_forward":
             if self.drop_norms:  # the norm runs again with the MLP, from the block's own (kept) stream
                 return checkpoint(lambda y: module(norm(y)), x, use_reentrant=False)
             return checkpoint(module, norm(x), use_reentrant=False)
-        # the norm keeps only its input (its statistics are recomputed too, as Megatron's), and what the module
-        # keeps of its output is dropped and made again
-        a = checkpoint(self._module_input, norm, name, x, use_reentrant=False)
-        with Dropped(a, lambda: self._module_input(norm, name, x)):
-            return module(a, *more)
+        if self.drop_norms:  # the norm keeps only its input (its statistics go too, as Megatron's), and what
+            # the module keeps of its output is made again from that input
+            a = checkpoint(self._module_input, norm, name, x, use_reentrant=False)
+            with Dropped(a, lambda y: self._module_input(norm, name, y), keep=(x,)):
+                return module(a, *more)
+        if name in self.gathered:
+            shard = self._low(norm(x))
+            with Dropped(a := self._gather(shard), self._gather, keep=(shard,)):
+                return module(a, *more)
+        return module(norm(x), *more)
 
     def _module_input(self, norm: nn.Module, name: str, x: Tensor) -> Tensor:
-        """norm(x) as module `name` keeps it: in autocast's dtype (cast once, as a bf16 model holds it, not once
-        per projection: the projections' input gradients then add up in that dtype) and, where sequence
-        parallelism gathers the module's input, gathered (`gathered`)."""
-        a = norm(x)
+        """norm(x) as module `name` keeps it: in autocast's dtype and, where sequence parallelism gathers the
+        module's input, gathered (`gathered`)."""
+        a = self._low(norm(x))
+        return self._gather(a) if name in self.gathered else a
+
+    @staticmethod
+    def _low(a: Tensor) -> Tensor:
+        """`a` in autocast's dtype when autocast runs (cast once, as a bf16 model holds it, not once per
+        projection: the projections' input gradients then add up in that dtype)."""
         device = a.device.type
         if torch.is_autocast_enabled(device) and a.dtype != (low := torch.get_autocast_dtype(device)):
-            a = a.to(low)
-        if name in self.gathered:
-            from torch.distributed.tensor import Replicate
-
-            a = a.redistribute(placements=[Replicate()])  # type: ignore[attr-defined]
+            return a.to(low)
         return a
+
+    @staticmethod
+    def _gather(shard: Tensor) -> Tensor:
+        """A sequence-parallel shard (a DTensor split along the sequence) gathered whole on every rank."""
+        from torch.distributed.tensor import Replicate
+
+        return shard.redistribute(placements=[Replicate()])  # type: ignore[attr-defined]
 
     def _drop(self, x: Tensor) -> Tensor:
         return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x

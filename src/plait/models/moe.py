@@ -93,7 +93,7 @@ def _expert(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, biases: tuple[Tensor,
     up = x @ w3.t() if b3 is None else torch.addmm(b3, x, w3.t())
     if drop_act and torch.is_grad_enabled():
         act = recomputed(partial(swiglu, limit=limit), gate, up)
-        with Dropped(act, lambda: swiglu(gate, up, limit)):
+        with Dropped(act, partial(swiglu, limit=limit), keep=(gate, up)):
             out = act @ w2.t()
     else:
         out = swiglu(gate, up, limit) @ w2.t()
