@@ -195,11 +195,12 @@ def test_ring_trains_with_the_same_losses_and_the_priced_saved_bytes(tmp_path: P
     records = _train_cases(tmp_path, "plait keeps the ring attention output", cases, 3, ("one",))
     base = [r["loss"] for r in records["one"]]
     assert len(base) == 3
-    # the losses of ring attention without recomputation, to the bit; both differ from one process by up to
-    # 1.9e-5 (3e-6 relative) at the third step (the ring's own fp32 merge order)
+    # the losses of ring attention without recomputation, to the bit; both differ from one process at the
+    # third step by the ring's own fp32 merge order, which depends on the CPU's attention kernels: 1.9e-5
+    # (3e-6 relative) on one machine, 6.9e-5 (1.1e-5 relative) on an AMD EPYC
     for key in ("ring0", "ring1", "ring5"):
         assert [r["loss"] for r in records[key]] == [r["loss"] for r in records["plain"]], key
-        assert [r["loss"] for r in records[key]] == pytest.approx(base, rel=1e-5), key
+        assert [r["loss"] for r in records[key]] == pytest.approx(base, rel=2e-5), key
     priced = model.layers * _layer(ring, model, local_ranks(2), 64).activation
     for r in records["ring1"]:
         assert r["swap"]["resident_peak_bytes"] == 0

@@ -156,7 +156,6 @@ TWO_RANKS = {  # name: (model, --strategy)
     "deepseek ulysses cp2 selective": ("tiny-deepseek", f"cp=2,recompute=selective,gbs=4,{ALL}"),  # a2a rebuilt
     "gpt-oss tp2+sp etp2 norm+act": ("tiny-gpt-oss", "tp=2,sp=1,gbs=4,recompute_modules=layernorm+moe_act"),
     "llama dp2 zero3 norm+mlp": ("tiny-llama", "dp=2,zero=3,gbs=4,recompute_modules=layernorm+mlp"),
-    "llama tp2 mlp": ("tiny-llama", "tp=2,gbs=4,recompute_modules=mlp"),
 }
 FOUR_RANKS = {
     "deepseek pp2 x dp2 ep2 all": ("tiny-deepseek", f"pp=2,dp=2,ep=2,mbs=1,gbs=4,{ALL}"),
