@@ -51,7 +51,8 @@ def _local(t: Tensor) -> Tensor:
 
 
 class Dropped:
-    """The saved-tensor hooks of one region (see the module): `outputs` dropped, `rebuild()` makes them again."""
+    """The saved-tensor hooks of one region (see the module): `outputs` dropped, `rebuild(*keep)` makes them
+    again."""
 
     def __init__(self, outputs: Tensor | tuple[Tensor, ...], rebuild: Callable[..., Tensor | tuple[Tensor, ...]],
                  keep: tuple[Tensor, ...] = ()) -> None:
