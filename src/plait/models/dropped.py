@@ -10,11 +10,13 @@ Every tensor that `consumer`'s operations save for backward and that shares its 
 unpacks calls `rebuild(*inputs)` (under no_grad and the forward's autocast; it must return tensors of the same
 values and layout, by running the same forward again) and every marker reads its view from that. `inputs` are
 kept as saved tensors are (through the hooks active outside: a swap moves them, a meter counts them), so
-`rebuild` must not hold tensors of its own. Megatron-LM's sequence parallelism keeps the same way only the
-shard of a projection's input and gathers it again in backward (`plait.models.llama.TransformerBlock`). Once
-forward drops its own references, the outputs' memory is free until backward. Other saved tensors go to the
-saved-tensor hooks that were active outside (a swap, a meter) or stay as they are. Gradients are those of the
-plain forward: `outputs` keep their autograd history; only what the consumer keeps of them changes.
+`rebuild` must not hold tensors of its own. Once forward drops its own references, the outputs' memory is
+free until backward. Other saved tensors go to the saved-tensor hooks that were active outside (a swap, a
+meter) or stay as they are. Gradients are those of the plain forward: `outputs` keep their autograd history;
+only what the consumer keeps of them changes.
+
+Sequence parallelism keeps, the same way, only the shard of a projection's input and gathers it again in
+backward, as Megatron-LM's does (`plait.models.llama.TransformerBlock.through`).
 """
 
 from __future__ import annotations

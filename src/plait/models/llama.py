@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -257,10 +258,9 @@ class Attention(nn.Module):
         core = self._core(attend or (cp.attend if cp is not None else None))
         inputs = (q, k, v) if self.sinks is None else (q, k, v, self.head_sinks())
         recompute = self.recompute_core and (cp is None or cp.splits_heads)
-        if self.drop_heads and torch.is_grad_enabled():  # the core's q, k, v: made again from the sources
-            with Dropped((q, k, v), lambda *kept: self.heads(kept, freqs), keep=sources):
-                out = recomputed(core, *inputs) if recompute else core(*inputs)
-        else:
+        dropped = Dropped((q, k, v), lambda *kept: self.heads(kept, freqs), keep=sources) \
+            if self.drop_heads and torch.is_grad_enabled() else nullcontext()  # q, k, v made again from sources
+        with dropped:
             out = recomputed(core, *inputs) if recompute else core(*inputs)
         out = out.transpose(1, 2)
         if cp is not None:

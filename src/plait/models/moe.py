@@ -92,8 +92,9 @@ def _expert(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, biases: tuple[Tensor,
     gate = x @ w1.t() if b1 is None else torch.addmm(b1, x, w1.t())
     up = x @ w3.t() if b3 is None else torch.addmm(b3, x, w3.t())
     if drop_act and torch.is_grad_enabled():
-        act = recomputed(partial(swiglu, limit=limit), gate, up)
-        with Dropped(act, partial(swiglu, limit=limit), keep=(gate, up)):
+        activation = partial(swiglu, limit=limit)
+        act = recomputed(activation, gate, up)
+        with Dropped(act, activation, keep=(gate, up)):
             out = act @ w2.t()
     else:
         out = swiglu(gate, up, limit) @ w2.t()

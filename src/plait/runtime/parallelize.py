@@ -68,7 +68,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, layers: list[str],
             plan[""] = PrepareModuleInput(input_layouts=(Replicate(), None),  # full sequence
                                           desired_input_layouts=(Shard(1), None), use_local_output=True)
         parallelize_module(model.layers[name], tp_mesh, plan)
-        if sp:  # the norms' outputs into these are gathered (what `recompute_modules` layernorm drops)
+        if sp:  # the modules whose input is gathered: the block keeps the shard (TransformerBlock.through)
             model.layers[name].gathered = frozenset(k for k in (*ATTENTIONS, "feed_forward")
                                                     if _gathers(plan.get(k)))
         for attn in (a for a in ATTENTIONS if hasattr(model.layers[name], a)):  # weights read by local heads
