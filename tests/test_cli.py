@@ -425,7 +425,7 @@ def test_simulate_names_the_recompute_modules_and_train_refuses_what_mtp_cannot_
     out = " ".join(ANSI.sub("", ok("simulate", "-m", "deepseek-v3", "-c", "32x8xH100-80GB", "-s", "4096", "--strategy",
                                    "tp=2,sp=1,pp=8,dp=16,ep=32,etp=1,gbs=512,zero=1,recompute_modules=mla_up_proj+mlp"
                                    ).stdout).split())
-    assert "recompute modules: mla_up_proj+mlp" in out
+    assert "rcm=mla_up_proj+mlp" in out
     train = ["train", "--nproc", "2", "--steps", "1", "--seq-len", "32"]
     runner = CliRunner()
     for model, strategy in (("llama:layers=2,hidden=64,heads=2,vocab=256,mtp=1", "cp=2,gbs=4"),

@@ -63,15 +63,15 @@ def test_shorthand_and_version_4_files(tmp_path: Path) -> None:
             uniform_plan(f"tp=8,{bad}", model, cluster, 4096)
     raw = json.loads(uniform_plan("tp=8", model, cluster, 4096).to_json())
     raw["version"] = 4
-    for later in ("p2p", "schedule_runs", "ep_overlap", "recompute_modules"):  # later plan fields, absent too
+    for later in ("p2p", "schedule_runs", "ep_overlap"):  # later plan fields, absent too
         raw.pop(later, None)
     for stage in raw["pipelines"][0]["stages"]:
         for st in stage["strategies"]:
-            del st["swap"], st["offload"]
+            del st["swap"], st["offload"], st["recompute_modules"]
     path = tmp_path / "v4.json"
     path.write_text(json.dumps(raw))
     read = load_plan(path)
-    assert read.version == PLAN_VERSION == 9 and read.recompute_modules == ()
+    assert read.version == PLAN_VERSION == 10 and read.pipelines[0].stages[0].strategies[0].recompute_modules == ()
     assert (read.pipelines[0].stages[0].strategies[0].swap, read.pipelines[0].stages[0].strategies[0].offload) \
         == (0.0, "none")
 

@@ -450,45 +450,62 @@ def test_inline_models_take_multi_token_prediction_modules() -> None:
 def test_megatron_recompute_modules_are_priced_where_they_apply(tmp_path) -> None:
     """Each of Megatron's named recompute modules re-runs its part's forward in backward and drops what it kept,
     in the layers it belongs to only, and not under a recompute that repeats the part already."""
-    from plait.cost.recompute_modules import dropped_bytes, modules_time
+    from plait.cost.recompute_modules import changed_by, dropped_bytes, modules_time
     from plait.plan import load_plan
 
     v3 = PRESETS["deepseek-v3"]
     dense, moe = v3.stack[0], v3.stack[-1]
-    s = Strategy(dp=8, tp=2, sp=True, ep=8, etp=1)
+    base = Strategy(dp=8, tp=2, sp=True, ep=8, etp=1)
+    ctx = _context(v3, base)
     tokens = 4096.0
 
-    def ctx(*mods: str) -> BlockContext:
-        return replace(_context(v3, s), recompute_modules=mods)
+    def s(*mods: str) -> Strategy:
+        return Strategy.model_validate({**base.model_dump(), "recompute_modules": mods})
 
     # mla_up_proj: every latent layer's queries, keys and values (q 128 x 192, k 128 x 192, v 128 x 128 per token)
-    assert dropped_bytes(moe, s, tokens, ctx("mla_up_proj")) == tokens * 128 * (192 + 192 + 128) / 2 * 2
-    assert dropped_bytes(dense, s, tokens, ctx("mla_up_proj")) == dropped_bytes(moe, s, tokens, ctx("mla_up_proj"))
-    assert modules_time(moe, s, tokens, ctx("mla_up_proj")) > 0
+    assert dropped_bytes(moe, s("mla_up_proj"), tokens, ctx) == tokens * 128 * (192 + 192 + 128) / 2 * 2
+    assert dropped_bytes(dense, s("mla_up_proj"), tokens, ctx) == dropped_bytes(moe, s("mla_up_proj"), tokens, ctx)
+    assert modules_time(moe, s("mla_up_proj"), tokens, ctx) > 0
     # mlp: the dense layers' MLP only (SwiGLU keeps four ffn-wide tensors)
-    assert dropped_bytes(dense, s, tokens, ctx("mlp")) == tokens * 4 * 18432 / 2 * 2
-    assert dropped_bytes(moe, s, tokens, ctx("mlp")) == 0 and modules_time(moe, s, tokens, ctx("mlp")) == 0
+    assert dropped_bytes(dense, s("mlp"), tokens, ctx) == tokens * 4 * 18432 / 2 * 2
+    assert dropped_bytes(moe, s("mlp"), tokens, ctx) == 0 and modules_time(moe, s("mlp"), tokens, ctx) == 0
     # moe_act: the routed experts' activation output and the product (two expert-wide tensors a routed row)
-    pairs = experts.routed_pairs(moe, s, tokens, ctx("moe_act"))
-    assert dropped_bytes(moe, s, tokens, ctx("moe_act")) == pytest.approx(pairs * 2 * 2048 * 2)
-    assert dropped_bytes(dense, s, tokens, ctx("moe_act")) == 0
+    pairs = experts.routed_pairs(moe, base, tokens, ctx)
+    assert dropped_bytes(moe, s("moe_act"), tokens, ctx) == pytest.approx(pairs * 2 * 2048 * 2)
+    assert dropped_bytes(dense, s("moe_act"), tokens, ctx) == 0
     # layernorm: both norm outputs, sharded by sequence parallelism
-    assert dropped_bytes(moe, s, tokens, ctx("layernorm")) == tokens * 2 * 7168 / 2 * 2
-    full = s.model_copy(update={"recompute": "full"})
-    assert dropped_bytes(moe, full, tokens, ctx("mla_up_proj")) == 0 == modules_time(moe, full, tokens,
-                                                                                         ctx("mla_up_proj"))
+    assert dropped_bytes(moe, s("layernorm"), tokens, ctx) == tokens * 2 * 7168 / 2 * 2
+    assert changed_by(moe) == ("mla_up_proj", "moe_act", "layernorm") and \
+        changed_by(dense) == ("mla_up_proj", "mlp", "layernorm")
+    # a recompute that repeats the parts already takes none
+    with pytest.raises(ValueError, match="recompute none or selective"):
+        Strategy(dp=8, tp=2, recompute="full", recompute_modules=("layernorm",))
+    assert s("layernorm", "mlp") == s("mlp", "layernorm") and s("layernorm", "mlp").recompute_modules == \
+        ("mlp", "layernorm") and s("mlp", "layernorm").short().endswith("rcm=mlp+layernorm")
     # in a whole plan: slower, smaller; the shorthand and the plan file; the runtime takes it as it takes the plan
     cluster = dgx(32, 8, "H100-80GB")
     shorthand = "tp=2,sp=1,pp=8,dp=16,ep=32,etp=1,gbs=512,zero=1"
     plain = uniform_plan(shorthand, v3, cluster, 4096)
-    plan = uniform_plan(shorthand + ",recompute_modules=mla_up_proj+mlp", v3, cluster, 4096)
-    assert plan.recompute_modules == ("mla_up_proj", "mlp") and plain.recompute_modules == ()
+    plan = uniform_plan(shorthand + ",recompute_modules=mlp+mla_up_proj", v3, cluster, 4096)
+    assert plan.pipelines[0].stages[0].strategies[0].recompute_modules == ("mla_up_proj", "mlp")
+    assert plain.pipelines[0].stages[0].strategies[0].recompute_modules == ()
     a, b = simulate(plain, v3, cluster), simulate(plan, v3, cluster)
     assert b.iteration_time_s > a.iteration_time_s and b.peak_memory_gib < a.peak_memory_gib - 5
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
     assert load_plan(path) == plan
+    # a version-9 file gave them once for the plan: read onto the strategies that keep their activations
+    raw = json.loads(uniform_plan(shorthand + ",vpp=2", v3, cluster, 4096).to_json())
+    stages = raw["pipelines"][0]["stages"]
+    stages[1]["strategies"][0]["recompute"] = "full"
+    raw.update(version=9, recompute_modules=["mlp", "mla_up_proj"])
+    path.write_text(json.dumps(raw))
+    read = load_plan(path)
+    assert [st.strategies[0].recompute_modules for st in read.pipelines[0].stages][:3] == \
+        [("mla_up_proj", "mlp"), (), ("mla_up_proj", "mlp")]
     assert unsupported(plan, v3) == unsupported(plain, v3)  # run: tests/test_runtime_recompute_modules.py
-    for bad, why in (("core_attn", "recompute=selective"), ("moe", "is not one of"), ("mlp+mlp", "twice")):
+    for bad, why in (("recompute_modules=core_attn", "recompute=selective"), ("recompute_modules=moe", "is not one of"),
+                     ("recompute_modules=mlp+mlp", "twice"),
+                     ("recompute=full,recompute_modules=mlp", "need recompute none or selective")):
         with pytest.raises(PlaitError, match=why):
-            uniform_plan(f"{shorthand},recompute_modules={bad}", v3, cluster, 4096)
+            uniform_plan(f"{shorthand},{bad}", v3, cluster, 4096)

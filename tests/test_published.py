@@ -367,7 +367,7 @@ def test_moe_rows_are_collected_with_a_held_out_third() -> None:
 def test_moe_rows_the_constants_were_chosen_on() -> None:
     """benchmarks/published_runs.py: median 4.4%, max 25.4% over 11 rows with the norms' and the expert
     activation's recompute that the Qwen3-235B (ModelZoo 'norm, act') and GPT-OSS rows ran priced
-    (`Plan.recompute_modules`); median 3.7%, max 26.6% with the A/B's overlap-on row (+0.0%, the
+    (`Strategy.recompute_modules`); median 3.7%, max 26.6% with the A/B's overlap-on row (+0.0%, the
     share of a paired exchange Megatron's expert-parallel overlap hides, 0.46, read from it); median 6.8%, max
     26.6% over 10 rows with the dispatchers' fixed cost of each
     token exchange (0.29 ms, from the Qwen3-30B-A3B A/B's profile, the tenth row: +0.0%), the expert GEMMs' host
@@ -466,7 +466,7 @@ def test_gpt_oss_rows_reduce_gradients_in_bf16_and_stay_over_20_percent_fast() -
     on NeMo AutoModel (FSDP2, DeepEP, FlexAttention; 64 H100) is predicted within 8.4%, and GPT-OSS 20B there within
     0.2%: what is missing belongs to Megatron-Bridge's path, not to the model's shape. With the dispatchers' fixed
     cost of each token exchange (0.29 ms, 4 a layer and micro-batch): +23.0..26.9%. With the recompute of the
-    norms and the expert activation their configs set (`Plan.recompute_modules` layernorm+moe_act): +21.8..25.7%."""
+    norms and the expert activation their configs set (`Strategy.recompute_modules` layernorm+moe_act): +21.8..25.7%."""
     errors = sorted(e for run, e in MOE if run.model.name == "gpt-oss-120b" and "Megatron-Bridge" in run.source)
     assert [round(e, 3) for e in errors] == [0.218, 0.22, 0.223, 0.254, 0.257]
 
@@ -640,7 +640,8 @@ def test_deepseek_v3_with_its_mtp_module_and_module_recompute_on_1024_h100() -> 
     prediction module in its own last chunk (layout Et|(tt|)*30mL), the latent up-projections and the dense MLPs
     recomputed (`recompute_modules` mla_up_proj+mlp), HybridEP priced as the deepep dispatcher: 58.29 s, -5.6%."""
     (run, e), = [(run, e) for run, e in MOE if run.model.name == "deepseek-v3-mtp"]
-    assert run.held_out and run.model.mtp_layers == 1 and run.plan.recompute_modules == ("mla_up_proj", "mlp")
+    assert run.held_out and run.model.mtp_layers == 1 and run.plan.pipelines[0].stages[0].strategies[0].recompute_modules == \
+        ("mla_up_proj", "mlp")
     assert not run.plan.overlap_grad_reduce and run.plan.chunks == 4
     assert [st.layers[1] - st.layers[0] for st in run.plan.pipelines[0].stages][-1] == 1  # the module alone
     assert round(e, 3) == -0.056

@@ -1,5 +1,5 @@
-"""Megatron-LM's module-wise recompute in the runtime (`Plan.recompute_modules`: layernorm, moe_act, mla_up_proj,
-mlp). What a layer stops keeping for backward is what `plait.cost.recompute_modules.dropped_bytes` prices, each
+"""Megatron-LM's module-wise recompute in the runtime (`Strategy.recompute_modules`: layernorm, moe_act,
+mla_up_proj, mlp). What a layer stops keeping for backward is what `plait.cost.recompute_modules.dropped_bytes` prices, each
 difference named; the gradients are bitwise those without it; and plans with it train to the single-process
 losses under tensor+sequence, expert, context and pipeline parallelism and ZeRO-3 (gloo, real torchrun launches,
 fp32; see tests/test_runtime.py)."""
@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from test_runtime import text  # noqa: F401 (a fixture)
+from test_runtime import SEQ as RUN_SEQ
 from test_runtime import _losses, assert_same, reference_losses, train_together
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -20,7 +21,7 @@ from plait.cost.layer import BlockContext
 from plait.cost.precision import PRECISIONS
 from plait.cost.recompute_modules import dropped_bytes
 from plait.executable import unsupported
-from plait.plan import Strategy, uniform_plan
+from plait.plan import Plan, Strategy, uniform_plan
 from plait.spec.cluster import dgx, local_ranks
 from plait.spec.layers import Block
 from plait.spec.model import load_model
@@ -62,7 +63,7 @@ def _kept(spec: str, layer: str, mode: str, modules: tuple[str, ...], dtype: str
     torch.manual_seed(0)
     model_spec = load_model(spec)
     model = build_model(model_spec)
-    apply_recompute_modules(model, modules, mode, list(model.layers))
+    apply_recompute_modules(model, modules, list(model.layers))
     apply_ac(model, mode, list(model.layers))
     apply_swap(model, swap, list(model.layers))
     meter = _SavedMeter(model, model.layers[layer]) if not swap else None
@@ -77,8 +78,9 @@ def _priced(spec: str, layer: str, mode: str, modules: tuple[str, ...], dtype: s
     """Bytes per token the cost model says `layer` no longer keeps with `modules` (one device)."""
     model = load_model(spec)
     ctx = BlockContext(model, dgx(1, 8, "A100-80GB"), DEFAULT_CALIBRATION, PRECISIONS[dtype], SEQ, SEQS,
-                       comm.SINGLE, comm.SINGLE, comm.SINGLE, recompute_modules=modules)
-    return dropped_bytes(model.stack[int(layer)], Strategy(recompute=mode), SEQS * SEQ, ctx) / (SEQS * SEQ)
+                       comm.SINGLE, comm.SINGLE, comm.SINGLE)
+    s = Strategy(recompute=mode, recompute_modules=modules)  # type: ignore[arg-type]
+    return dropped_bytes(model.stack[int(layer)], s, SEQS * SEQ, ctx) / (SEQS * SEQ)
 
 
 Cause = Callable[[Block, int], float]
@@ -149,13 +151,24 @@ def test_a_swap_moves_the_inputs_tensors_are_made_from(spec: str) -> None:
                                     SEQ), model) is None
 
 
+def _first_layer_only(model: str, strategy: str) -> Plan:
+    """The uniform plan of `strategy` on 2 ranks with its recompute modules in the first layer only."""
+    plan = uniform_plan(strategy, load_model(model), local_ranks(2), RUN_SEQ)
+    (stage,) = plan.pipelines[0].stages
+    s = stage.strategies[0]
+    layers = [s] + [s.model_copy(update={"recompute_modules": ()})] * (stage.num_layers - 1)
+    pipe = plan.pipelines[0].model_copy(update={"stages": (stage.model_copy(update={"strategies": tuple(layers)}),)})
+    return plan.model_copy(update={"pipelines": (pipe,)})
+
+
 MODELS = {"tiny-deepseek": 4, "tiny-gpt-oss": 4, "tiny-llama": 4}
 ALL = "recompute_modules=layernorm+moe_act+mla_up_proj+mlp"
 TWO_RANKS = {  # name: (model, --strategy)
     "deepseek tp2+sp ep2 all": ("tiny-deepseek", f"tp=2,sp=1,ep=2,etp=1,gbs=4,{ALL}"),  # gathered norm outputs
     "deepseek ulysses cp2 selective": ("tiny-deepseek", f"cp=2,recompute=selective,gbs=4,{ALL}"),  # a2a rebuilt
     "gpt-oss tp2+sp etp2 norm+act": ("tiny-gpt-oss", "tp=2,sp=1,gbs=4,recompute_modules=layernorm+moe_act"),
-    "llama dp2 zero3 norm+mlp": ("tiny-llama", "dp=2,zero=3,gbs=4,recompute_modules=layernorm+mlp"),
+    "llama dp2 zero3 norm+mlp in layer 0": ("tiny-llama", _first_layer_only(
+        "tiny-llama", "dp=2,zero=3,gbs=4,recompute_modules=layernorm+mlp")),  # per layer: FSDP units of each
 }
 FOUR_RANKS = {
     "deepseek pp2 x dp2 ep2 all": ("tiny-deepseek", f"pp=2,dp=2,ep=2,mbs=1,gbs=4,{ALL}"),

@@ -39,7 +39,7 @@ def tied_ends_alike(pipe: Pipeline) -> bool:
     first, last = pipe.stages[0], pipe.stages[-1]
     a, b = first.strategies[0], last.strategies[-1]
     return len(first.ranks) == len(last.ranks) and \
-        a.model_copy(update={"recompute": "none"}) == b.model_copy(update={"recompute": "none"})
+        a.without_recompute() == b.without_recompute()
 
 
 def tied_copies(plan: Plan) -> bool:

@@ -322,6 +322,9 @@ def strategy_problem(s: Strategy, sequence_parallel: bool) -> str | None:
         return "uses ZeRO-1, which Galvatron lacks (ddp, zero2 or zero3); use zero 0, 2 or 3"
     if s.recompute in ("selective", "attn_kept", "gemm_kept"):
         return f"uses {s.recompute} recomputation; Galvatron recomputes whole blocks or nothing"
+    if s.recompute_modules:
+        return (f"recomputes Megatron-LM's modules {'+'.join(s.recompute_modules)}; Galvatron recomputes whole "
+                "blocks or nothing")
     if s.ep > 1 or s.etp or s.moe_comm != "alltoall":
         return "lays out experts (ep, etp, LSH-MoE), which Galvatron 2.4.0 has no model or strategy for"
     if s.shard:
@@ -386,7 +389,7 @@ def galvatron_limits(limits: SpaceLimits, sequence_parallel: bool, default_dp_ty
     `default_dp_type` (ddp: 0, zero2: 2) or 3 (SDP), and `strategy_problem`'s per-layer rules."""
     if default_dp_type not in DEFAULT_DP_TYPES:
         raise PlaitError(f"default_dp_type must be one of {', '.join(DEFAULT_DP_TYPES)}, got {default_dp_type!r}")
-    return replace(limits, zero_stages=(_DP_TYPES[default_dp_type], 3), interleaved=False,
+    return replace(limits, zero_stages=(_DP_TYPES[default_dp_type], 3), interleaved=False, recompute_modules=False,
                    allow=partial(_layer_expressible, sequence_parallel=sequence_parallel))
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from plait.cached_hash import cached_hash
 from plait.errors import PlaitError
@@ -57,8 +57,13 @@ RecomputeModule = Literal["mla_up_proj", "mlp", "moe_act", "layernorm"]
 RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
 """Megatron-LM's named recompute modules plait prices (`plait.cost.recompute_modules`); its `core_attn` is
 plait's recompute=selective."""
-PLAN_VERSION = 9
-"""Version of the plan file. 9: the plan's `recompute_modules` (absent in older files: none). 8: the plan's
+KEEPS_ACTIVATIONS: tuple[str, ...] = ("none", "selective")
+"""Recompute modes under which a layer keeps its activations, so that recompute modules can drop some (the
+others recompute the modules' parts already)."""
+PLAN_VERSION = 10
+"""Version of the plan file. 10: `recompute_modules` belong to each strategy (version 9 gave them once for the
+plan: they are read onto every strategy whose recompute is none or selective). 9: the plan's
+`recompute_modules` (absent in older files: none). 8: the plan's
 `ep_overlap` (absent in older files: False). 7: the plan's
 `schedule_runs` (absent: 1). 6: the plan's `p2p`, how stages exchange activations (absent in older files:
 "async", plait's runtime) and the MoE token `dispatcher` and `routing` (absent: "alltoall", "random").
@@ -74,6 +79,26 @@ pipeline's micro-batch is `micro_batch_sequences` (version 1 called it `micro_ba
 MAX_MICRO_BATCH_STAGES = 2**20
 """Most micro-batches x stages of one pipeline that plait prices or runs (the simulator keeps every
 micro-batch's ops: about 1 KB each)."""
+
+
+def _modules_onto_strategies(raw: dict) -> dict:
+    """A version-9 plan file's plan-wide `recompute_modules` on each of its strategies whose recompute is none
+    or selective (where Megatron-LM applies them, as version 9 priced them)."""
+    modules = raw["recompute_modules"]
+
+    def onto(s: object) -> object:
+        if not isinstance(s, dict) or s.get("recompute", "none") not in KEEPS_ACTIVATIONS:
+            return s
+        return {**s, "recompute_modules": modules}
+
+    def stage(st: object) -> object:
+        return {**st, "strategies": [onto(s) for s in st.get("strategies", [])]} if isinstance(st, dict) else st
+
+    def pipeline(p: object) -> object:
+        return {**p, "stages": [stage(st) for st in p.get("stages", [])]} if isinstance(p, dict) else p
+
+    rest = {k: v for k, v in raw.items() if k != "recompute_modules"}
+    return {**rest, "pipelines": [pipeline(p) for p in raw.get("pipelines", [])]}
 
 
 @lru_cache(maxsize=1024)
@@ -101,11 +126,12 @@ class Strategy(BaseModel):
 
     moe_comm: MoeComm = Field("alltoall", description="how an MoE layer's routed tokens reach its experts: "
                                "alltoall (every token) or lsh (LSH-MoE: centroids of hashed token buckets)")
-
-    @property
-    def expert_tp(self) -> int:
-        """Expert tensor-parallel degree in effect (etp, or tp when etp is 0)."""
-        return self.etp or self.tp
+    recompute_modules: tuple[RecomputeModule, ...] = Field((), description="Megatron-LM's module-wise selective "
+                                                           "recompute (--recompute-modules), for recompute none or "
+                                                           "selective: the named parts of the layer drop what they "
+                                                           "keep for backward and run again there (modules the "
+                                                           "layer lacks change nothing; "
+                                                           "plait.cost.recompute_modules, plait.models.dropped)")
     shard: int = Field(0, ge=0, description="ranks ZeRO shards over: 0 all dp*cp ranks holding the weights, else "
                                             "a shard group of that size replicated over the rest (HSDP)")
     swap: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False,
@@ -118,6 +144,26 @@ class Strategy(BaseModel):
                                                  "backward (ZeRO-Infinity, FSDP2's CPUOffloadPolicy); nvme: "
                                                  "as params, the states on the node's NVMe")
 
+    @field_validator("recompute_modules")
+    @classmethod
+    def _module_order(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        """Each module once, in RECOMPUTE_MODULES' order (one strategy, one spelling)."""
+        if len(set(names)) != len(names):
+            raise ValueError(f"recompute_modules names a module twice ({'+'.join(names)}); give each once")
+        return tuple(sorted(names, key=RECOMPUTE_MODULES.index))
+
+    @model_validator(mode="after")
+    def _modules_kept(self) -> Strategy:
+        if self.recompute_modules and self.recompute not in KEEPS_ACTIVATIONS:
+            raise ValueError(f"recompute_modules need recompute none or selective; recompute={self.recompute} "
+                             "runs those modules again already (drop recompute_modules)")
+        return self
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel degree in effect (etp, or tp when etp is 0)."""
+        return self.etp or self.tp
+
     @property
     def degrees(self) -> Degrees:
         """The layer's degrees over its stage (the one object that gives coordinates and groups)."""
@@ -126,6 +172,10 @@ class Strategy(BaseModel):
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.cp
+
+    def without_recompute(self) -> Strategy:
+        """This strategy recomputing nothing (the same layout and states)."""
+        return self.model_copy(update={"recompute": "none", "recompute_modules": ()})
 
     @property
     def ring(self) -> bool:
@@ -151,6 +201,8 @@ class Strategy(BaseModel):
             parts.append(f"shard{self.shard}")
         if self.recompute != "none":
             parts.append(f"rc={self.recompute}")
+        if self.recompute_modules:
+            parts.append(f"rcm={'+'.join(self.recompute_modules)}")
         if self.swap:
             parts.append(f"swap={self.swap:g}")
         if self.offload != "none":
@@ -255,6 +307,8 @@ class Plan(BaseModel):
             raw = {**raw, "pipelines": [
                 {("micro_batch_sequences" if k == "micro_batch_size" else k): v for k, v in p.items()}
                 if isinstance(p, dict) else p for p in raw.get("pipelines", [])]}
+        if version == 9 and "recompute_modules" in raw:
+            raw = _modules_onto_strategies(raw)
         return {**raw, "version": PLAN_VERSION}  # versions 2 -> ... -> 8 add fields with defaults
 
     version: int = PLAN_VERSION
@@ -292,11 +346,6 @@ class Plan(BaseModel):
                              "compute: Megatron-LM's --overlap-moe-expert-parallel-comm, which pairs each "
                              "steady-state forward with an earlier micro-batch's backward (priced, "
                              "Calibration.ep_overlap_hidden; the runtime does not overlap them and refuses it)")
-    recompute_modules: tuple[RecomputeModule, ...] = Field((), description="Megatron-LM's module-wise selective "
-                                                           "recompute (--recompute-modules) in every layer whose "
-                                                           "strategy recomputes none or the attention core "
-                                                           "(plait.cost.recompute_modules; the runtime drops and "
-                                                           "rebuilds the same tensors, plait.models.dropped)")
     pipelines: tuple[Pipeline, ...] = Field(min_length=1)
 
     def own_schedule(self, pipeline: int) -> bool:
@@ -618,8 +667,9 @@ def _choice(d: dict[str, str], key: str, allowed: tuple[str, ...], default: str 
     return value
 
 
-def _recompute_modules(d: dict[str, str]) -> tuple[str, ...]:
-    """The shorthand's `recompute_modules`: Megatron's module names joined by `+` (none when absent)."""
+def _recompute_modules(d: dict[str, str], recompute: str) -> tuple[str, ...]:
+    """The shorthand's `recompute_modules`: Megatron's module names joined by `+` (none when absent), for a
+    strategy of recompute mode `recompute`."""
     names = tuple(n.strip() for n in d.get("recompute_modules", "").split("+") if n.strip())
     for name in names:
         if name == "core_attn":
@@ -629,6 +679,9 @@ def _recompute_modules(d: dict[str, str]) -> tuple[str, ...]:
                              "join several with +")
     if len(set(names)) != len(names):
         raise PlaitError(f"--strategy: recompute_modules names a module twice ({'+'.join(names)}); give each once")
+    if names and recompute not in KEEPS_ACTIVATIONS:
+        raise PlaitError(f"--strategy: recompute_modules need recompute none or selective; recompute={recompute} "
+                         "runs those modules again already (drop recompute_modules)")
     return names
 
 
@@ -668,7 +721,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int, va
     LSH-MoE compression of the routed tokens), expert_load, dispatcher (alltoall|deepep) and routing
     (random|contiguous) (see Plan), shard (ZeRO's shard group, HSDP: 0 all of dp*cp), schedule_runs (pipeline
     schedules a step, see Plan), ep_overlap (0|1: Megatron's expert-parallel overlap, see Plan),
-    recompute_modules (Megatron's named modules joined by +, e.g. mla_up_proj+mlp, see Plan), swap (share of
+    recompute_modules (Megatron's named modules joined by +, e.g. mla_up_proj+mlp, see Strategy), swap (share of
     saved activations swapped to host), offload (none|optim|params|nvme), and optionally schedule, cp_mode,
     precision, grad_reduce (auto|fp32|bf16), p2p (runtime, the default: as the runtime's schedules exchange,
     Plan.runtime_p2p; async|megatron|torch), overlap. dp defaults to the devices left by tp*pp*cp; gbs to 4*pp
@@ -707,7 +760,7 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int, va
     strategy = Strategy(dp=dp, tp=tp, cp=cp, sp=_bool(d, "sp", False), cp_mode=cp_mode, zero=zero,
                         recompute=recompute, ep=_int(d, "ep", 1), etp=_int(d, "etp", 0),  # type: ignore[arg-type]
                         shard=_int(d, "shard", 0), moe_comm=moe_comm, swap=_swap(d),  # type: ignore[arg-type]
-                        offload=offload)
+                        offload=offload, recompute_modules=_recompute_modules(d, recompute))  # type: ignore[arg-type]
     stages = _uniform_stages(model.layers, pp, vpp, strategy)
     plan = Plan(model=model.name, seq_len=seq_len, global_batch=gbs, schedule=schedule, chunks=vpp,  # type: ignore[arg-type]
                 precision=precision, overlap_grad_reduce=_bool(d, "overlap", True),  # type: ignore[arg-type]
@@ -717,7 +770,6 @@ def uniform_plan(text: str, model: ModelSpec, cluster: Cluster, seq_len: int, va
                 grad_reduce=grad_reduce,  # type: ignore[arg-type]
                 p2p="async" if p2p == "runtime" else p2p,  # type: ignore[arg-type]
                 schedule_runs=_int(d, "schedule_runs", 1), ep_overlap=_bool(d, "ep_overlap", False),
-                recompute_modules=_recompute_modules(d),  # type: ignore[arg-type]
                 pipelines=(Pipeline(stages=stages, micro_batches=gbs // (mbs * dp),
                                     micro_batch_sequences=mbs * dp),))
     if p2p == "runtime":

@@ -222,8 +222,7 @@ def _layer_context(plan: Plan, pipe_index: int, stage: Stage, s: Strategy, layer
     return _across_pipelines(
         BlockContext.for_ranks(model, cluster, cal, prec, plan.seq_len, plan.pipelines[pipe_index].per_replica(s),
                                s, stage.ranks, _dp_ranks(plan, layer, s, stage.ranks), plan.expert_load,
-                               plan.dispatcher, plan.routing, exchange_hidden(plan, pipe_index, cal),
-                               plan.recompute_modules),
+                               plan.dispatcher, plan.routing, exchange_hidden(plan, pipe_index, cal)),
         plan, layer, s, stage)
 
 

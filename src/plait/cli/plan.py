@@ -39,6 +39,10 @@ ExpertLoadOpt = Annotated[float, typer.Option(
 LshOpt = Annotated[bool, typer.Option(
     "--lsh", help="MoE layers with expert parallelism may send LSH-MoE centroids instead of every token "
                   "(changes the model's numerics)")]
+RecomputeModulesOpt = Annotated[bool, typer.Option(
+    "--recompute-modules", help="layers that keep their activations may also drop Megatron-LM's recompute "
+                                "modules' (norms, experts' activation, latent up-projections, dense MLP) and "
+                                "run them again in backward (searches ~30% longer)")]
 HostMemoryOpt = Annotated[bool, typer.Option(
     "--host-memory", help="also search swapping activations to host (swap 0.5, 1), offloading the "
                           "optimizer to the host CPU and paging parameters in from it (offload=optim, "
@@ -56,6 +60,7 @@ class _Problem:
     precision: str
     expert_load: float = 1.0
     lsh: bool = False
+    recompute_modules: bool = False  # the search may choose recompute modules per layer
     galvatron: bool = False  # only plans Galvatron can run
     galvatron_sp: bool = False  # ... launched with --sequence-parallel
 
@@ -93,6 +98,7 @@ def plan_cmd(
     host_memory: HostMemoryOpt = False,
     expert_load: ExpertLoadOpt = 1.0,
     lsh: LshOpt = False,
+    recompute_modules: RecomputeModulesOpt = False,
 ) -> None:
     """Search the fastest plan that fits (or run a baseline planner)."""
     from plait.report import Alternatives
@@ -106,8 +112,8 @@ def plan_cmd(
         seq = seq_len if seq_len is not None else m.max_seq_len
         _check_options(seq, global_batch, baseline, precision, expert_load)
         _check_galvatron(galvatron_expressible, galvatron_file is not None, galvatron_sp, baseline, bool(slow),
-                         lsh, precision)
-        problem = _Problem(m, c, cal, seq, global_batch, precision, expert_load, lsh,
+                         lsh or recompute_modules, precision)
+        problem = _Problem(m, c, cal, seq, global_batch, precision, expert_load, lsh, recompute_modules,
                            galvatron_expressible, galvatron_sp)
         found = _find(problem, baseline, compare, bool(slow), host_memory, collected)
         if found.chosen is None:
@@ -122,7 +128,7 @@ def plan_cmd(
 
 
 def _check_galvatron(expressible: bool, exported: bool, sequence_parallel: bool, baseline: str | None, slow: bool,
-                     lsh: bool, precision: str) -> None:
+                     beyond: bool, precision: str) -> None:
     """--galvatron-expressible restricts the search; options that plan otherwise are refused with it, and so
     is a precision Galvatron does not train in (with it or --galvatron-out)."""
     from plait.galvatron import GALVATRON_PRECISIONS
@@ -134,7 +140,8 @@ def _check_galvatron(expressible: bool, exported: bool, sequence_parallel: bool,
         raise PlaitError("--galvatron-sequence-parallel says how Galvatron will run the searched plan; give it "
                          "with --galvatron-expressible")
     if expressible:
-        for given, option in ((baseline is not None, "--baseline"), (slow, "--slow"), (lsh, "--lsh")):
+        for given, option in ((baseline is not None, "--baseline"), (slow, "--slow"),
+                              (beyond, "--lsh or --recompute-modules")):
             if given:
                 raise PlaitError(f"--galvatron-expressible restricts the search, which {option} goes beyond; "
                                  f"drop one of them")
@@ -203,6 +210,8 @@ def _search(q: _Problem, slow: bool, host_memory: bool, collected: Alternatives 
     limits = replace(DEFAULT_LIMITS, **HIERARCHY) if host_memory else DEFAULT_LIMITS
     if q.lsh:
         limits = replace(limits, moe_comm=("alltoall", "lsh"))
+    if q.recompute_modules:
+        limits = replace(limits, recompute_modules=True)
     spaces: list[tuple[SpaceLimits, Callable[[Plan], bool] | None]] = [(limits, None)]
     if q.galvatron:  # once per Galvatron default_dp_type (one for the whole model); the faster plan wins
         from plait.galvatron import DEFAULT_DP_TYPES, expressible, galvatron_limits

@@ -38,10 +38,8 @@ def print_report(report: Report, plan: Plan, model: ModelSpec, cluster: Cluster)
               f"seq {plan.seq_len}, global batch {plan.global_batch}, {plan.precision}")
     tokens = f"; routed tokens: {plan.dispatcher}{', ep overlap' if plan.ep_overlap else ''}" \
         if model.has_experts else ""
-    modules = f"; recompute modules: {'+'.join(plan.recompute_modules)}" if plan.recompute_modules else ""
     out.print(f"plan: {len(pipes)} pipeline(s), pp={plan.pp}, chunks={plan.chunks}, "
-              f"schedule={plan.schedule}, micro-batches {micro} seqs; layers: {'; '.join(strategies)}{tokens}"
-              f"{modules}")
+              f"schedule={plan.schedule}, micro-batches {micro} seqs; layers: {'; '.join(strategies)}{tokens}")
     _print_headline(report)
     bd = Table(title="time of the slowest device by cause", box=box.SIMPLE_HEAD)
     bd.add_column("cause")

@@ -81,7 +81,6 @@ class BlockContext:
     dispatcher: str = "alltoall"  # how routed tokens travel (plan.dispatcher): "alltoall" or "deepep"
     routing: str = "random"  # which experts a token picks (plan.routing): "random" or "contiguous"
     ep_hidden: float = 0.0  # share of the token exchange hidden behind another micro-batch (plan.ep_overlap)
-    recompute_modules: tuple[str, ...] = ()  # Megatron's module-wise recompute (plan.recompute_modules)
     pipeline_dp: int = 0  # several pipelines: the ranks of this pipeline's stage that shard the weights (0: one
     # pipeline); weights and gradients shard over these alone (`plait.runtime.replica_zero`)
     states_alike: bool = True  # several pipelines hold the layer in one shape: the optimizer state shards over
@@ -91,13 +90,13 @@ class BlockContext:
     def for_ranks(model: ModelSpec, cluster: Cluster, cal: Calibration, prec: PrecisionBytes, seq_len: int,
                   seqs: int, s: Strategy, ranks: tuple[int, ...], dp_ranks: tuple[int, ...],
                   expert_load: float = 1.0, dispatcher: str = "alltoall", routing: str = "random",
-                  ep_hidden: float = 0.0, recompute_modules: tuple[str, ...] = ()) -> BlockContext:
+                  ep_hidden: float = 0.0) -> BlockContext:
         """The context of strategy `s` on a stage's `ranks` (Megatron order: tp fastest, then cp, then dp;
         experts: etp, ep, edp); `dp_ranks` are the ranks sharing its weights (under HSDP cut into shard and
         replicate groups)."""
         groups = _group_shapes(s.degrees, tuple(ranks), tuple(dp_ranks), cluster.gpus_per_node, model.has_experts)
         return BlockContext(model, cluster, cal, prec, seq_len, seqs, *groups, expert_load, dispatcher, routing,
-                            ep_hidden, recompute_modules=recompute_modules)
+                            ep_hidden)
 
 
 @lru_cache(maxsize=65536)
@@ -245,7 +244,7 @@ class _Work:
     ep: float  # one pass's expert dispatch and combine
 
 
-_SPLIT_ONLY = {"zero": 0, "recompute": "none", "shard": 0, "swap": 0.0, "offload": "none"}
+_SPLIT_ONLY = {"zero": 0, "recompute": "none", "recompute_modules": (), "shard": 0, "swap": 0.0, "offload": "none"}
 
 
 @lru_cache(maxsize=4096)

@@ -11,7 +11,7 @@ sequences per micro-batch and the shapes of the tensor, context and data-paralle
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
@@ -34,6 +34,9 @@ from plait.plan import Strategy
 from plait.spec.layers import Block
 
 Edge = Literal["embedding", "head"]
+NO_TIME = BlockTime(forward=0.0, backward=0.0, recompute=0.0, tp_comm=0.0, cp_comm=0.0, zero_comm=0.0,
+                    forward_comm=0.0)
+"""No seconds: the time of `_held_states`, which prices bytes and synchronisation only."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,18 @@ def updated_params(params: float, s: Strategy, ctx: BlockContext, group: comm.Gr
 def price(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
     """Time and memory terms of `block` under `s` in the run `ctx` (see LayerCost). An MoE layer's routed
     experts are held experts/ep per rank, 1/etp of each, and shared by the expert data-parallel group."""
+    kept = s.without_recompute()
+    states = _held_states(block, kept, ctx)
+    working = _whole_activation_bytes(block, kept, ctx) if s.recompute != "none" else 0.0
+    activation = block_activation_bytes(block, s, ctx)
+    return replace(states, time=block_time(block, s, ctx), activation=offload.resident_activation(activation, s),
+                   working=working, swapped=offload.swapped_activation(activation, s))
+
+
+@lru_cache(maxsize=8192)
+def _held_states(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
+    """`price`'s model states, buffers and synchronisation of `block` under `s` (which recomputes nothing:
+    every recompute mode of a layout holds the same), its time and activations left empty."""
     parts = experts.held_params(block, s, ctx)
     params = sum(held for held, _ in parts)
     w = g = o = reduce_t = gather_t = gathered = 0.0
@@ -120,18 +135,20 @@ def price(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
         if s.zero == 3 and group.size > 1:  # ZeRO-3 keeps the current and the prefetched layer unsharded
             gathered += 2 * held * (ctx.prec.param + ctx.prec.grad)
     w, g, o = (x * _measured_states(block.kind, s, ctx) for x in (w, g, o))
-    working = block_activation_bytes(block, s, ctx, "none") if s.recompute != "none" else 0.0
-    activation = block_activation_bytes(block, s, ctx)
     g, o, states = offload.offloaded_states(g, o, s, ctx.prec)
     gathered += offload.paged_buffers(params, s, ctx.prec, gathered)
     w, paged = offload.paged_weights(w, s)
     host, nvme = offload.placed(states + paged, s)
     gather_t += offload.weights_back_time(params, s, ctx.cluster, ctx.prec, _shards(s, ctx))
-    return LayerCost(time=block_time(block, s, ctx), params=params, weights=w, gradients=g, optimizer=o,
-                     activation=offload.resident_activation(activation, s), working=working, buffers=gathered,
-                     grad_reduce=reduce_t, param_gather=gather_t, host=host, nvme=nvme,
-                     swapped=offload.swapped_activation(activation, s),
-                     updated=sum(updated_params(held, s, ctx, group) for held, group in parts))
+    return LayerCost(time=NO_TIME, params=params, weights=w, gradients=g, optimizer=o, activation=0.0,
+                     working=0.0, buffers=gathered, grad_reduce=reduce_t, param_gather=gather_t, host=host,
+                     nvme=nvme, updated=sum(updated_params(held, s, ctx, group) for held, group in parts))
+
+
+@lru_cache(maxsize=8192)
+def _whole_activation_bytes(block: Block, s: Strategy, ctx: BlockContext) -> float:
+    """Bytes `block` keeps for backward under `s` without recompute: a recomputing layer's transient."""
+    return block_activation_bytes(block, s, ctx, "none")
 
 
 def _shards(s: Strategy, ctx: BlockContext) -> int:

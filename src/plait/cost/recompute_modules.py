@@ -1,7 +1,7 @@
 """Megatron-LM's module-wise selective recompute (`--recompute-granularity selective --recompute-modules`,
-`Plan.recompute_modules`): named parts of a layer drop what they keep for backward and run their forward
-again there. Priced for the layers whose own strategy keeps their activations (recompute none, or selective:
-the attention core, Megatron's `core_attn`); full, attn_kept and gemm_kept recompute more already.
+`Strategy.recompute_modules`): named parts of a layer drop what they keep for backward and run their forward
+again there. Only strategies that keep their activations take them (recompute none, or selective: the
+attention core, Megatron's `core_attn`); full, attn_kept and gemm_kept recompute more already.
 
     mla_up_proj  latent attention's up-projections: queries, keys and values (after rotary) are not kept; the
                  q_up and kv_up GEMMs run again before the attention core's backward (Megatron-Core
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from plait.cost import experts
 from plait.cost.compute import elementwise_time, gemm_time
-from plait.plan import Strategy
+from plait.plan import RECOMPUTE_MODULES, Strategy
 from plait.spec.layers import GATED_MLP_SAVED, UNGATED_MLP_SAVED, Block
 
 if TYPE_CHECKING:
@@ -34,44 +34,47 @@ MLP_GEMMS = ("mlp_up", "mlp_down")
 NORMED_INPUTS = 2
 """Hidden-wide norm outputs a layer keeps (into the attention and into the MLP projections), dropped by
 `layernorm`."""
-KEEPS_STRATEGY = ("none", "selective")
-"""Strategy recompute modes the modules add to (the others recompute the modules' parts already)."""
+ELEMENTWISE_MODULES = ("layernorm", "moe_act")
+"""Modules that run only elementwise work again (no GEMM): the cheapest bytes to drop."""
 
 
-def applies(s: Strategy, ctx: BlockContext) -> bool:
-    """Whether the plan's recompute modules change a layer of strategy `s`."""
-    return bool(ctx.recompute_modules) and s.recompute in KEEPS_STRATEGY
+def changed_by(block: Block) -> tuple[str, ...]:
+    """The recompute modules that change `block` (in RECOMPUTE_MODULES' order): `layernorm` where it has
+    attention, `moe_act` in MoE layers, `mla_up_proj` under latent attention, `mlp` where its MLP is dense."""
+    changes = {"layernorm": block.has_attention, "moe_act": block.kind == "moe", "mla_up_proj": block.latent,
+               "mlp": _dense_mlp(block)}
+    return tuple(m for m in RECOMPUTE_MODULES if changes[m])
 
 
 def modules_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> float:
-    """Seconds of forward the plan's recompute modules run again in the backward of `block` under `s`
+    """Seconds of forward the strategy's recompute modules run again in the backward of `block` under `s`
     (`tokens`: the device's tokens outside attention)."""
-    if not applies(s, ctx):
+    if not s.recompute_modules:
         return 0.0
     gpu, cal, eb = ctx.cluster.gpu, ctx.cal, ctx.prec.activation
     peak = ctx.prec.peak_flops(gpu)
     rows = max(1, int(tokens))
-    names = _gemm_names(block, ctx.recompute_modules)
+    names = _gemm_names(block, s.recompute_modules)
     seconds = 0.0
     for g in (g for g in block.gemms if g.name in names):
         k, n = g.shard(s.tp)
         seconds += g.count * gemm_time(rows, n, k, gpu, cal, peak, eb)
     elements = 0.0
-    if "mlp" in ctx.recompute_modules and _dense_mlp(block):
+    if "mlp" in s.recompute_modules and _dense_mlp(block):
         elements += tokens * (3 if block.gated_mlp else 2) * block.ffn / s.tp  # the activation: read, write
-    if "moe_act" in ctx.recompute_modules and block.kind == "moe":
+    if "moe_act" in s.recompute_modules and block.kind == "moe":
         pairs = experts.routed_pairs(block, s, tokens, ctx)
         elements += pairs * (3 if block.gated_mlp else 2) * block.expert_ffn / s.expert_tp
-    if "layernorm" in ctx.recompute_modules and block.has_attention:
+    if "layernorm" in s.recompute_modules and block.has_attention:
         elements += NORMED_INPUTS * 2 * tokens * block.hidden / (s.tp if s.sp else 1)  # read, write each
     return seconds + (elementwise_time(elements * eb, gpu, cal) if elements else 0.0)
 
 
 def dropped_bytes(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> float:
-    """Bytes `block` no longer keeps for backward under `s` for the plan's recompute modules."""
-    if not applies(s, ctx):
+    """Bytes `block` no longer keeps for backward under `s` for the strategy's recompute modules."""
+    if not s.recompute_modules:
         return 0.0
-    eb, mods = ctx.prec.activation, ctx.recompute_modules
+    eb, mods = ctx.prec.activation, s.recompute_modules
     per_token = 0.0
     if "mla_up_proj" in mods and block.latent:
         per_token += (block.q_dim + block.k_dim + block.v_dim) / s.tp

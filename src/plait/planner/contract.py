@@ -285,7 +285,7 @@ def shape_parts(plan: Plan) -> tuple[str, ...]:
         parts.append("uneven widths")
     if any(1 < len(p.stages) // plan.chunks > p.micro_batches for p in pipes):
         parts.append("short")
-    if any(len({s.model_copy(update={"recompute": "none"}) for s in st.strategies}) > 1
+    if any(len({s.without_recompute() for s in st.strategies}) > 1
            for p in pipes for st in p.stages):
         parts.append("mixed")
     if model.tied_embeddings and not all(tied_ends_alike(p) for p in pipes):

@@ -282,11 +282,12 @@ class _Config:
             # largest such transient, and keep the faster.
             present = sorted(set(kinds))
             pools = {k: self.priced[k] for k in present}
-            plain = {k: [p for p in pool if p.strategy.recompute == "none"] for k, pool in pools.items()}
             working = max((p.working for pool in pools.values() for p in pool), default=0.0)
             # the budget keeps room for the loss's logits; a recomputed layer's transient comes at another
             # moment, so only what it needs beyond them is taken off (the simulator counts the larger)
             logits = self.head().working if device == self.pp - 1 else 0.0
+            # (recompute modules keep no transient of note: they are with the plain strategies)
+            plain = {k: [p for p in pool if p.strategy.recompute == "none"] for k, pool in pools.items()}
             for pool, room in ((plain, budget), (pools, budget + logits - max(working, logits))):
                 sol = self._solve(pool, kinds, room, act_mult)
                 if sol is not None and (result is None or sol[0] < result[0]):

@@ -1,7 +1,8 @@
 """The search space: every per-layer strategy a stage of n devices can use.
 
 A strategy splits the stage's n devices into dp x tp x cp (Megatron rank order) and picks sequence
-parallelism, a ZeRO stage and a recompute mode; an MoE layer also lays its experts out over the same
+parallelism, a ZeRO stage and a recompute mode (when the limits allow, a layer that recomputes nothing may also
+drop Megatron-LM's recompute modules: those that run elementwise work again, or every one it has); an MoE layer also lays its experts out over the same
 devices (expert parallel ep x expert tensor parallel etp, the rest expert data parallel). Only what the plan validator accepts is generated:
 tp divides the heads and kv heads and stays inside a node, Ulysses cp divides the heads per tp rank, the
 micro-batch splits evenly over dp, sequence parallelism needs tp > 1, ZeRO needs more than one replica.
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from plait.cost.recompute_modules import ELEMENTWISE_MODULES, changed_by
 from plait.plan import Strategy, strategy_problem
 from plait.spec.cluster import Cluster
 from plait.spec.layers import RECOMPUTE_MODES, Block
@@ -39,6 +41,8 @@ class SpaceLimits:
     max_cp: int | None = None  # None: as many as the stage has
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = SEARCHED_RECOMPUTE
+    recompute_modules: bool = False  # layers that recompute nothing may drop modules' (module_sets; opt in: the
+    # search takes ~30% longer)
     sequence_parallel: tuple[bool, ...] = (False, True)
     context_parallel: bool = True
     max_ep: int | None = None  # None: as many as the experts and the stage allow
@@ -94,8 +98,24 @@ def _block_strategies(block: Block, cluster: Cluster, devices: int, micro_batch:
                             s = Strategy(dp=dp, tp=tp, cp=cp, sp=sp, zero=zero, recompute=rc, ep=ep, etp=etp,  # type: ignore[arg-type]
                                          moe_comm=comm)  # type: ignore[arg-type]
                             if ep == 1 and etp == 0 or not strategy_problem(s, block, devices, micro_batch, seq_len):
-                                out += below_device(s, limits)
+                                for modules in module_sets(block, rc, limits):
+                                    out += below_device(s.model_copy(update={"recompute_modules": modules})
+                                                        if modules else s, limits)
     return tuple(s for s in out if limits.allow(s)) if limits.allow else tuple(out)
+
+
+def module_sets(block: Block, recompute: str, limits: SpaceLimits = SpaceLimits()) -> list[tuple[str, ...]]:
+    """Recompute-module sets the search tries on `block` under `recompute`: none; where the limits allow and the
+    layer recomputes nothing, the modules it has that run elementwise work again (the norms, the experts'
+    activation), then all it has (adding the GEMMs of latent attention's up-projections or of a dense MLP),
+    each set once. (Selective recompute with modules is priced and runs, but is not searched.)"""
+    sets: list[tuple[str, ...]] = [()]
+    if limits.recompute_modules and recompute == "none":
+        changed = changed_by(block)
+        for modules in (tuple(m for m in changed if m in ELEMENTWISE_MODULES), changed):
+            if modules and modules not in sets:
+                sets.append(modules)
+    return sets
 
 
 def below_device(s: Strategy, limits: SpaceLimits) -> list[Strategy]:

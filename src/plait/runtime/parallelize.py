@@ -33,7 +33,6 @@ from plait.plan import Strategy
 from plait.runtime import recompute
 from plait.runtime.experts import Sync, apply_ep, expert_params
 from plait.cost.offload import PAGED
-from plait.cost.recompute_modules import KEEPS_STRATEGY
 from plait.runtime.placement import Chunk
 from plait.runtime.relayout import Relayout
 from plait.runtime.ring import RingContext
@@ -168,12 +167,12 @@ def apply_ac(model: nn.Module, mode: str, layers: list[str]) -> None:
                                                 **context)
 
 
-def apply_recompute_modules(model: nn.Module, modules: tuple[str, ...], mode: str, layers: list[str]) -> None:
-    """Megatron-LM's module-wise recompute (`Plan.recompute_modules`, as `plait.cost.recompute_modules`
-    prices it) on the named blocks whose own `mode` keeps their activations (none, selective): `layernorm`
-    drops the norms' outputs, `moe_act` the experts' activation, `mla_up_proj` latent attention's queries,
-    keys and values (`plait.models.dropped`); `mlp` recomputes dense MLPs from their input."""
-    if not modules or mode not in KEEPS_STRATEGY:
+def apply_recompute_modules(model: nn.Module, modules: tuple[str, ...], layers: list[str]) -> None:
+    """Megatron-LM's module-wise recompute (`Strategy.recompute_modules`, as `plait.cost.recompute_modules`
+    prices it) on the named blocks: `layernorm` drops the norms' outputs, `moe_act` the experts' activation,
+    `mla_up_proj` latent attention's queries, keys and values (`plait.models.dropped`); `mlp` recomputes
+    dense MLPs from their input."""
+    if not modules:
         return
     for name in layers:
         layer = model.layers[name]
@@ -318,15 +317,13 @@ def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, layers: list[str], m
 
 
 def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: bool,
-                      grad_accumulation: int = 1, reduce_dtype: torch.dtype | None = None,
-                      recompute_modules: tuple[str, ...] = ()) -> list[Sync]:
+                      grad_accumulation: int = 1, reduce_dtype: torch.dtype | None = None) -> list[Sync]:
     """Apply each segment's strategy to its layers of a model chunk (the embedding goes with the first
     segment, the head with the last), re-layout the hidden state where segments (or the previous stage)
     split it differently, and return the (parameters, group, weight) whose gradients need `sync_gradients`.
     A chunk with MoE layers reduces every gradient by hand (`plait.runtime.experts`; `grad_accumulation`
     micro-batches are averaged by the caller's backward). FSDP units reduce gradients in `reduce_dtype`
-    (None: their own); the caller reduces the returned ones in it too. `recompute_modules`: the plan's
-    (`apply_recompute_modules`)."""
+    (None: their own); the caller reduces the returned ones in it too."""
     segments = chunk.segments
     names = [[str(i) for i in range(*seg.layers)] for seg in segments]
     relayouts = {}
@@ -348,7 +345,7 @@ def parallelize_chunk(model: nn.Module, chunk: Chunk, seq_len: int, pipelined: b
             apply_cp(model, seg.mesh["cp"].get_group(), layers, s.cp_mode, seq_len)
         if s.tp > 1:
             apply_tp(model, seg.tp_mesh, s.sp, layers, embedding=k == 0, head=k == len(segments) - 1)
-        apply_recompute_modules(model, recompute_modules, s.recompute, layers)
+        apply_recompute_modules(model, s.recompute_modules, layers)
         apply_ac(model, s.recompute, layers)
         apply_swap(model, s.swap, layers, swap_gathers(s))
     synced = expert_params(model)  # reduced by the syncs of apply_ep

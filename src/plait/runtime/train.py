@@ -141,8 +141,7 @@ def build_chunks(spec: ModelSpec, plan: Plan, where: Placement, seed: int, hf_ch
         else:
             accumulated = 1 if where.pp > 1 else plan.pipelines[where.pipeline].micro_batches
         synced = parallelize_chunk(model, chunk, plan.seq_len, pipelined=where.pp > 1 or hand_sync,
-                                   grad_accumulation=accumulated, reduce_dtype=reduce,
-                                   recompute_modules=plan.recompute_modules)
+                                   grad_accumulation=accumulated, reduce_dtype=reduce)
         manual_sync += [GradientSync(params, group, weight, reduce_dtype=reduce)
                         for params, group, weight in synced]
         chunks.append(model)
