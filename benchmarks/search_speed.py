@@ -10,7 +10,7 @@ seconds per iteration. Targets (wall): Llama-2-7B on 8 GPUs <= 1 s, Llama-3-405B
 Gemma-2-9B (local and global attention layers alternating: two layer kinds) is searched beside the same
 model with every layer of one kind; the two-kind search may cost at most 2x the one-kind one (CPU seconds).
 MoE models (expert layouts searched per layer): Mixtral-8x7B on 64 H100 <= 5 s, Qwen3-235B-A22B on 256 H100
-<= 20 s.
+<= 20 s; both again with Megatron-LM's recompute modules searched per layer (`plait plan --recompute-modules`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from plait.planner.engine import search
+from plait.planner.engine import DEFAULT_LIMITS, search
 from plait.spec.cluster import dgx
 from plait.spec.model import PRESETS, ModelSpec
 
@@ -42,10 +42,11 @@ class Case:
     global_batch: int
     target_s: float | None = None  # search time to stay under, seconds
     one_kind: bool = False  # the model's layers all made its default block (same depth, one kind)
+    modules: bool = False  # the search may choose recompute modules (SpaceLimits.recompute_modules)
 
     @property
     def label(self) -> str:
-        return self.model + (" (one kind)" if self.one_kind else "")
+        return self.model + (" (one kind)" if self.one_kind else "") + (" +modules" if self.modules else "")
 
     def spec(self) -> ModelSpec:
         model = PRESETS[self.model]
@@ -63,6 +64,8 @@ CASES = (Case("llama2-7b", 1, 8, "A100-80GB", 2048, 64, target_s=1.0),
          Case("gemma2-9b", 1, 8, "A100-80GB", 4096, 64, one_kind=True),
          Case("mixtral-8x7b", 8, 8, "H100-80GB", 4096, 1024, target_s=5.0),  # MoE: ep and etp per layer
          Case("qwen3-235b-a22b", 32, 8, "H100-80GB", 4096, 1024, target_s=20.0),
+         Case("mixtral-8x7b", 8, 8, "H100-80GB", 4096, 1024, modules=True),
+         Case("qwen3-235b-a22b", 32, 8, "H100-80GB", 4096, 1024, modules=True),
          *(Case("llama3-405b", n, 8, "H100-80GB", 8192, 2048, target_s=10.0 if n == 2048 else None)
            for n in LLAMA3_405B_NODES))
 
@@ -82,7 +85,8 @@ def run(case: Case) -> Outcome:
     """Search `case` and describe the plan found."""
     cluster = dgx(case.nodes, case.gpus_per_node, case.gpu)
     t0, c0 = time.perf_counter(), time.process_time()
-    result = search(case.spec(), cluster, case.seq_len, case.global_batch)
+    limits = replace(DEFAULT_LIMITS, recompute_modules=case.modules)
+    result = search(case.spec(), cluster, case.seq_len, case.global_batch, limits=limits)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     plan = result.plan
     if plan is None:
