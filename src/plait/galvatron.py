@@ -389,7 +389,7 @@ def galvatron_limits(limits: SpaceLimits, sequence_parallel: bool, default_dp_ty
     `default_dp_type` (ddp: 0, zero2: 2) or 3 (SDP), and `strategy_problem`'s per-layer rules."""
     if default_dp_type not in DEFAULT_DP_TYPES:
         raise PlaitError(f"default_dp_type must be one of {', '.join(DEFAULT_DP_TYPES)}, got {default_dp_type!r}")
-    return replace(limits, zero_stages=(_DP_TYPES[default_dp_type], 3), interleaved=False, recompute_modules=False,
+    return replace(limits, zero_stages=(_DP_TYPES[default_dp_type], 3), interleaved=False,
                    allow=partial(_layer_expressible, sequence_parallel=sequence_parallel))
 
 

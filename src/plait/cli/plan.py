@@ -40,7 +40,7 @@ LshOpt = Annotated[bool, typer.Option(
     "--lsh", help="MoE layers with expert parallelism may send LSH-MoE centroids instead of every token "
                   "(changes the model's numerics)")]
 RecomputeModulesOpt = Annotated[bool, typer.Option(
-    "--recompute-modules", help="layers that keep their activations may also drop Megatron-LM's recompute "
+    "--recompute-modules", help="layers that recompute nothing may also drop Megatron-LM's recompute "
                                 "modules' (norms, experts' activation, latent up-projections, dense MLP) and "
                                 "run them again in backward (searches ~30% longer)")]
 HostMemoryOpt = Annotated[bool, typer.Option(

@@ -17,6 +17,7 @@ Seconds and bytes for one micro-batch on one device, as `plait.cost.layer` price
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from plait.cost import experts
@@ -38,6 +39,7 @@ ELEMENTWISE_MODULES = ("layernorm", "moe_act")
 """Modules that run only elementwise work again (no GEMM): the cheapest bytes to drop."""
 
 
+@lru_cache(maxsize=256)
 def changed_by(block: Block) -> tuple[str, ...]:
     """The recompute modules that change `block` (in RECOMPUTE_MODULES' order): `layernorm` where it has
     attention, `moe_act` in MoE layers, `mla_up_proj` under latent attention, `mlp` where its MLP is dense."""
@@ -46,58 +48,55 @@ def changed_by(block: Block) -> tuple[str, ...]:
     return tuple(m for m in RECOMPUTE_MODULES if changes[m])
 
 
+def _applied(block: Block, s: Strategy) -> frozenset[str]:
+    """The strategy's recompute modules that change `block` (`changed_by`)."""
+    return frozenset(s.recompute_modules).intersection(changed_by(block)) if s.recompute_modules else frozenset()
+
+
 def modules_time(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> float:
     """Seconds of forward the strategy's recompute modules run again in the backward of `block` under `s`
     (`tokens`: the device's tokens outside attention)."""
-    if not s.recompute_modules:
+    mods = _applied(block, s)
+    if not mods:
         return 0.0
     gpu, cal, eb = ctx.cluster.gpu, ctx.cal, ctx.prec.activation
     peak = ctx.prec.peak_flops(gpu)
     rows = max(1, int(tokens))
-    names = _gemm_names(block, s.recompute_modules)
+    names = (UP_PROJECTIONS if "mla_up_proj" in mods else ()) + (MLP_GEMMS if "mlp" in mods else ())
     seconds = 0.0
     for g in (g for g in block.gemms if g.name in names):
         k, n = g.shard(s.tp)
         seconds += g.count * gemm_time(rows, n, k, gpu, cal, peak, eb)
     elements = 0.0
-    if "mlp" in s.recompute_modules and _dense_mlp(block):
+    if "mlp" in mods:
         elements += tokens * (3 if block.gated_mlp else 2) * block.ffn / s.tp  # the activation: read, write
-    if "moe_act" in s.recompute_modules and block.kind == "moe":
+    if "moe_act" in mods:
         pairs = experts.routed_pairs(block, s, tokens, ctx)
         elements += pairs * (3 if block.gated_mlp else 2) * block.expert_ffn / s.expert_tp
-    if "layernorm" in s.recompute_modules and block.has_attention:
+    if "layernorm" in mods:
         elements += NORMED_INPUTS * 2 * tokens * block.hidden / (s.tp if s.sp else 1)  # read, write each
     return seconds + (elementwise_time(elements * eb, gpu, cal) if elements else 0.0)
 
 
 def dropped_bytes(block: Block, s: Strategy, tokens: float, ctx: BlockContext) -> float:
     """Bytes `block` no longer keeps for backward under `s` for the strategy's recompute modules."""
-    if not s.recompute_modules:
+    mods = _applied(block, s)
+    if not mods:
         return 0.0
-    eb, mods = ctx.prec.activation, s.recompute_modules
+    eb = ctx.prec.activation
     per_token = 0.0
-    if "mla_up_proj" in mods and block.latent:
+    if "mla_up_proj" in mods:
         per_token += (block.q_dim + block.k_dim + block.v_dim) / s.tp
-    if "mlp" in mods and _dense_mlp(block):
+    if "mlp" in mods:
         per_token += (GATED_MLP_SAVED if block.gated_mlp else UNGATED_MLP_SAVED) * block.ffn / s.tp
-    if "layernorm" in mods and block.has_attention:
+    if "layernorm" in mods:
         per_token += NORMED_INPUTS * block.hidden / (s.tp if s.sp else 1)
     dropped = tokens * per_token * eb
-    if "moe_act" in mods and block.kind == "moe":  # the activation's output (gated: and the product's input)
+    if "moe_act" in mods:  # the activation's output (gated: and the product's input)
         kept_after = 2 if block.gated_mlp else 1  # the first GEMM's outputs stay
         width = (GATED_MLP_SAVED if block.gated_mlp else UNGATED_MLP_SAVED) - kept_after
         dropped += experts.routed_pairs(block, s, tokens, ctx) * width * block.expert_ffn / s.expert_tp * eb
     return dropped
-
-
-def _gemm_names(block: Block, modules: tuple[str, ...]) -> tuple[str, ...]:
-    """Names of `block`'s GEMMs the modules run again."""
-    names: tuple[str, ...] = ()
-    if "mla_up_proj" in modules and block.latent:
-        names += UP_PROJECTIONS
-    if "mlp" in modules and _dense_mlp(block):
-        names += MLP_GEMMS
-    return names
 
 
 def _dense_mlp(block: Block) -> bool:

@@ -1,11 +1,12 @@
 """The search space: every per-layer strategy a stage of n devices can use.
 
 A strategy splits the stage's n devices into dp x tp x cp (Megatron rank order) and picks sequence
-parallelism, a ZeRO stage and a recompute mode (when the limits allow, a layer that recomputes nothing may also
-drop Megatron-LM's recompute modules: those that run elementwise work again, or every one it has); an MoE layer also lays its experts out over the same
-devices (expert parallel ep x expert tensor parallel etp, the rest expert data parallel). Only what the plan validator accepts is generated:
-tp divides the heads and kv heads and stays inside a node, Ulysses cp divides the heads per tp rank, the
-micro-batch splits evenly over dp, sequence parallelism needs tp > 1, ZeRO needs more than one replica.
+parallelism, a ZeRO stage and a recompute mode (when the limits allow, a layer that recomputes nothing may
+also drop Megatron-LM's recompute modules: those that run elementwise work again, or every one it has); an
+MoE layer also lays its experts out over the same devices (expert parallel ep x expert tensor parallel etp,
+the rest expert data parallel). Only what the plan validator accepts is generated: tp divides the heads and
+kv heads and stays inside a node, Ulysses cp divides the heads per tp rank, the micro-batch splits evenly over
+dp, sequence parallelism needs tp > 1, ZeRO needs more than one replica.
 Below device memory (when the limits allow it): a share of the saved activations swapped to host, and the
 optimizer, or the optimizer and the parameter shard, offloaded to the host CPU (where ZeRO shards them, or on
 a single replica).
