@@ -101,6 +101,12 @@ def _modules_onto_strategies(raw: dict) -> dict:
     return {**rest, "pipelines": [pipeline(p) for p in raw.get("pipelines", [])]}
 
 
+@lru_cache(maxsize=8192)
+def _kept(s: Strategy) -> Strategy:
+    """`s` recomputing nothing (`Strategy.without_recompute`)."""
+    return s.model_copy(update={"recompute": "none", "recompute_modules": ()})
+
+
 @lru_cache(maxsize=1024)
 def _degrees(dp: int, tp: int, cp: int, ep: int, etp: int, shard: int = 0) -> Degrees:
     return Degrees(dp=dp, tp=tp, cp=cp, ep=ep, etp=etp, shard=shard)
@@ -174,8 +180,9 @@ class Strategy(BaseModel):
         return self.dp * self.tp * self.cp
 
     def without_recompute(self) -> Strategy:
-        """This strategy recomputing nothing (the same layout and states)."""
-        return self.model_copy(update={"recompute": "none", "recompute_modules": ()})
+        """This strategy recomputing nothing (the same layout and states): itself when it recomputes nothing,
+        else one shared copy per strategy (a cache key of the states it prices)."""
+        return self if self.recompute == "none" and not self.recompute_modules else _kept(self)
 
     @property
     def ring(self) -> bool:

@@ -31,6 +31,7 @@ from plait.cost.price import LayerCost, carried_bytes, price, price_edge, relayo
 from plait.errors import PlaitError
 from plait.layout import Layout
 from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_plan
+from plait.planner.background import Background, spare_core
 from plait.planner.baselines import Candidate, run_baseline
 from plait.planner.layerwise import solve_layers_pareto
 from plait.planner.space import SpaceLimits, block_strategies, divisors, pareto_front
@@ -546,7 +547,6 @@ def _search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int,
         raise PlaitError(f"seq_len and global_batch must be positive, got {seq_len} and {global_batch}")
     cal = cal or calibration_for(cluster.gpu.name)
     t0 = time.perf_counter()
-    capacity = cluster.gpu.memory_bytes
     evaluated = 0
 
     def judge(plan: Plan, bar: float) -> Candidate | None:
@@ -560,6 +560,51 @@ def _search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int,
             return None
         return Candidate(plan, finish(priced, detail=False), "layerwise")
 
+    # The uniform grid shares nothing with the layer-wise search but its inputs: it runs beside it on another
+    # core, unless `record` must see its plans (then after it, here).
+    uniform = Background(run_baseline, "megatron-grid", model, cluster, seq_len, global_batch, None, cal,
+                         lambda p: _allowed(p, restrict), expert_load) \
+        if include_uniform and record is None and spare_core() else None
+    try:
+        best_layerwise = _layerwise(model, cluster, seq_len, global_batch, precision, limits, cal, expert_load,
+                                    judge, restrict, progress)
+    except BaseException:
+        if uniform is not None:
+            uniform.cancel()
+        raise
+    closest: Candidate | None = None
+    best_uniform = None
+    if uniform is not None:
+        best_uniform, n = uniform.result()
+        evaluated += n
+        if progress:
+            progress("uniform", n, n)
+    elif include_uniform:
+        best_uniform, n = run_baseline("megatron-grid", model, cluster, seq_len, global_batch,
+                                       progress=(lambda d, t: progress("uniform", d, t)) if progress else None,
+                                       cal=cal, accept=lambda p: _accept(p, restrict, record),
+                                       expert_load=expert_load)
+        evaluated += n
+    if best_layerwise is not None:  # the report with its p2p time apart from the bubble
+        best_layerwise = replace(best_layerwise, report=simulate(best_layerwise.plan, model, cluster, cal=cal,
+                                                                 validate=False))
+    fitting = [c for c in (best_layerwise, best_uniform) if c is not None and c.report.fits]
+    winner = min(fitting, key=lambda c: c.key) if fitting else None
+    if winner is None:
+        pool = [c for c in (best_layerwise, best_uniform) if c is not None]
+        closest = min(pool, key=lambda c: c.report.peak_memory_gib) if pool else None
+    return SearchResult(plan=winner.plan if winner else None, report=winner.report if winner else None,
+                        best_uniform=best_uniform, best_layerwise=best_layerwise, evaluated=evaluated,
+                        search_time_s=time.perf_counter() - t0, closest=closest)
+
+
+def _layerwise(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, precision: str,
+               limits: SpaceLimits, cal: Calibration, expert_load: float,
+               judge: Callable[[Plan, float], Candidate | None], restrict: Callable[[Plan], bool] | None,
+               progress: Progress | None) -> Candidate | None:
+    """The best plan of the layer-wise search over every (pp, micro-batch count, schedule) configuration, each
+    assembled plan judged by `judge` (None when no configuration gives one)."""
+    capacity = cluster.gpu.memory_bytes
     configs = []
     for pp in divisors(cluster.world_size):
         if pp > model.layers:
@@ -583,26 +628,7 @@ def _search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int,
                 best = (cand.key, i, cand)
         if progress:
             progress("layerwise", done, len(configs))
-    best_layerwise = best[2] if best is not None else None
-    closest: Candidate | None = None
-    best_uniform = None
-    if include_uniform:
-        best_uniform, n = run_baseline("megatron-grid", model, cluster, seq_len, global_batch,
-                                       progress=(lambda d, t: progress("uniform", d, t)) if progress else None,
-                                       cal=cal, accept=lambda p: _accept(p, restrict, record),
-                                       expert_load=expert_load)
-        evaluated += n
-    if best_layerwise is not None:  # the report with its p2p time apart from the bubble
-        best_layerwise = replace(best_layerwise, report=simulate(best_layerwise.plan, model, cluster, cal=cal,
-                                                                 validate=False))
-    fitting = [c for c in (best_layerwise, best_uniform) if c is not None and c.report.fits]
-    winner = min(fitting, key=lambda c: c.key) if fitting else None
-    if winner is None:
-        pool = [c for c in (best_layerwise, best_uniform) if c is not None]
-        closest = min(pool, key=lambda c: c.report.peak_memory_gib) if pool else None
-    return SearchResult(plan=winner.plan if winner else None, report=winner.report if winner else None,
-                        best_uniform=best_uniform, best_layerwise=best_layerwise, evaluated=evaluated,
-                        search_time_s=time.perf_counter() - t0, closest=closest)
+    return best[2] if best is not None else None
 
 
 def fewest_gpus(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, max_doublings: int = 6
