@@ -61,15 +61,19 @@ def one_error(proc, *needles: str, others: str = "note:") -> str:
     return errors[0]
 
 
+def ranks_command(nproc: int, *target: str) -> list[str]:
+    """The command that runs `target` (-m MODULE ARGS, or SCRIPT ARGS) on `nproc` local ranks through plait's
+    launcher (torchrun's agent; CPU ranks forked from one process that imported plait's runtime once)."""
+    return [sys.executable, "-m", "plait.runtime.launch", "--standalone", f"--nproc-per-node={nproc}", *target]
+
+
 def run_workers(configs, nproc: int = 2):
-    """Run `plait.runtime.worker` on each TrainConfig JSON file of `configs` in turn, in one torchrun job of
-    `nproc` ranks (one thread each); returns the finished process after asserting it succeeded."""
+    """Run `plait.runtime.worker` on each TrainConfig JSON file of `configs` in turn, in one job of `nproc`
+    ranks (one thread each, `ranks_command`); returns the finished process after asserting it succeeded."""
     import os
     import subprocess
-    import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-           "plait.runtime.worker", *map(str, configs)]
+    cmd = ranks_command(nproc, "-m", "plait.runtime.worker", *map(str, configs))
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
 import pytest
 
+from helpers import ranks_command
 from plait.cost import comm
 from plait.cost.calibration import DEFAULT_CALIBRATION
 from plait.cost.layer import BlockContext, block_activation_bytes
@@ -147,8 +147,7 @@ def sp_measured(tmp_path_factory) -> dict[str, float]:
     """tests/sp_bytes_check.py on 2 ranks: bytes per token layer 0 keeps under tp2+sp, by family, dtype, mode."""
     out = tmp_path_factory.mktemp("sp") / "bytes.json"
     here = Path(__file__).parent
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={TP}",
-           str(here / "sp_bytes_check.py"), str(out), json.dumps(SPECS)]
+    cmd = ranks_command(TP, str(here / "sp_bytes_check.py"), str(out), json.dumps(SPECS))
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(here.parent)})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 import time
 from collections import Counter
@@ -20,6 +19,7 @@ from importlib.resources import files
 from pathlib import Path
 
 import pytest
+from helpers import ranks_command
 from test_runtime import text  # noqa: F401
 
 from plait.errors import PlaitError
@@ -132,8 +132,7 @@ def _job(tmp: Path, nproc: int, configs: dict[str, TrainConfig | MultitaskConfig
         outs[key] = tmp / f"metrics-{i}.jsonl"
         paths.append(tmp / f"config-{i}.json")
         paths[-1].write_text(replace(cfg, metrics_out=str(outs[key])).to_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-           "plait.runtime.worker", *map(str, paths)]
+    cmd = ranks_command(nproc, "-m", "plait.runtime.worker", *map(str, paths))
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     return proc, {key: [json.loads(line) for line in out.read_text().splitlines()]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import ranks_command
 from plait.executable import unsupported
 from plait.plan import Pipeline, Plan, Stage, Strategy, uniform_plan
 from plait.spec.model import PRESETS
@@ -67,8 +68,7 @@ def train_together(tmp: Path, text: Path, nproc: int, cases: dict[str, tuple[str
                              "data": str(text), "metrics_out": str(outs[key]), **(options or {}).get(key, {})})
         paths.append(tmp / f"config-{i}.json")
         paths[-1].write_text(cfg.to_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-           "plait.runtime.worker", *map(str, paths)]
+    cmd = ranks_command(nproc, "-m", "plait.runtime.worker", *map(str, paths))
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     records = {key: [json.loads(line) for line in out.read_text().splitlines()] for key, out in outs.items()

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import ranks_command
 from plait.errors import PlaitError
 from plait.runtime.migrate import Box, Held, Transfer, rounds, transfers
 
@@ -85,8 +85,7 @@ def text(tmp_path_factory) -> Path:
 
 
 def _torchrun(nproc: int, out: Path, mode: str, text: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(HERE / "switch_check.py"), str(out), mode, str(text)]
+    cmd = ranks_command(nproc, str(HERE / "switch_check.py"), str(out), mode, str(text))
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

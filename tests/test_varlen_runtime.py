@@ -19,7 +19,7 @@ from plait.runtime.packing import IGNORE, contiguous, document_mask, pack, zigza
 from plait.runtime.train import TrainConfig
 from plait.runtime.varlen import DocumentSource, check_config, layout_of
 from plait.spec.model import load_model
-from tests.helpers import expect_error
+from tests.helpers import expect_error, ranks_command
 
 HERE = Path(__file__).parent
 MODEL = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=300,seq=512"
@@ -82,7 +82,7 @@ def test_bad_varlen_configs_say_what_to_change() -> None:
 
 
 def _torchrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", *args]
+    cmd = ranks_command(4, *args)
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)})
 

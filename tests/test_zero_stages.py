@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ranks_command
 
 WORLD = 2
 
@@ -61,17 +62,15 @@ def _worker(out_file: str) -> None:
         with open(out_file, "w") as f:
             json.dump(result, f)
     dist.barrier()  # neither rank leaves while the other still talks to it
-    # Leave without tearing down: under load a gloo helper thread can still be joinable at teardown, which
-    # aborts the rank ("terminate called without an active exception") after its work is done and reported.
-    sys.stdout.flush()
-    os._exit(0)
+    # Return without tearing the process group down: the launcher's forked rank then leaves without the
+    # interpreter's teardown, where under load a gloo helper thread can still be joinable, which aborts the rank
+    # ("terminate called without an active exception") after its work is done and reported.
 
 
 @pytest.fixture(scope="module")
 def states(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("zero") / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", __file__,
-           str(out)]
+    cmd = ranks_command(WORLD, __file__, str(out))
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -115,8 +115,10 @@ def main(argv: list[str]) -> int:
             del os.environ[name]
         else:
             os.environ[name] = value
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):  # also stopping forked ranks
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     args = parse_args(argv)
+    _fork_server_ranks(args)
     try:
         run(args)
     except ChildFailedError as exc:
@@ -135,6 +137,32 @@ def main(argv: list[str]) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 2
     return 0
+
+
+PRELOADED = ("plait.runtime.train", "plait.runtime.multitask")
+"""Modules the ranks' fork server imports once (torch, DTensor, distributed checkpoint, plait's runtime)."""
+
+
+def _fork_server_ranks(args) -> None:  # noqa: ANN001 - torchrun's argparse namespace
+    """On CPU ranks, have torchrun start each rank (`python -u -m MODULE ...` or `python -u SCRIPT ...`) as a fork of
+    one server that imported `PRELOADED` once, rather than as a fresh interpreter that imports them again (about
+    3 s of CPU a rank, more than a small job's training): torchrun's --run-path runs `plait/runtime/rank.py` in
+    each fork, which runs the rank's program as the interpreter would have; output stays unbuffered. GPU jobs
+    keep fresh interpreters (a fork must not inherit CUDA state)."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    import torch
+
+    if args.no_python or args.run_path or torch.cuda.is_available() or \
+            "forkserver" not in multiprocessing.get_all_start_methods():
+        return
+    program = ["-m", args.training_script] if args.module else [args.training_script]
+    args.training_script_args = [*program, *args.training_script_args]
+    args.module, args.run_path, args.start_method = False, True, "forkserver"
+    args.training_script = str(Path(__file__).with_name("rank.py"))
+    multiprocessing.forkserver.set_forkserver_preload(list(PRELOADED))
+    os.environ["PYTHONUNBUFFERED"] = "1"
 
 
 def rendezvous_failure(exc: Exception, endpoint: str, nnodes: int, conf: str) -> str | None:
