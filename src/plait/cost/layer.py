@@ -247,7 +247,7 @@ class _Work:
 _SPLIT_ONLY = {"zero": 0, "recompute": "none", "recompute_modules": (), "shard": 0, "swap": 0.0, "offload": "none"}
 
 
-@lru_cache(maxsize=16384)
+@lru_cache(maxsize=4096)
 def _split_of(s: Strategy) -> Strategy:
     """`s` with what does not change a layer's work (`_Work`) at its defaults: one cache key per split."""
     return s if all(getattr(s, k) == v for k, v in _SPLIT_ONLY.items()) else s.model_copy(update=_SPLIT_ONLY)

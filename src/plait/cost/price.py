@@ -11,7 +11,7 @@ sequences per micro-batch and the shapes of the tensor, context and data-paralle
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
@@ -118,11 +118,8 @@ def price(block: Block, s: Strategy, ctx: BlockContext) -> LayerCost:
     states = _held_states(block, kept, ctx)
     working = _whole_activation_bytes(block, kept, ctx) if s.recompute != "none" else 0.0
     activation = block_activation_bytes(block, s, ctx)
-    return LayerCost(time=block_time(block, s, ctx), params=states.params, weights=states.weights,
-                     gradients=states.gradients, optimizer=states.optimizer,
-                     activation=offload.resident_activation(activation, s), working=working, buffers=states.buffers,
-                     grad_reduce=states.grad_reduce, param_gather=states.param_gather, host=states.host,
-                     swapped=offload.swapped_activation(activation, s), nvme=states.nvme, updated=states.updated)
+    return replace(states, time=block_time(block, s, ctx), activation=offload.resident_activation(activation, s),
+                   working=working, swapped=offload.swapped_activation(activation, s))
 
 
 @lru_cache(maxsize=8192)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -561,10 +561,10 @@ def _search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int,
         return Candidate(plan, finish(priced, detail=False), "layerwise")
 
     # The uniform grid shares nothing with the layer-wise search but its inputs: it runs beside it on another
-    # core, unless `record` must see its plans (then after it, here).
-    uniform = Background(run_baseline, "megatron-grid", model, cluster, seq_len, global_batch, None, cal,
-                         lambda p: _allowed(p, restrict), expert_load) \
-        if include_uniform and record is None and spare_core() else None
+    # core, unless `record` must see its plans (then after it, here, with its progress shown).
+    grid = partial(run_baseline, "megatron-grid", model, cluster, seq_len, global_batch, cal=cal,
+                   accept=lambda p: _accept(p, restrict, record), expert_load=expert_load)
+    uniform = Background(grid) if include_uniform and record is None and spare_core() else None
     try:
         best_layerwise = _layerwise(model, cluster, seq_len, global_batch, precision, limits, cal, expert_load,
                                     judge, restrict, progress)
@@ -580,10 +580,7 @@ def _search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int,
         if progress:
             progress("uniform", n, n)
     elif include_uniform:
-        best_uniform, n = run_baseline("megatron-grid", model, cluster, seq_len, global_batch,
-                                       progress=(lambda d, t: progress("uniform", d, t)) if progress else None,
-                                       cal=cal, accept=lambda p: _accept(p, restrict, record),
-                                       expert_load=expert_load)
+        best_uniform, n = grid(progress=(lambda d, t: progress("uniform", d, t)) if progress else None)
         evaluated += n
     if best_layerwise is not None:  # the report with its p2p time apart from the bubble
         best_layerwise = replace(best_layerwise, report=simulate(best_layerwise.plan, model, cluster, cal=cal,
