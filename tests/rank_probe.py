@@ -12,4 +12,4 @@ if __name__ == "__main__":
     out = sys.argv[1]
     with open(f"{out}.{os.environ['RANK']}", "w") as f:
         json.dump({"preloaded": PRELOADED_AT_START, "argv": sys.argv[1:], "sibling": SIBLING,
-                   "world": os.environ["WORLD_SIZE"]}, f)
+                   "world": os.environ["WORLD_SIZE"], "parent": os.getppid()}, f)

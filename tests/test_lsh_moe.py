@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from test_runtime import _losses, train_together
+from test_runtime import train_together
 
 from plait.cost import experts
 from plait.cost.calibration import calibration_for

@@ -1,7 +1,7 @@
 """Measure collectives and the compute/communication overlap on this machine, and fit latency + bandwidth.
 
-`measure_collectives` launches one torchrun job of `plait.profile.collectives_worker` (spawning ranks is
-the slow part), follows its progress lines, reads the samples rank 0 wrote, and fits
+`measure_collectives` launches one torchrun job of `plait.profile.collectives_worker` through plait's launcher
+(`plait.runtime.launch`: CPU ranks fork from a server that imported the runtime once), follows its progress lines, reads the samples rank 0 wrote, and fits
 seconds = latency + bytes / bandwidth per (op, group size) with `fit_curve`. Every failure of the job,
 including a hang, ends in a one-line `PlaitError`. Units: seconds, bytes, bytes/s.
 
@@ -178,7 +178,7 @@ def measure_collectives(nproc: int, *, sizes: tuple[int, ...] | None = None, qui
         TIMEOUT_BASE_S + TIMEOUT_PER_RANK_S * nproc + TIMEOUT_PER_STRATEGY_S * strategies
     with tempfile.TemporaryDirectory(prefix="plait-collectives-") as tmp:
         out = Path(tmp) / "collectives.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        cmd = [sys.executable, "-m", "plait.runtime.launch", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "plait.profile.collectives_worker", str(out), "--sizes", ",".join(map(str, sizes))]
         cmd += ["--quick"] if quick else []
         cmd += ["--model", model.name, "--dtype", dtype] if model is not None else []

@@ -1,6 +1,6 @@
-"""One rank of the collective measurement (started by torchrun from `plait.profile.collectives`).
+"""One rank of the collective measurement (started by plait's launcher from `plait.profile.collectives`).
 
-    python -m torch.distributed.run --standalone --nproc-per-node=N -m plait.profile.collectives_worker \
+    python -m plait.runtime.launch --standalone --nproc-per-node=N -m plait.profile.collectives_worker \
         OUT.json --sizes 4096,65536 [--quick] [--model SPEC]
 
 Every rank measures all-reduce, all-gather, reduce-scatter and all-to-all over the groups of ranks 0..g-1

@@ -265,7 +265,6 @@ def _run(spec: ModelSpec, model, name: str, kind: str, g: int, position: int, po
 def _time_optimizer(model, run, kind: str, repeats: int, group, device) -> tuple[float, float]:
     """(this rank's parameters, median seconds) of clipping, an AdamW step and zeroing the gradients, after
     one backward that reduces gradients (ZeRO-3)."""
-    import torch
     from torch.distributed.tensor import DTensor
 
     from plait.profile.collectives_worker import _barrier, _sync
