@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 
 import yaml
@@ -143,6 +144,7 @@ DGX_GPUS_PER_NODE = 8
 """GPUs of the DGX node whose host memory and NVMe DGX_HOSTS quote (GH200: 1 per superchip, scaled below)."""
 
 
+@lru_cache(maxsize=256)
 def default_host(gpu_type: str, gpus_per_node: int) -> Host:
     """The host side of a node of `gpus_per_node` GPUs of `gpu_type`: DGX_HOSTS scaled by GPUs per node
     (host memory and NVMe per GPU as in the DGX; link per GPU unchanged). Unknown types: the A100's."""
