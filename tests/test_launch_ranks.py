@@ -16,10 +16,13 @@ HERE = Path(__file__).parent
 
 
 def test_cpu_ranks_are_forks_of_a_server_that_imported_the_runtime(tmp_path) -> None:
-    out = tmp_path / "probe"
+    out, temp = tmp_path / "probe", tmp_path / "temp"
+    temp.mkdir()
     proc = subprocess.run(ranks_command(2, str(HERE / "rank_probe.py"), str(out), "--flag"), check=False,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not [p.name for p in temp.iterdir() if p.name.startswith(("torchelastic_", "plait-torchrun-"))]
     seen = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
     for rank in seen:
         assert rank.pop("parent") > 0
@@ -27,7 +30,7 @@ def test_cpu_ranks_are_forks_of_a_server_that_imported_the_runtime(tmp_path) -> 
 
 
 EARLY = """
-import json, multiprocessing.forkserver, os, sys
+import json, multiprocessing.forkserver, os, sys, time
 from plait.runtime import launch
 
 argv, seen, early = sys.argv[1:], {}, launch._start_fork_server_early
@@ -38,8 +41,13 @@ def recorded(argv):
     early(argv)
     server = seen["server"] = multiprocessing.forkserver._forkserver._forkserver_pid
     seen["left"] = [n for n in ("PYTHONUNBUFFERED", "OMP_NUM_THREADS") if n in os.environ]
+    for _ in range(100):  # a process starting its program shows no environment for a moment
+        text = open(f"/proc/{server}/environ").read() if server is not None else "-"
+        if text:
+            break
+        time.sleep(0.1)
     if server is not None:
-        env = dict(e.split("=", 1) for e in open(f"/proc/{server}/environ").read().split(chr(0)) if "=" in e)
+        env = dict(e.split("=", 1) for e in text.split(chr(0)) if "=" in e)
         seen.update(omp=env.get("OMP_NUM_THREADS"), unbuffered=env.get("PYTHONUNBUFFERED"))
 
 

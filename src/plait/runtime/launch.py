@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -115,23 +116,26 @@ def main(argv: list[str]) -> int:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     args = parse_args(argv)
     _fork_server_ranks(args)
-    try:
-        run(args)
-    except ChildFailedError as exc:
-        directory = os.environ.get(ERROR_DIR_ENV)
-        reported = read_failures(Path(directory)) if directory else []
-        world = int(str(args.nproc_per_node)) * int(str(args.nnodes).split(":")[-1]) \
-            if str(args.nproc_per_node).isdigit() else len(exc.failures)
-        message, code = summary(reported, {r: f.exitcode for r, f in exc.failures.items()}, world)
-        print(f"error: {message}", file=sys.stderr)
-        return code
-    except Exception as exc:
-        message = rendezvous_failure(exc, args.rdzv_endpoint, int(str(args.nnodes).split(":")[-1]),
-                                     args.rdzv_conf)
-        if message is None:
-            raise
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+    with tempfile.TemporaryDirectory(prefix="plait-torchrun-") as logs:
+        if args.log_dir is None and args.redirects == "0" and args.tee == "0":
+            args.log_dir = logs  # torchrun's per-rank error files go with the job (else a directory a launch stays)
+        try:
+            run(args)
+        except ChildFailedError as exc:
+            directory = os.environ.get(ERROR_DIR_ENV)
+            reported = read_failures(Path(directory)) if directory else []
+            world = int(str(args.nproc_per_node)) * int(str(args.nnodes).split(":")[-1]) \
+                if str(args.nproc_per_node).isdigit() else len(exc.failures)
+            message, code = summary(reported, {r: f.exitcode for r, f in exc.failures.items()}, world)
+            print(f"error: {message}", file=sys.stderr)
+            return code
+        except Exception as exc:
+            message = rendezvous_failure(exc, args.rdzv_endpoint, int(str(args.nnodes).split(":")[-1]),
+                                         args.rdzv_conf)
+            if message is None:
+                raise
+            print(f"error: {message}", file=sys.stderr)
+            return 2
     return 0
 
 
