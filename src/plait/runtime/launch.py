@@ -118,7 +118,7 @@ def main(argv: list[str]) -> int:
     _fork_server_ranks(args)
     with tempfile.TemporaryDirectory(prefix="plait-torchrun-") as logs:
         if args.log_dir is None and args.redirects == "0" and args.tee == "0":
-            args.log_dir = logs  # torchrun's per-rank error files go with the job (else a directory a launch stays)
+            args.log_dir = logs  # torchrun's per-rank error files go with the job (else one directory a launch stays)
         try:
             run(args)
         except ChildFailedError as exc:
@@ -149,11 +149,11 @@ GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")
 
 def _start_fork_server_early(argv: list[str]) -> None:
     """Start the ranks' fork server now, where its ranks will fork from it (`_fork_server_ranks`): it imports
-    `PRELOADED` (~4 s of CPU) while this process imports torch (~2.5 s) instead of after, on another core. Only
-    for several ranks a node, not where torchrun runs the program as given (--no-python, --run-path) nor where a
-    GPU driver is present (GPU jobs start fresh interpreters); else torchrun starts the server when its ranks start,
-    as before. The server gets the environment it would have had then: unbuffered output, and OMP_NUM_THREADS=1
-    unless set (torchrun's default for several ranks a node)."""
+    `PRELOADED` (~4 s of CPU) while this process imports torch (~2.5 s) instead of after, on another core.
+    Only for several ranks a node, not where torchrun runs the program as given (--no-python, --run-path) nor
+    where a GPU driver is present (GPU jobs start fresh interpreters); else torchrun starts the server when its
+    ranks start, as before. The server gets the environment it would have had then: unbuffered output, and
+    OMP_NUM_THREADS=1 unless set (torchrun's default for several ranks a node)."""
     import multiprocessing
     import multiprocessing.forkserver
 
