@@ -195,10 +195,13 @@ def test_space_with_the_hierarchy() -> None:
     plain = block_strategies(block, c, 8, 8, 4096)
     both = block_strategies(block, c, 8, 8, 4096, replace(SpaceLimits(), **HIERARCHY))
     assert all(s.swap == 0 and s.offload == "none" for s in plain)
-    assert set(plain) < set(both) and len(both) <= 9 * len(plain)
+    assert set(plain) < set(both) and len(both) <= 12 * len(plain)
     assert {s.swap for s in both} == {0.0, 0.5, 1.0}
     assert not any(s.offload != "none" and s.zero == 0 and s.dp * s.cp > 1 for s in both)
-    assert {s.offload for s in both} == {"none", "optim", "params"}
+    assert {s.offload for s in both} == {"none", "optim", "params", "nvme"}
+    no_nvme = replace(c, host=replace(c.host_side, nvme_bytes=0.0))  # NVMe only on nodes that have it
+    assert {s.offload for s in block_strategies(block, no_nvme, 8, 8, 4096, replace(SpaceLimits(), **HIERARCHY))} \
+        == {"none", "optim", "params"}
 
 
 def test_search_swaps_where_it_pays_and_keeps_to_the_host_budget() -> None:
@@ -220,6 +223,39 @@ def test_search_swaps_where_it_pays_and_keeps_to_the_host_budget() -> None:
     tight = search(model, small, 131072, 8, include_uniform=False, limits=limits)
     assert tight.report is not None and tight.report.fits
     assert tight.report.host_memory_gib <= 64 and tight.report.iteration_time_s >= deep.report.iteration_time_s
+
+
+def test_search_pages_from_nvme_what_host_memory_cannot_hold() -> None:
+    """Llama-2 13B on one A100 of a DGX A100 (an eighth of its host memory and NVMe): no plan fits in the device
+    and host memory alone (13B x 16 bytes of states exceed 116 GiB); with the node's NVMe one does, and as many
+    of its paged layers as the host holds are paged from the host (faster): one more would not fit."""
+    from dataclasses import replace
+
+    from plait.planner.engine import DEFAULT_LIMITS, search
+    from plait.planner.host_fill import with_params
+    from plait.planner.space import HIERARCHY
+    from plait.simulate import simulate
+    from plait.spec.model import PRESETS
+
+    model, c = PRESETS["llama2-13b"], load_cluster("1x1xA100-80GB")
+    limits = replace(DEFAULT_LIMITS, **HIERARCHY)
+    assert search(model, c, 2048, 8).report is None
+    assert search(model, replace(c, host=replace(c.host_side, nvme_bytes=0.0)), 2048, 8, limits=limits).report is None
+    deep = search(model, c, 2048, 8, limits=limits)
+    assert deep.report is not None and deep.report.fits
+    stage = deep.plan.pipelines[0].stages[0]
+    offloads = [stage.strategy(i).offload for i in range(*stage.layers)]
+    assert "nvme" in offloads and "params" in offloads
+    assert 0 < deep.report.nvme_gib <= deep.report.nvme_capacity_gib
+    assert deep.report.host_memory_gib <= deep.report.host_capacity_gib
+    one_more = with_params(deep.plan, 0, [offloads.index("nvme") + stage.layers[0]])
+    assert not simulate(one_more, model, c).fits  # the host is full
+    all_nvme = deep.plan.model_copy(update={"pipelines": (deep.plan.pipelines[0].model_copy(update={"stages": (
+        stage.model_copy(update={"strategies": tuple(stage.strategy(i).model_copy(
+            update={"offload": "nvme" if o == "params" else o}) for i, o in zip(range(*stage.layers), offloads))}),
+    )}),)})
+    slower = simulate(all_nvme, model, c)
+    assert slower.fits and slower.iteration_time_s > 2 * deep.report.iteration_time_s
 
 
 # ---- runtime -----------------------------------------------------------------------------------------
@@ -641,6 +677,29 @@ def test_simulate_and_plan_show_swap_offload_and_host_memory() -> None:
                                "--host-memory", "--json"])
     assert plan.exit_code == 0, plan.output
     assert "swap" in plan.output and "host_memory_gib" in plan.output
+
+
+def test_plan_points_to_the_hierarchy_and_pages_from_nvme() -> None:
+    """Llama-2 13B on one A100: without --host-memory nothing fits and the one-line error names the option;
+    with it the plan pages states from the node's NVMe (shown as NVMe per node)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from plait.cli import app
+
+    runner = CliRunner()
+    base = ["plan", "-m", "llama2-13b", "-c", "1x1xA100-80GB", "-s", "2048", "-b", "8"]
+    refused = runner.invoke(app, base)
+    assert refused.exit_code == 2
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: nothing fits") and "--host-memory" in lines[0]
+    planned = runner.invoke(app, [*base, "--host-memory", "--json"])
+    assert planned.exit_code == 0, planned.output
+    report = json.loads(planned.stdout)["report"]
+    assert report["fits"] and 0 < report["nvme_gib"] <= report["nvme_capacity_gib"]
+    table = runner.invoke(app, [*base, "--host-memory"])
+    assert "offload=nvme" in table.stdout and "NVMe per node" in table.stdout
 
 
 def test_train_cli_swaps_and_offloads(tmp_path: Path) -> None:

@@ -46,7 +46,8 @@ RecomputeModulesOpt = Annotated[bool, typer.Option(
 HostMemoryOpt = Annotated[bool, typer.Option(
     "--host-memory", help="also search swapping activations to host (swap 0.5, 1), offloading the "
                           "optimizer to the host CPU and paging parameters in from it (offload=optim, "
-                          "params), within the nodes' host memory")]
+                          "params), within the nodes' host memory, and from their NVMe where the host "
+                          "cannot hold the states (offload=nvme)")]
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def plan_cmd(
                            galvatron_expressible, galvatron_sp)
         found = _find(problem, baseline, compare, bool(slow), host_memory, collected)
         if found.chosen is None:
-            raise _nothing_fits(problem, found.closest)
+            raise _nothing_fits(problem, found.closest, host_memory)
         chosen = replace(found.chosen, plan=found.chosen.plan.stamped(m))
         obj = _plan_json(chosen, found, compare)
         _write_outputs(problem, chosen, obj, found, plan_file, galvatron_file, page_path, collected)
@@ -252,8 +253,9 @@ def _replan_around_stragglers(q: _Problem, healthy: Candidate, update) -> tuple[
     return chosen, summary
 
 
-def _nothing_fits(q: _Problem, closest: Candidate | None) -> PlaitError:
-    """The error when no plan fits: what the closest one needs, and how many GPUs would do."""
+def _nothing_fits(q: _Problem, closest: Candidate | None, host_memory: bool) -> PlaitError:
+    """The error when no plan fits: what the closest one needs, how many GPUs would do, and (when the search
+    kept to device memory) the memory below the device."""
     from plait.planner.engine import fewest_gpus
 
     c = q.c
@@ -262,7 +264,8 @@ def _nothing_fits(q: _Problem, closest: Candidate | None) -> PlaitError:
     more = fewest_gpus(q.m, c, q.seq, q.global_batch)
     gpus = f"; {more} GPUs would fit (e.g. --cluster {more // c.gpus_per_node}x{c.gpus_per_node}x" \
         f"{c.gpu.name})" if more else ""
-    return PlaitError(f"nothing fits in {c.gpu.memory_bytes / GIB:.1f} GiB per device: {need}{gpus}; "
+    below = "" if host_memory else "; or add --host-memory to page states from host memory and NVMe"
+    return PlaitError(f"nothing fits in {c.gpu.memory_bytes / GIB:.1f} GiB per device: {need}{gpus}{below}; "
                       "or lower --global-batch / --seq-len")
 
 

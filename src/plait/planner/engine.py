@@ -33,6 +33,7 @@ from plait.layout import Layout
 from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_plan
 from plait.planner.background import Background, spare_core
 from plait.planner.baselines import Candidate, run_baseline
+from plait.planner.host_fill import fill_host
 from plait.planner.layerwise import solve_layers_pareto
 from plait.planner.space import SpaceLimits, block_strategies, divisors, pareto_front
 from plait.simulate import Report, finish, price_plan, simulate
@@ -620,6 +621,8 @@ def _layerwise(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: i
         cfg = cfgs[i]
         if best is None or not best[2].report.fits or bounds[i] <= best[2].report.iteration_time_s:
             cand = _partition_search(cfg, capacity, judge) if cfg.any_priced else None
+            if cand is not None:  # NVMe layers that the nodes' host memory can take after all
+                cand = fill_host(cand, judge)
             if cand is not None and _allowed(cand.plan, restrict) and \
                     (best is None or (cand.key, i) < best[:2]):
                 best = (cand.key, i, cand)

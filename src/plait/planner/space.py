@@ -56,8 +56,9 @@ class SpaceLimits:
     allow: Callable[[Strategy], bool] | None = None  # only layer strategies it accepts (None: all valid ones)
 
 
-HIERARCHY = {"swap": SWAP_SHARES, "offload": ("none", "optim", "params")}
-"""SpaceLimits fields that let the search use host memory: `replace(limits, **HIERARCHY)`."""
+HIERARCHY = {"swap": SWAP_SHARES, "offload": ("none", "optim", "params", "nvme")}
+"""SpaceLimits fields that let the search use the memory below the device, `replace(limits, **HIERARCHY)`: the
+node's host memory and, on nodes that have it, its NVMe (ZeRO-Infinity: the states and the shard in files)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -101,7 +102,7 @@ def _block_strategies(block: Block, cluster: Cluster, devices: int, micro_batch:
                             if ep == 1 and etp == 0 or not strategy_problem(s, block, devices, micro_batch, seq_len):
                                 for modules in module_sets(block, rc, limits):
                                     out += below_device(s.model_copy(update={"recompute_modules": modules})
-                                                        if modules else s, limits)
+                                                        if modules else s, limits, cluster)
     return tuple(s for s in out if limits.allow(s)) if limits.allow else tuple(out)
 
 
@@ -119,10 +120,13 @@ def module_sets(block: Block, recompute: str, limits: SpaceLimits = SpaceLimits(
     return sets
 
 
-def below_device(s: Strategy, limits: SpaceLimits) -> list[Strategy]:
+def below_device(s: Strategy, limits: SpaceLimits, cluster: Cluster) -> list[Strategy]:
     """`s` with each swap share and offload choice the limits allow; offload only where each device steps
-    its own shard (ZeRO over the replicas, or one replica), not a copy every replica repeats."""
-    offloads = [o for o in limits.offload if o == "none" or s.zero >= 1 or s.dp * s.cp == 1]
+    its own shard (ZeRO over the replicas, or one replica), not a copy every replica repeats, and to NVMe
+    only on nodes that have it."""
+    nvme = cluster.host_side.nvme_bytes > 0
+    offloads = [o for o in limits.offload if (o == "none" or s.zero >= 1 or s.dp * s.cp == 1)
+                and (o != "nvme" or nvme)]
     return [s.model_copy(update={"swap": a, "offload": o}) if (a, o) != (0.0, "none") else s
             for o in offloads for a in limits.swap]
 
