@@ -702,6 +702,55 @@ def test_plan_points_to_the_hierarchy_and_pages_from_nvme() -> None:
     assert "offload=nvme" in table.stdout and "NVMe per node" in table.stdout
 
 
+SMALL_HOST = """name: two CPU ranks with little memory
+nodes: 1
+gpus_per_node: 2
+gpu: {name: CPU, peak_tflops: 0.05, memory_gib: 0.82, hbm_gbps: 10, sm_count: 1}
+intra: {bandwidth_gbps: 5, latency_us: 20}
+inter: {bandwidth_gbps: 5, latency_us: 20}
+host: {memory_gib: 0.1, link_gbps: 5, nvme_tb: 0.01, nvme_gbps: 1}
+"""
+"""Two ranks whose devices hold the CUDA-context stand-in and little more, on a node whose host memory holds
+the states of about one layer of `PAGED_MODEL`."""
+PAGED_MODEL = "llama:layers=4,hidden=512,heads=8,kv_heads=4,ffn=1536,vocab=512,max_seq_len=64"
+
+
+def test_searched_plan_pages_from_host_and_nvme_and_trains(tmp_path: Path) -> None:
+    """The search on a cluster of little device and host memory pages one layer from the host and the others
+    from NVMe; `plait train` runs that plan file on two ranks, reading and writing the NVMe state files, to the
+    losses of one process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from plait.cli import app
+    from plait.plan import load_plan
+
+    cluster, plan_file = tmp_path / "cluster.yaml", tmp_path / "plan.json"
+    cluster.write_text(SMALL_HOST)
+    planned = CliRunner().invoke(app, ["plan", "-m", PAGED_MODEL, "-c", str(cluster), "-s", "64", "-b", "4",
+                                       "--host-memory", "--out", str(plan_file)])
+    assert planned.exit_code == 0, planned.output
+    stage = load_plan(plan_file).pipelines[0].stages[0]
+    offloads = [stage.strategy(i).offload for i in range(*stage.layers)]
+    assert "params" in offloads and "nvme" in offloads, offloads
+    runs = {"plan": (["--plan", str(plan_file)], "2"), "one": (["--strategy", "dp=1,gbs=4"], "1")}
+    records = {}
+    for key, (how, nproc) in runs.items():
+        out = tmp_path / f"{key}.jsonl"
+        cmd = [sys.executable, "-m", "plait.cli", "train", "--model", PAGED_MODEL, *how, "--nproc", nproc,
+               "--steps", "2", "--seq-len", "64", "--metrics-out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records[key] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["loss"] for r in records["plan"]] == pytest.approx([r["loss"] for r in records["one"]], abs=1e-5)
+    assert all(r["offload"]["nvme_read"] > 0 and r["offload"]["nvme_written"] > 0 for r in records["plan"])
+
+
 def test_train_cli_swaps_and_offloads(tmp_path: Path) -> None:
     import json
     import os
