@@ -179,6 +179,21 @@ def test_page_in_chromium(chromium, plan_page, tmp_path) -> None:
     assert after["memory"] == 6 * len(alts[pick]["report"]["devices"])
 
 
+def test_memory_below_the_device_in_chromium(chromium, tmp_path) -> None:
+    """A plan paging states from host memory and NVMe (Llama-2 13B on one A100, `--host-memory`): the headline
+    shows host memory and NVMe per node as the `--json` report has them."""
+    page = tmp_path / "paged.html"
+    printed = json.loads(run("plan", "--model", "llama2-13b", "--cluster", "1x1xA100-80GB", "--seq-len", "2048",
+                             "--global-batch", "8", "--host-memory", "--json", "--report", str(page)))
+    cards = probe(chromium, page, tmp_path, """return Object.fromEntries([...document.querySelectorAll(
+      "#headline .card")].map(c => [c.dataset.key, [JSON.parse(c.dataset.value), c.textContent]]));""")
+    report = printed["report"]
+    assert report["host_memory_gib"] > 0 and report["nvme_gib"] > 0 and len(cards) == 8
+    assert cards["host_memory_gib"] == [report["host_memory_gib"], "host memory per node" +
+                                        f"{report['host_memory_gib']:.1f} of {report['host_capacity_gib']:.0f} GiB"]
+    assert cards["nvme_gib"][0] == report["nvme_gib"] and cards["fits"] == [True, "fitsyes"]
+
+
 @pytest.mark.parametrize("view", ["straggler", "varlen"])
 def test_straggler_and_varlen_views(chromium, view, tmp_path) -> None:
     """`plan --slow` and `varlen` pages: their result equals `--json`, and their view renders in Chromium."""
