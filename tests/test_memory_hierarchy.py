@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_workers
+from helpers import assert_bad_input, run_workers
 from plait.errors import PlaitError
 from plait.spec.cluster import GB, GIB, DGX_HOSTS, GPUS, load_cluster
 
@@ -681,7 +681,8 @@ def test_simulate_and_plan_show_swap_offload_and_host_memory() -> None:
 
 def test_plan_points_to_the_hierarchy_and_pages_from_nvme() -> None:
     """Llama-2 13B on one A100: without --host-memory nothing fits and the one-line error names the option;
-    with it the plan pages states from the node's NVMe (shown as NVMe per node)."""
+    with it the plan pages states from the node's NVMe (shown as NVMe per node); with --galvatron-expressible
+    it is refused in one line."""
     import json
 
     from typer.testing import CliRunner
@@ -700,6 +701,8 @@ def test_plan_points_to_the_hierarchy_and_pages_from_nvme() -> None:
     assert report["fits"] and 0 < report["nvme_gib"] <= report["nvme_capacity_gib"]
     table = runner.invoke(app, [*base, "--host-memory"])
     assert "offload=nvme" in table.stdout and "NVMe per node" in table.stdout
+    # Galvatron runs no offload: a search kept to what it can run refuses the option, not ignores it
+    assert_bad_input(runner.invoke(app, [*base, "--host-memory", "--galvatron-expressible"]), "--host-memory")
 
 
 SMALL_HOST = """name: two CPU ranks with little memory

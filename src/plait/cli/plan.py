@@ -113,7 +113,7 @@ def plan_cmd(
         seq = seq_len if seq_len is not None else m.max_seq_len
         _check_options(seq, global_batch, baseline, precision, expert_load)
         _check_galvatron(galvatron_expressible, galvatron_file is not None, galvatron_sp, baseline, bool(slow),
-                         lsh or recompute_modules, precision)
+                         lsh or recompute_modules or host_memory, precision)
         problem = _Problem(m, c, cal, seq, global_batch, precision, expert_load, lsh, recompute_modules,
                            galvatron_expressible, galvatron_sp)
         found = _find(problem, baseline, compare, bool(slow), host_memory, collected)
@@ -142,7 +142,7 @@ def _check_galvatron(expressible: bool, exported: bool, sequence_parallel: bool,
                          "with --galvatron-expressible")
     if expressible:
         for given, option in ((baseline is not None, "--baseline"), (slow, "--slow"),
-                              (beyond, "--lsh or --recompute-modules")):
+                              (beyond, "--lsh, --recompute-modules or --host-memory")):
             if given:
                 raise PlaitError(f"--galvatron-expressible restricts the search, which {option} goes beyond; "
                                  f"drop one of them")
@@ -264,7 +264,7 @@ def _nothing_fits(q: _Problem, closest: Candidate | None, host_memory: bool) -> 
     more = fewest_gpus(q.m, c, q.seq, q.global_batch)
     gpus = f"; {more} GPUs would fit (e.g. --cluster {more // c.gpus_per_node}x{c.gpus_per_node}x" \
         f"{c.gpu.name})" if more else ""
-    below = "" if host_memory else "; or add --host-memory to page states from host memory and NVMe"
+    below = "" if host_memory else "; or add --host-memory to use host memory and NVMe"
     return PlaitError(f"nothing fits in {c.gpu.memory_bytes / GIB:.1f} GiB per device: {need}{gpus}{below}; "
                       "or lower --global-batch / --seq-len")
 
