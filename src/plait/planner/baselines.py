@@ -40,6 +40,10 @@ class Candidate:
         return (True, self.report.peak_memory_gib)
 
 
+Judge = Callable[[Plan, float], "Candidate | None"]
+"""Simulates a plan, or returns None when it fits and cannot take less than the given seconds."""
+
+
 def micro_batch_sizes(global_batch: int, dp: int, limit: int = 64) -> list[int]:
     """Micro-batch sizes (sequences per replica) that split the global batch evenly over dp replicas."""
     if global_batch % dp:

@@ -32,7 +32,7 @@ from plait.errors import PlaitError
 from plait.layout import Layout
 from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_plan
 from plait.planner.background import Background, spare_core
-from plait.planner.baselines import Candidate, run_baseline
+from plait.planner.baselines import Candidate, Judge, run_baseline
 from plait.planner.host_fill import fill_host
 from plait.planner.layerwise import solve_layers_pareto
 from plait.planner.space import SpaceLimits, block_strategies, divisors, pareto_front
@@ -398,10 +398,6 @@ def _retry_budget(cfg: _Config, device: int, budget: float, layers: list[int], s
         return budget
     return min(budget - OVERFLOW_MARGIN * over - FIT_MARGIN * capacity,
                _stage_bytes(cfg, device, layers, strategies) - BUDGET_GRAIN)
-
-
-Judge = Callable[[Plan, float], Candidate | None]
-"""Simulates a plan, or returns None when it fits and cannot take less than the given seconds."""
 
 
 def _fit(cfg: _Config, capacity: float, counts: list[int], judge: Judge, bar: float = math.inf

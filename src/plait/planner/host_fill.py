@@ -11,12 +11,8 @@ the host, found by bisection, each try priced as the search prices any plan.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from plait.plan import Plan
-from plait.planner.baselines import Candidate
-
-Judge = Callable[[Plan, float], Candidate | None]
+from plait.planner.baselines import Candidate, Judge
 
 
 def with_params(plan: Plan, stage: int, layers: list[int]) -> Plan:
