@@ -3,6 +3,7 @@ optimizer offload (cost model, plans, search, runtime)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
@@ -248,6 +249,8 @@ def test_search_pages_from_nvme_what_host_memory_cannot_hold() -> None:
     assert "nvme" in offloads and "params" in offloads
     assert 0 < deep.report.nvme_gib <= deep.report.nvme_capacity_gib
     assert deep.report.host_memory_gib <= deep.report.host_capacity_gib
+    (device,) = deep.report.to_dict()["devices"]  # one GPU a node: the node's NVMe is the device's
+    assert device["nvme_gib_per_device"] == pytest.approx(deep.report.nvme_gib)
     one_more = with_params(deep.plan, 0, [offloads.index("nvme") + stage.layers[0]])
     assert not simulate(one_more, model, c).fits  # the host is full
     all_nvme = deep.plan.model_copy(update={"pipelines": (deep.plan.pipelines[0].model_copy(update={"stages": (
@@ -701,6 +704,7 @@ def test_plan_points_to_the_hierarchy_and_pages_from_nvme() -> None:
     assert report["fits"] and 0 < report["nvme_gib"] <= report["nvme_capacity_gib"]
     table = runner.invoke(app, [*base, "--host-memory"])
     assert "offload=nvme" in table.stdout and "NVMe per node" in table.stdout
+    assert re.search(r"reserve\s+total\s+host\s+nvme", table.stdout)  # the memory table's NVMe column
     # Galvatron runs no offload: a search kept to what it can run refuses the option, not ignores it
     assert_bad_input(runner.invoke(app, [*base, "--host-memory", "--galvatron-expressible"]), "--host-memory")
 

@@ -84,6 +84,7 @@ class DeviceGroup:
     end_s: float  # when this group finishes the iteration
     parts: dict[str, float]  # breakdown of end_s
     host_bytes: float = 0.0  # host memory one device of the group uses (offloaded states, swapped activations)
+    nvme_bytes: float = 0.0  # NVMe one device of the group uses (states under offload="nvme")
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ class Report:
                 {"pipeline": d.pipeline, "stage": d.index, "ranks": [d.ranks[0], d.ranks[-1]],
                  "layers": [list(r) for r in d.layers], "end_s": d.end_s,
                  "memory_gib": {k: v / GIB for k, v in d.memory.as_dict().items()} | {"total": d.memory.total / GIB},
-                 "host_gib_per_device": d.host_bytes / GIB}
+                 "host_gib_per_device": d.host_bytes / GIB, "nvme_gib_per_device": d.nvme_bytes / GIB}
                 for d in self.devices
             ],
         }
@@ -653,7 +654,7 @@ def finish(priced: PricedPlan, record: bool = False, detail: bool = True) -> Rep
             end = ends + exposed + gather_t + optimizer
             layers = tuple(pipe.stages[j].layers for j in range(d, len(costs), pp))
             groups.append(DeviceGroup(pi, d, stage.ranks, layers, priced.memory[pi][d], end, parts,
-                                      priced.host[pi][d]))
+                                      priced.host[pi][d], priced.nvme[pi][d]))
     by_kind = _by_kind(plan, all_costs[0], model)
     critical = max(groups, key=lambda g: g.end_s)
     iteration = critical.end_s

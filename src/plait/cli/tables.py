@@ -84,8 +84,9 @@ def _print_memory(report: Report, plan: Plan, cluster: Cluster) -> None:
     name, size = unit(max(d.memory.total for d in report.devices))
     mem = Table(title=f"memory per device ({name})", box=box.SIMPLE_HEAD)
     multi = len(plan.pipelines) > 1
+    nvme = any(d.nvme_bytes for d in report.devices)  # below the device: host memory, and NVMe where used
     for col in ("pipe",) * multi + ("stage", "ranks", "layers", "weights", "grads", "optim", "activ", "buf",
-                                    "reserve", "total", "host"):
+                                    "reserve", "total", "host") + ("nvme",) * nvme:
         mem.add_column(col, justify="right", no_wrap=True)
     for d in report.devices[:16]:
         t = d.memory
@@ -93,7 +94,8 @@ def _print_memory(report: Report, plan: Plan, cluster: Cluster) -> None:
         mem.add_row(*(str(d.pipeline),) * multi, str(d.index), ranks_text(d.ranks),
                     ",".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in d.layers),
                     *(f"{v / size:.1f}" for v in (t.weights, t.gradients, t.optimizer, t.activations, t.buffers,
-                                                  t.reserve)), total, f"{d.host_bytes / size:.1f}")
+                                                  t.reserve)), total, f"{d.host_bytes / size:.1f}",
+                    *(f"{d.nvme_bytes / size:.1f}",) * nvme)
     if len(report.devices) > 16:
         mem.caption = f"first 16 of {len(report.devices)} device groups"
     out.print(mem)
