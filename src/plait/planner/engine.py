@@ -140,10 +140,7 @@ class _Config:
         self.block_index = {b: i for i, b in enumerate(self.blocks)}
         self.kind_of_layer = tuple(self.block_index[b] for b in model.stack)
         self._contexts: dict[Degrees, BlockContext] = {}
-        self.priced: list[list[_Priced]] = [
-            [p for s in block_strategies(b, cluster, self.n, self.mb, seq_len, limits)
-             if self._host_fits(p := self._price(b, s))]
-            for b in self.blocks]
+        self.priced: list[list[_Priced]] = [self._pool(b, limits) for b in self.blocks]
         self.stage_group = GroupShape.of(tuple(range(self.n)), cluster.gpus_per_node)
         self.hidden_bytes = carried_bytes(model.layers - 1, self.mb, self._context(Strategy()))  # one micro-batch
         self._relayouts: dict[tuple[Layout, Layout], float] = {}
@@ -178,6 +175,20 @@ class _Config:
         c = price(block, s, self._context(s))
         return _Priced(s, c.micro_batch_s, c.exposed_sync(self.cal.overlap_efficiency), c.states, c.activation,
                        c.working, c.host + c.swapped * max(self.in_flight) / self.chunks, c.nvme)
+
+    def _pool(self, block: Block, limits: SpaceLimits) -> list[_Priced]:
+        """`block`'s strategies, priced, that fit the host budget; paging from NVMe only where paging the same
+        layout from host memory does not fit (NVMe is slower, with the same device memory)."""
+        pool: list[_Priced] = []
+        hosted: set[Strategy] = set()  # host-paged strategies that fit: their NVMe twins are not priced
+        for s in block_strategies(block, self.cluster, self.n, self.mb, self.seq_len, limits):
+            if s.offload == "nvme" and s.model_copy(update={"offload": "params"}) in hosted:
+                continue
+            if self._host_fits(p := self._price(block, s)):
+                pool.append(p)
+                if s.offload == "params":
+                    hosted.add(s)
+        return pool
 
     def _host_fits(self, p: _Priced) -> bool:
         """Whether a node's host memory holds `p`'s host bytes for the most layers a device may get (its
