@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Literal, get_args
@@ -215,6 +215,12 @@ class Strategy(BaseModel):
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
         return " ".join(parts)
+
+
+def stage_strategies(per_layer: Sequence[Strategy]) -> tuple[Strategy, ...]:
+    """A stage's `strategies` from one strategy per layer: one for all when every layer has the same."""
+    strategies = tuple(per_layer)
+    return strategies[:1] if len(set(strategies)) == 1 else strategies
 
 
 class Stage(BaseModel):

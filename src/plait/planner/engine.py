@@ -30,7 +30,7 @@ from plait.cost.precision import PRECISIONS
 from plait.cost.price import LayerCost, carried_bytes, price, price_edge, relayout_time, usable_memory
 from plait.errors import PlaitError
 from plait.layout import Layout
-from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, validate_plan
+from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, stage_strategies, validate_plan
 from plait.planner.background import Background, spare_core
 from plait.planner.baselines import Candidate, Judge, run_baseline
 from plait.planner.host_fill import fill_host
@@ -338,9 +338,7 @@ class _Config:
             for d in range(self.pp):
                 n_layers = per_chunk[d][chunk]
                 offset = sum(per_chunk[d][:chunk])
-                strategies = tuple(choices[d][offset: offset + n_layers])
-                if len(set(strategies)) == 1:
-                    strategies = strategies[:1]
+                strategies = stage_strategies(choices[d][offset: offset + n_layers])
                 ranks = tuple(range(d * self.n, (d + 1) * self.n))
                 stages.append(Stage(layers=(start, start + n_layers), ranks=ranks, strategies=strategies))
                 start += n_layers

@@ -11,7 +11,7 @@ the host, found by bisection, each try priced as the search prices any plan.
 
 from __future__ import annotations
 
-from plait.plan import Plan
+from plait.plan import Plan, stage_strategies
 from plait.planner.baselines import Candidate, Judge
 
 
@@ -21,10 +21,8 @@ def with_params(plan: Plan, stage: int, layers: list[int]) -> Plan:
     pipe = plan.pipelines[0]
     st = pipe.stages[stage]
     moved = set(layers)
-    strategies = tuple(st.strategy(i).model_copy(update={"offload": "params"}) if i in moved else st.strategy(i)
-                       for i in range(*st.layers))
-    if len(set(strategies)) == 1:
-        strategies = strategies[:1]
+    strategies = stage_strategies([st.strategy(i).model_copy(update={"offload": "params"}) if i in moved
+                                   else st.strategy(i) for i in range(*st.layers)])
     stages = (*pipe.stages[:stage], st.model_copy(update={"strategies": strategies}), *pipe.stages[stage + 1:])
     return plan.model_copy(update={"pipelines": (pipe.model_copy(update={"stages": stages}),)})
 

@@ -2,8 +2,9 @@
 
 `measure_collectives` launches one torchrun job of `plait.profile.collectives_worker` through plait's launcher
 (`plait.runtime.launch`: CPU ranks fork from a server that imported the runtime once), follows its progress
-lines, reads the samples rank 0 wrote, and fits seconds = latency + bytes / bandwidth per (op, group size) with `fit_curve`. Every failure of the job,
-including a hang, ends in a one-line `PlaitError`. Units: seconds, bytes, bytes/s.
+lines, reads the samples rank 0 wrote, and fits seconds = latency + bytes / bandwidth per (op, group size)
+with `fit_curve`. Every failure of the job, including a hang, ends in a one-line `PlaitError`. Units: seconds,
+bytes, bytes/s.
 
 This module does not import torch: the ranks do.
 """
