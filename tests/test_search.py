@@ -282,7 +282,7 @@ def test_stage_dp_packs_its_budget_in_bytes() -> None:
     least, most = memory[0].min() * model.layers, memory[0].max() * model.layers
     for fraction in np.linspace(0.005, 0.05, 7):
         budget = least + fraction * (most - least)
-        stage_time, picked = cfg._solve({0: pool}, (0,) * model.layers, budget, act_mult)
+        stage_time, picked = cfg._solve(0, {0: pool}, (0,) * model.layers, budget, act_mult)
         assert sum(bytes_of[s] for s in picked) <= budget
         exact = solve_layers_pareto(times, memory, trans, 0.99 * budget)
         assert exact is not None and stage_time <= exact.time * (1 + 1e-12)

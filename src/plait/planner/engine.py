@@ -13,6 +13,7 @@ layout (grid search) is a candidate too, so the result is never worse than it.
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -25,6 +26,7 @@ import numpy as np
 from plait.cost.calibration import Calibration, calibration_for
 from plait.cost.comm import GroupShape
 from plait.cost.layer import BlockContext
+from plait.cost.offload import host_optimizer_time
 from plait.cost.pipeline import StageTimes, simulate_pipeline
 from plait.cost.precision import PRECISIONS
 from plait.cost.price import LayerCost, carried_bytes, price, price_edge, relayout_time, usable_memory
@@ -33,6 +35,7 @@ from plait.layout import Layout
 from plait.plan import Pipeline, Plan, Stage, Strategy, split_layers, stage_strategies, validate_plan
 from plait.planner.background import Background, spare_core
 from plait.planner.baselines import Candidate, Judge, run_baseline
+from plait.planner.host_budget import within_host
 from plait.planner.host_fill import fill_host
 from plait.planner.layerwise import solve_layers_pareto
 from plait.planner.space import SpaceLimits, block_strategies, divisors, pareto_front
@@ -47,6 +50,9 @@ DP_SLACK = 0.01
 """Fraction of a stage's memory budget the layer DP may leave unused to bound its work: the strategies it
 picks are at least as fast as the exact optimum under (1 - DP_SLACK) of the budget, and their summed bytes
 never exceed the budget."""
+HOST_PROBE_SLACK = 0.2
+"""DP_SLACK of the layer DPs that search the price of host memory (`planner.host_budget`): coarser, since the
+stage is solved again at the price found with DP_SLACK."""
 BOUND_SLACK = 0.05
 """Share of the pooled memory budget the configuration bound's knapsack may merge away (it is solved on the
 budget enlarged by that share, so it stays a bound): coarser than DP_SLACK, since it only orders and skips."""
@@ -146,6 +152,9 @@ class _Config:
         self._relayouts: dict[tuple[Layout, Layout], float] = {}
         self.uniform = False  # True: one strategy per stage (what the runtime executes today)
         self._solved: dict[tuple, tuple[float, list[Strategy]] | None] = {}
+        self._host_price: dict[int, float] = {}  # device group -> seconds per host byte its last priced stage
+        # fitted at
+        self._fronts: dict[tuple[int, int, float], list[_Priced]] = {}  # see _undominated
 
     @property
     def any_priced(self) -> bool:
@@ -172,33 +181,41 @@ class _Config:
         return ctx
 
     def _price(self, block: Block, s: Strategy) -> _Priced:
+        """`block` under `s`; an offloaded layer's share of the host CPU's optimizer step counts with its
+        gradient synchronisation (the simulator runs that step beside the device's, over all such layers)."""
         c = price(block, s, self._context(s))
-        return _Priced(s, c.micro_batch_s, c.exposed_sync(self.cal.overlap_efficiency), c.states, c.activation,
-                       c.working, c.host + c.swapped * max(self.in_flight) / self.chunks, c.nvme)
+        host_step = host_optimizer_time(c.updated, self.cluster, c.nvme) if s.offload != "none" else 0.0
+        return _Priced(s, c.micro_batch_s, c.exposed_sync(self.cal.overlap_efficiency) + host_step, c.states,
+                       c.activation, c.working, c.host + c.swapped * max(self.in_flight) / self.chunks, c.nvme)
 
     def _pool(self, block: Block, limits: SpaceLimits) -> list[_Priced]:
-        """`block`'s strategies, priced, that fit the host budget; paging from NVMe only where paging the same
-        layout from host memory does not fit (NVMe is slower, with the same device memory)."""
+        """`block`'s strategies, priced, whose host and NVMe bytes a node can hold (host memory: for one layer
+        a device; the stage's layers share it in `_solve`); paging from NVMe only where paging the same layout
+        from host memory fits every layer a device may get (NVMe is slower, with the same device memory)."""
         pool: list[_Priced] = []
-        hosted: set[Strategy] = set()  # host-paged strategies that fit: their NVMe twins are not priced
+        hosted: set[Strategy] = set()  # host-paged strategies every layer can take: NVMe twins not priced
         for s in block_strategies(block, self.cluster, self.n, self.mb, self.seq_len, limits):
             if s.offload == "nvme" and s.model_copy(update={"offload": "params"}) in hosted:
                 continue
-            if self._host_fits(p := self._price(block, s)):
+            if self._host_fits(p := self._price(block, s), 1):
                 pool.append(p)
-                if s.offload == "params":
+                if s.offload == "params" and self._host_fits(p, self._most_layers):
                     hosted.add(s)
         return pool
 
-    def _host_fits(self, p: _Priced) -> bool:
-        """Whether a node's host memory holds `p`'s host bytes for the most layers a device may get (its
-        even share plus one) on every device of the node: the search's host budget (the simulator
-        checks the assembled plan's own)."""
+    @property
+    def _most_layers(self) -> int:
+        """The most layers a device may get: its even share plus one."""
+        return -(-self.model.layers // self.pp) + 1
+
+    def _host_fits(self, p: _Priced, layers: int) -> bool:
+        """Whether a node's host memory holds `p`'s host bytes for `layers` layers on every device of the node,
+        and its NVMe the NVMe bytes of the most layers a device may get (the simulator checks the assembled
+        plan's own)."""
         if p.host == 0 and p.nvme == 0:
             return True
-        per_node = (-(-self.model.layers // self.pp) + 1) * self.cluster.gpus_per_node
-        side = self.cluster.host_side
-        return per_node * p.host <= side.memory_bytes and per_node * p.nvme <= side.nvme_bytes
+        side, gpn = self.cluster.host_side, self.cluster.gpus_per_node
+        return layers * gpn * p.host <= side.memory_bytes and self._most_layers * gpn * p.nvme <= side.nvme_bytes
 
     def lower_bound_s(self) -> float:
         """Seconds every plan of this configuration takes at least: its layers at their fastest strategies
@@ -230,6 +247,24 @@ class _Config:
         sol = solve_layers_pareto(seconds, nbytes, free, pooled / (1 - BOUND_SLACK), slack=BOUND_SLACK) \
             if pooled > 0 else None
         return math.inf if sol is None else max(self._pipelined(sol.time), self.lower_bound_s())
+
+    def host_holds(self, capacity: float) -> bool:
+        """Whether the least host memory its layers can take while fitting the device groups' budgets pooled
+        (a relaxation, as in `fitting_bound_s`) is within the devices' shares of host memory pooled: where it
+        is not, no plan of this configuration fits the host."""
+        if not any(p.host for pool in self.priced for p in pool):
+            return True
+        multiple = min(_activation_multiple(self, d) for d in range(self.pp))
+        pooled = sum(self.budget(d, capacity) for d in range(self.pp))
+        pools = dict(enumerate(self.priced))
+        costs = {k: [(p.host, _block_bytes(p, multiple)) for p in pool] for k, pool in pools.items()}
+        strategies, host, nbytes = _cost_rows(pools, costs, {k: range(len(c)) for k, c in costs.items()},
+                                              self.kind_of_layer)
+        free = np.zeros((len(strategies), len(strategies)))
+        sol = solve_layers_pareto(host, nbytes, free, pooled / (1 - BOUND_SLACK), slack=BOUND_SLACK) \
+            if pooled > 0 else None
+        return sol is not None and sol.time <= self.pp * self.cluster.host_side.memory_bytes / \
+            self.cluster.gpus_per_node
 
     @property
     def _bounded(self) -> bool:
@@ -302,32 +337,93 @@ class _Config:
             # (recompute modules keep no transient of note: they are with the plain strategies)
             plain = {k: [p for p in pool if p.strategy.recompute == "none"] for k, pool in pools.items()}
             for pool, room in ((plain, budget), (pools, budget + logits - max(working, logits))):
-                sol = self._solve(pool, kinds, room, act_mult)
+                sol = self._solve(device, pool, kinds, room, act_mult)
                 if sol is not None and (result is None or sol[0] < result[0]):
                     result = sol
         self._solved[key] = result
         return result
 
-    def _solve(self, pools: dict[int, list[_Priced]], kinds: tuple[int, ...], budget: float, act_mult: float
-               ) -> tuple[float, list[Strategy]] | None:
-        """The layer DP over the layers `kinds` (each layer's kind index), each kind choosing among its
-        strategies on its time/memory Pareto front, within `budget` bytes."""
+    def _solve(self, device: int, pools: dict[int, list[_Priced]], kinds: tuple[int, ...], budget: float,
+               act_mult: float) -> tuple[float, list[Strategy]] | None:
+        """The layer DP over the layers `kinds` (each layer's kind index) of device group `device`, each kind
+        choosing among its strategies on its time/memory Pareto front, within `budget` bytes of device memory
+        and the device's share of its node's host memory (`planner.host_budget`)."""
         if budget <= 0 or any(not pools[k] for k in set(kinds)):
             return None
-        costs = {k: [(p.mb_time * self.m + p.sync, _block_bytes(p, act_mult)) for p in pool]
-                 for k, pool in pools.items()}
+        if not any(p.host for pool in pools.values() for p in pool):
+            return self._solve_at(pools, kinds, budget, act_mult, 0.0)
+        pools = {k: self._undominated(k, pool, act_mult) for k, pool in pools.items()}
+        hosts = {(k, p.strategy): p.host for k, pool in pools.items() for p in pool}
+        side, gpn = self.cluster.host_side, self.cluster.gpus_per_node
+
+        def host_bytes(strategies: list[Strategy]) -> float:
+            edges = self._edge_host("embedding", strategies[0]) if device == 0 else 0.0
+            if device == self.pp - 1:
+                edges += self._edge_host("head", strategies[-1])
+            return edges + sum(hosts[k, s] for k, s in zip(kinds, strategies, strict=True))
+
+        price = self._host_price.get(device) or max(p.mb_time * self.m + p.sync for pool in pools.values()
+                                                    for p in pool) / max(hosts.values())
+        # (the price its last priced stage fitted at, or one at which a layer's host bytes cost a slow layer)
+        solve = partial(self._solve_at, pools, kinds, budget, act_mult)
+        share = side.memory_bytes / gpn
+        found = within_host(solve, partial(solve, slack=HOST_PROBE_SLACK, relayouts=False), host_bytes, share,
+                            price)
+        if found is None or not found[1]:
+            return None if found is None else found[0]
+        self._host_price[device] = found[1]
+        fine = solve(found[1], relayouts=False)  # the price found, at the layer DP's own slack
+        return fine if fine is not None and host_bytes(fine[1]) <= share and fine[0] < found[0][0] else found[0]
+
+    def _undominated(self, kind: int, pool: list[_Priced], act_mult: float) -> list[_Priced]:
+        """The strategies of `pool` (of layer kind `kind`) that no other beats on seconds a step, device bytes
+        and host bytes at once: whatever a host byte costs, the layer DP's front is among them."""
+        key = (kind, len(pool), act_mult)
+        if key not in self._fronts:
+            cost = np.array([(p.mb_time * self.m + p.sync, _block_bytes(p, act_mult), p.host) for p in pool])
+            order = np.lexsort((cost[:, 2], cost[:, 1], cost[:, 0]))
+            kept: list[int] = []
+            for i in order:  # a point is dominated only by one sorted before it
+                if not kept or not np.any(np.all(cost[kept] <= cost[i], axis=1)):
+                    kept.append(int(i))
+            self._fronts[key] = [pool[i] for i in sorted(kept)]
+        return self._fronts[key]
+
+    def _edge_host(self, edge: str, s: Strategy) -> float:
+        """Host bytes of the embedding or the head on a device when its stage's edge layer takes `s`."""
+        return price_edge(edge, s, self._context(s), edge == "head" and self.pp > 1).host  # type: ignore[arg-type]
+
+    def _solve_at(self, pools: dict[int, list[_Priced]], kinds: tuple[int, ...], budget: float, act_mult: float,
+                  per_host_byte: float, slack: float = DP_SLACK, relayouts: bool = True
+                  ) -> tuple[float, list[Strategy]] | None:
+        """The layer DP with each host byte priced at `per_host_byte` seconds: the stage's seconds (without that
+        price) and its strategies, or None when nothing fits `budget` bytes (`slack`: see DP_SLACK; without
+        `relayouts`, the DP switches layouts for free: faster, and its answer's seconds count the switches it
+        makes)."""
+        costs = {k: [(p.mb_time * self.m + p.sync + per_host_byte * p.host, _block_bytes(p, act_mult))
+                      for p in pool] for k, pool in pools.items()}
         strategies, times, mems = _cost_rows(pools, costs, {k: pareto_front(c) for k, c in costs.items()}, kinds)
         if self.uniform:  # switching strategy inside a stage is forbidden
             trans = np.array([[0.0 if a == b else np.inf for b in strategies] for a in strategies])
+        elif not relayouts:
+            trans = np.zeros((len(strategies), len(strategies)))
         else:  # priced once per pair of distinct layouts
             index: dict[Layout, int] = {}
             of = np.array([index.setdefault(Layout.of(s), len(index)) for s in strategies])
             distinct = list(index)
             trans = np.array([[self.relayout(a, b) for b in distinct] for a in distinct])[of][:, of]
-        sol = solve_layers_pareto(times, mems, trans, budget, slack=DP_SLACK)
+        sol = solve_layers_pareto(times, mems, trans, budget, slack=slack)
         if sol is None:
             return None
-        return sol.time, [strategies[i] for i in sol.choice]
+        chosen = [strategies[i] for i in sol.choice]
+        seconds = sol.time
+        if per_host_byte:
+            hosts = {(k, p.strategy): p.host for k, pool in pools.items() for p in pool}
+            seconds -= per_host_byte * sum(hosts[k, s] for k, s in zip(kinds, chosen, strict=True))
+        if not relayouts:
+            seconds += sum(self.relayout(Layout.of(a), Layout.of(b)) for a, b in itertools.pairwise(chosen)
+                           if Layout.of(a) != Layout.of(b))
+        return seconds, chosen
 
     def assemble(self, counts: list[int], choices: list[list[Strategy]]) -> Plan:
         """A Plan from layers per device group and their strategies (chunks interleaved in model order)."""
@@ -625,7 +721,8 @@ def _layerwise(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: i
     for done, i in enumerate(sorted(range(len(cfgs)), key=lambda i: (bounds[i], i)), start=1):
         cfg = cfgs[i]
         if best is None or not best[2].report.fits or bounds[i] <= best[2].report.iteration_time_s:
-            cand = _partition_search(cfg, capacity, judge) if cfg.any_priced else None
+            cand = _partition_search(cfg, capacity, judge) if cfg.any_priced and cfg.host_holds(capacity) \
+                else None
             if cand is not None:  # NVMe layers that the nodes' host memory can take after all
                 cand = fill_host(cand, judge)
             if cand is not None and _allowed(cand.plan, restrict) and \

@@ -1,12 +1,12 @@
 """Moving layers paged from NVMe to host memory, as far as the nodes' host memory holds them.
 
-The layer search keeps a strategy only if every layer a device may get could take it within the node's host
-memory (`planner.engine._Config._host_fits`), so a stage that could hold some of its layers' states on the
-host, but not all, gets `offload=nvme` for them all. `offload=params` keeps the device's memory the same
-(both page the shard in), is never slower (the host link, not the device's share of the NVMe, and no file
-reads and writes beside the CPU's step) and only adds host bytes: so, stage by stage, the most of its NVMe
-layers that the assembled plan still fits with (its host memory per node as the simulator counts it) move to
-the host, found by bisection, each try priced as the search prices any plan.
+The layer search shares each device's part of its node's host memory among its stage's layers by pricing host
+bytes (`planner.host_budget`), which reaches only the answers on the lower convex hull of (host bytes, seconds):
+a stage may leave host memory free that some of its NVMe layers could use. `offload=params` keeps the device's
+memory the same as `offload=nvme` (both page the shard in), is never slower (the host link, not the device's
+share of the NVMe, and no file reads and writes beside the CPU's step) and only adds host bytes: so, stage by
+stage, the most of its NVMe layers that the assembled plan still fits with (its host memory per node as the
+simulator counts it) move to the host, found by bisection, each try priced as the search prices any plan.
 """
 
 from __future__ import annotations
