@@ -233,38 +233,37 @@ class _Config:
         """`lower_bound_s` with each layer's strategy chosen to fit memory: the least summed seconds per
         micro-batch of strategies whose bytes (at the smallest activation multiple of any device) fit the
         device groups' budgets pooled, a relaxation of what every stage's layer DP must fit (never below
-        `lower_bound_s`). The pooled problem is solved with BOUND_SLACK on the budget enlarged by that
-        share, so its answer is at most the exact optimum under the pooled budget."""
+        `lower_bound_s`)."""
         if not self._bounded:
             return 0.0
-        multiple = min(_activation_multiple(self, d) for d in range(self.pp))
-        pooled = sum(self.budget(d, capacity) for d in range(self.pp))
-        pools = dict(enumerate(self.priced))
-        costs = {k: [(p.mb_time, _block_bytes(p, multiple)) for p in pool] for k, pool in pools.items()}
-        strategies, seconds, nbytes = _cost_rows(pools, costs, {k: range(len(c)) for k, c in costs.items()},
-                                                 self.kind_of_layer)
-        free = np.zeros((len(strategies), len(strategies)))
-        sol = solve_layers_pareto(seconds, nbytes, free, pooled / (1 - BOUND_SLACK), slack=BOUND_SLACK) \
-            if pooled > 0 else None
-        return math.inf if sol is None else max(self._pipelined(sol.time), self.lower_bound_s())
+        least = self._pooled_least(capacity, lambda p: p.mb_time)
+        return math.inf if least is None else max(self._pipelined(least), self.lower_bound_s())
 
     def host_holds(self, capacity: float) -> bool:
         """Whether the least host memory its layers can take while fitting the device groups' budgets pooled
-        (a relaxation, as in `fitting_bound_s`) is within the devices' shares of host memory pooled: where it
+        (the relaxation of `fitting_bound_s`) is within the devices' shares of host memory pooled: where it
         is not, no plan of this configuration fits the host."""
         if not any(p.host for pool in self.priced for p in pool):
             return True
+        least = self._pooled_least(capacity, lambda p: p.host)
+        side = self.cluster.host_side
+        return least is not None and least <= self.pp * side.memory_bytes / self.cluster.gpus_per_node
+
+    def _pooled_least(self, capacity: float, value: Callable[[_Priced], float]) -> float | None:
+        """The least summed `value` of the layers' strategies whose bytes (at the smallest activation multiple
+        of any device) fit the device groups' budgets pooled; None when none fit. Solved with BOUND_SLACK on
+        the budget enlarged by that share, so the answer is at most the exact least under the pooled budget."""
         multiple = min(_activation_multiple(self, d) for d in range(self.pp))
         pooled = sum(self.budget(d, capacity) for d in range(self.pp))
+        if pooled <= 0:
+            return None
         pools = dict(enumerate(self.priced))
-        costs = {k: [(p.host, _block_bytes(p, multiple)) for p in pool] for k, pool in pools.items()}
-        strategies, host, nbytes = _cost_rows(pools, costs, {k: range(len(c)) for k, c in costs.items()},
-                                              self.kind_of_layer)
+        costs = {k: [(value(p), _block_bytes(p, multiple)) for p in pool] for k, pool in pools.items()}
+        strategies, values, nbytes = _cost_rows(pools, costs, {k: range(len(c)) for k, c in costs.items()},
+                                                self.kind_of_layer)
         free = np.zeros((len(strategies), len(strategies)))
-        sol = solve_layers_pareto(host, nbytes, free, pooled / (1 - BOUND_SLACK), slack=BOUND_SLACK) \
-            if pooled > 0 else None
-        return sol is not None and sol.time <= self.pp * self.cluster.host_side.memory_bytes / \
-            self.cluster.gpus_per_node
+        sol = solve_layers_pareto(values, nbytes, free, pooled / (1 - BOUND_SLACK), slack=BOUND_SLACK)
+        return None if sol is None else sol.time
 
     @property
     def _bounded(self) -> bool:
