@@ -772,8 +772,8 @@ PAGED_MODEL = "llama:layers=4,hidden=512,heads=8,kv_heads=4,ffn=1536,vocab=512,m
 
 
 def test_searched_plan_pages_from_host_and_nvme_and_trains(tmp_path: Path) -> None:
-    """The search on a cluster of little device and host memory pages one layer from the host and the others
-    from NVMe; `plait train` runs that plan file on two ranks, reading and writing the NVMe state files, to the
+    """The search on a cluster of little device and host memory pages some layers from the host and others from
+    NVMe; `plait train` runs that plan file on two ranks, reading and writing the NVMe state files, to the
     losses of one process."""
     import json
     import os
@@ -790,8 +790,7 @@ def test_searched_plan_pages_from_host_and_nvme_and_trains(tmp_path: Path) -> No
     planned = CliRunner().invoke(app, ["plan", "-m", PAGED_MODEL, "-c", str(cluster), "-s", "64", "-b", "4",
                                        "--host-memory", "--out", str(plan_file)])
     assert planned.exit_code == 0, planned.output
-    stage = load_plan(plan_file).pipelines[0].stages[0]
-    offloads = [stage.strategy(i).offload for i in range(*stage.layers)]
+    offloads = [st.strategy(i).offload for st in load_plan(plan_file).pipelines[0].stages for i in range(*st.layers)]
     assert "params" in offloads and "nvme" in offloads, offloads
     runs = {"plan": (["--plan", str(plan_file)], "2"), "one": (["--strategy", "dp=1,gbs=4"], "1")}
     records = {}

@@ -349,10 +349,11 @@ class _Config:
         and the device's share of its node's host memory (`planner.host_budget`)."""
         if budget <= 0 or any(not pools[k] for k in set(kinds)):
             return None
-        if not any(p.host for pool in pools.values() for p in pool):
-            return self._solve_at(pools, kinds, budget, act_mult, 0.0)
-        pools = {k: self._undominated(k, pool, act_mult) for k, pool in pools.items()}
+        if any(p.host for pool in pools.values() for p in pool):
+            pools = {k: self._undominated(k, pool, act_mult) for k, pool in pools.items()}
         hosts = {(k, p.strategy): p.host for k, pool in pools.items() for p in pool}
+        if not any(hosts.values()):
+            return self._solve_at(pools, kinds, budget, act_mult, 0.0)
         side, gpn = self.cluster.host_side, self.cluster.gpus_per_node
 
         def host_bytes(strategies: list[Strategy]) -> float:
@@ -361,9 +362,10 @@ class _Config:
                 edges += self._edge_host("head", strategies[-1])
             return edges + sum(hosts[k, s] for k, s in zip(kinds, strategies, strict=True))
 
-        price = self._host_price.get(device) or max(p.mb_time * self.m + p.sync for pool in pools.values()
-                                                    for p in pool) / max(hosts.values())
-        # (the price its last priced stage fitted at, or one at which a layer's host bytes cost a slow layer)
+        # the price to start from: the one this device's last priced stage fitted at, or one at which a layer's
+        # host bytes cost as much as the slowest layer
+        slowest = max(p.mb_time * self.m + p.sync for pool in pools.values() for p in pool)
+        price = self._host_price.get(device) or slowest / max(hosts.values())
         solve = partial(self._solve_at, pools, kinds, budget, act_mult)
         share = side.memory_bytes / gpn
         found = within_host(solve, partial(solve, slack=HOST_PROBE_SLACK, relayouts=False), host_bytes, share,
