@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from nvme_search import offloads
 from rich.console import Console
 from rich.table import Table
 
@@ -45,12 +46,9 @@ def main() -> None:
                     table.add_row(name, cluster_name, str(host), "yes" if nvme else "no", "nothing fits", "-",
                                   "-", f"{seconds:.1f}")
                     continue
-                kinds = [st.strategy(i).offload for st in result.plan.pipelines[0].stages
-                         for i in range(*st.layers)]
-                offloaded = ", ".join(f"{k} {kinds.count(k)}" for k in ("optim", "params", "nvme") if k in kinds)
                 table.add_row(name, cluster_name, str(host), "yes" if nvme else "no",
                               f"{result.report.iteration_time_s:.2f}", f"{result.report.host_memory_gib:.1f}",
-                              offloaded or "none", f"{seconds:.1f}")
+                              offloads(result), f"{seconds:.1f}")
     Console(width=160).print(table)
 
 

@@ -370,11 +370,14 @@ class _Config:
         share = side.memory_bytes / gpn
         found = within_host(solve, partial(solve, slack=HOST_PROBE_SLACK, relayouts=False), host_bytes, share,
                             price)
-        if found is None or not found[1]:
-            return None if found is None else found[0]
-        self._host_price[device] = found[1]
-        fine = solve(found[1], relayouts=False)  # the price found, at the layer DP's own slack
-        return fine if fine is not None and host_bytes(fine[1]) <= share and fine[0] < found[0][0] else found[0]
+        if found is None:
+            return None
+        answer, at = found
+        if not at:  # it fitted unpriced
+            return answer
+        self._host_price[device] = at
+        fine = solve(at, relayouts=False)  # the price found, at the layer DP's own slack
+        return fine if fine is not None and host_bytes(fine[1]) <= share and fine[0] < answer[0] else answer
 
     def _undominated(self, kind: int, pool: list[_Priced], act_mult: float) -> list[_Priced]:
         """The strategies of `pool` (of layer kind `kind`) that no other beats on seconds a step, device bytes
